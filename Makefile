@@ -1,0 +1,48 @@
+# One-command set-up: every target that needs Python depends on `setup`, which
+# creates .venv and installs the pinned stack (see ../shared/DESIGN.md).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+STAMP := $(VENV)/.dist_gluon-setup
+HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+	MAKEFLAGS=-j2
+PYTEST_ARGS ?=
+
+.PHONY: setup test demo lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py constraints.txt
+	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "==> installing mxnet, numpy, gluoncv and tools (pinned by constraints.txt)"
+	$(PIP) install -q --upgrade pip wheel setuptools
+	$(PIP) install -q -c constraints.txt numpy==1.23.5 mxnet==1.9.1
+	$(PIP) install -q -c constraints.txt -e '.[examples,test]'
+	@if $(PY) -c 'import horovod.mxnet' 2>/dev/null; then \
+		echo "==> horovod.mxnet already importable"; \
+	else \
+		echo "==> building horovod 0.28.1 with MXNet and Gloo (about 10 minutes the first time;"; \
+		echo "    pip's wheel cache makes later builds fast)"; \
+		$(HOROVOD_BUILD_ENV) $(PIP) install -c constraints.txt --no-build-isolation \
+			horovod==0.28.1 || exit 1; \
+	fi
+	$(PY) -c 'import mxnet, numpy, horovod.mxnet, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
+	@touch $(STAMP)
+	@echo "==> environment ready in $(VENV)"
+
+test: setup
+	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m dist_gluon.launch -n 2 --backend horovod -- $(PY) examples/demo.py
+
+lint: setup
+	$(PY) -m ruff check dist_gluon tests examples benchmarks
+
+bench: setup
+	$(PY) benchmarks/run.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,79 @@
+"""Communication backends behind one interface (:class:`Backend`).
+
+``create(name)`` builds one; with no name it reads the environment the launcher (or
+horovodrun, or MXNet's own ps-lite tools) left behind.
+"""
+from __future__ import annotations
+
+from mxnet.kvstore.base import KVStoreBase
+
+from .base import Backend
+from .horovod import Horovod, started_by_horovod
+from .local import Local
+from .pslite import P3, DistSync, started_by_pslite, uses_p3_van
+
+_BACKENDS = {"local": Local, "horovod": Horovod, "dist_sync": DistSync, "p3": P3}
+BACKEND_NAMES = tuple(_BACKENDS)
+# ps-lite can be started once per process, so each backend is created once and shared
+# by everything that asks for it (trainer, sampler, checkpointer, ...).
+_INSTANCES: dict[str, Backend] = {}
+
+
+def detect() -> str:
+    """The backend name the current process was started for."""
+    if started_by_horovod():
+        return "horovod"
+    if started_by_pslite():
+        return "p3" if uses_p3_van() else "dist_sync"
+    return "local"
+
+
+def create(name: str | None = None) -> Backend:
+    """Create a backend.
+
+    Parameters
+    ----------
+    name : {'local', 'horovod', 'dist_sync', 'p3'} or None
+        None chooses from the environment: started by horovodrun (or
+        ``dist_gluon.launch --backend horovod``) -> 'horovod'; a ps-lite worker
+        (``DMLC_ROLE=worker``) -> 'dist_sync', or 'p3' with the P3 van; otherwise 'local'.
+
+    Returns
+    -------
+    Backend
+        An ``mx.kv.KVStoreBase`` with rank, num_workers, broadcast, pushpull, ...
+        Each name is created once per process and then shared.
+    """
+    if name is None:
+        name = detect()
+    if isinstance(name, Backend):
+        return name
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; valid names are "
+                         + ", ".join(repr(n) for n in BACKEND_NAMES))
+    if key not in _INSTANCES:
+        _INSTANCES[key] = _BACKENDS[key]()
+    return _INSTANCES[key]
+
+
+def resolve(kv) -> Backend:
+    """``kv`` as a backend: None -> create(), a name -> create(name), a Backend as is."""
+    if kv is None or isinstance(kv, str):
+        return create(kv)
+    if isinstance(kv, Backend):
+        return kv
+    raise TypeError(f"kv must be None, a backend name or a dist_gluon backend, got "
+                    f"{type(kv).__name__}; MXNet's own KVStore objects are not supported, "
+                    f"pass the name instead (e.g. kv='dist_sync')")
+
+
+def register() -> None:
+    """Make ``mx.kv.create('horovod')`` return our backend. Assigned directly: MXNet's
+    register() would warn about replacing nothing, and MXNet's own names ('local',
+    'dist_sync', ...) must stay MXNet's."""
+    KVStoreBase.kv_registry["horovod"] = Horovod
+
+
+__all__ = ["Backend", "Local", "Horovod", "DistSync", "P3", "BACKEND_NAMES", "create",
+           "detect", "resolve", "register"]

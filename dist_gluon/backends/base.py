@@ -1,0 +1,257 @@
+"""The interface every communication backend implements.
+
+A backend is an ``mx.kv.KVStoreBase`` (MXNet RFC #16795), so a plain
+``gluon.Trainer(..., kvstore=backend, update_on_kvstore=False)`` can use it. Subclasses
+implement two in-place collectives on flat lists of NDArrays; everything else (key
+normalisation, lists of keys, several device copies per key, ``out`` handling, Python
+objects) is done once here.
+"""
+from __future__ import annotations
+
+import atexit
+import pickle
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+from mxnet.kvstore.base import KVStoreBase
+
+# Python objects travel as arrays of bytes; buffers are rounded up to a power of two so
+# that backends with fixed-shape keys (ps-lite) reuse a handful of keys.
+_MIN_OBJECT_BUFFER = 256
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _key_name(key) -> str:
+    if isinstance(key, (int, np.integer)):
+        return str(int(key))
+    if isinstance(key, str):
+        return key
+    raise TypeError(f"kvstore keys must be int or str, got {type(key).__name__}: {key!r}")
+
+
+class Backend(KVStoreBase):
+    """Base class of dist_gluon's communication backends.
+
+    Subclasses set ``_type`` and implement ``_allreduce_(names, arrays, priority)`` (sum in
+    place over workers) and ``_broadcast_(names, arrays, root_rank, priority)`` (overwrite
+    in place with ``root_rank``'s values). Both are only called when ``num_workers > 1``.
+    """
+
+    _type = "base"
+    # dtype that carries the bytes of pickled objects through the sum collectives
+    _byte_dtype = "uint8"
+
+    def __init__(self):
+        self._closed = False
+        atexit.register(self._atexit)
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def type(self) -> str:
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_workers(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def local_rank(self) -> int:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} type={self.type!r} rank={self.rank} "
+                f"num_workers={self.num_workers}>")
+
+    # ------------------------------------------------------------ tensor collectives
+    def broadcast(self, key, value, out, priority: int = 0) -> None:
+        """Broadcast ``value`` of rank 0 to ``out`` on every rank.
+
+        Parameters
+        ----------
+        key : int, str, or list of them
+        value : NDArray or list of NDArray
+            One array per key. Only rank 0's values matter; other ranks' values are
+            ignored.
+        out : NDArray, list of NDArray, or list of lists of NDArray
+            Where the result is written on every rank; several arrays per key are all
+            filled (one per device).
+        priority : int
+            Higher priorities are communicated first where the backend supports it.
+        """
+        self._broadcast_root(key, value, out, 0, priority)
+
+    def _broadcast_root(self, key, value, out, root_rank: int, priority: int) -> None:
+        names, values, outs = self._normalise(key, value, out, "broadcast")
+        targets = []
+        for vals, dsts in zip(values, outs):
+            if dsts[0] is not vals[0]:
+                vals[0].copyto(dsts[0])
+            targets.append(dsts[0])
+        if self.num_workers > 1:
+            self._broadcast_(names, targets, root_rank, priority)
+        for dsts in outs:
+            for extra in dsts[1:]:
+                dsts[0].copyto(extra)
+
+    def pushpull(self, key, value, out=None, priority: int = 0) -> None:
+        """Sum ``value`` over all workers and write the result to ``out``.
+
+        Parameters
+        ----------
+        key : int, str, or list of them
+        value : NDArray, list of NDArray, or list of lists of NDArray
+            Per key, one array or several copies (one per device) that are summed
+            locally first.
+        out : same structure as ``value``, optional
+            Where to write the sum. Without it the sum is written back into ``value``.
+        priority : int
+            Higher priorities are communicated first where the backend supports it.
+        """
+        names, values, outs = self._normalise(key, value, out, "pushpull")
+        targets = []
+        for vals, dsts in zip(values, outs):
+            target = dsts[0]
+            if len(vals) == 1:
+                if target is not vals[0]:
+                    vals[0].copyto(target)
+            else:
+                mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
+            targets.append(target)
+        if self.num_workers > 1:
+            self._allreduce_(names, targets, priority)
+        for dsts in outs:
+            for extra in dsts[1:]:
+                dsts[0].copyto(extra)
+
+    def _normalise(self, key, value, out, op: str):
+        keys = _as_list(key)
+        if isinstance(key, (list, tuple)):
+            values = _as_list(value)
+            outs = values if out is None else _as_list(out)
+        else:
+            values, outs = [value], [value if out is None else out]
+        if len(values) != len(keys) or len(outs) != len(keys):
+            raise ValueError(f"{op}: got {len(keys)} keys, {len(values)} values and "
+                             f"{len(outs)} outputs; pass one value and one output per key")
+        names = [_key_name(k) for k in keys]
+        values = [_as_list(v) for v in values]
+        outs = [_as_list(o) for o in outs]
+        for name, vals, dsts in zip(names, values, outs):
+            for arr in vals + dsts:
+                if not isinstance(arr, mx.nd.NDArray):
+                    raise TypeError(f"{op}: key {name!r} has a {type(arr).__name__}, "
+                                    f"expected an mxnet NDArray")
+                if arr.shape != vals[0].shape:
+                    raise ValueError(f"{op}: key {name!r} mixes shapes {vals[0].shape} "
+                                     f"and {arr.shape}")
+        return names, values, outs
+
+    def _allreduce_(self, names: list[str], arrays: list[mx.nd.NDArray], priority: int):
+        raise NotImplementedError
+
+    def _broadcast_(self, names: list[str], arrays: list[mx.nd.NDArray], root_rank: int,
+                    priority: int):
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ synchronisation
+    def barrier(self) -> None:
+        """Block until every worker has reached this call."""
+        if self.num_workers > 1:
+            self._barrier()
+
+    def _barrier(self) -> None:
+        token = mx.nd.zeros((1,))
+        self._allreduce_(["__dg_barrier"], [token], 0)
+        token.wait_to_read()
+
+    # ------------------------------------------------------------ object collectives
+    def broadcast_object(self, obj: Any, root_rank: int = 0) -> Any:
+        """Return ``root_rank``'s ``obj`` on every rank (pickled in transit).
+
+        Every rank must call it; only the root's ``obj`` is used.
+        """
+        self._check_rank(root_rank, "root_rank")
+        if self.num_workers == 1:
+            return obj
+        payload = pickle.dumps(obj) if self.rank == root_rank else b""
+        size = mx.nd.array([len(payload)], dtype="float64")
+        self._broadcast_(["__dg_object_size"], [size], root_rank, 0)
+        length = int(size.asscalar())
+        buf = self._object_buffer(1, length)
+        if self.rank == root_rank:
+            buf[0, :length] = np.frombuffer(payload, dtype=np.uint8)
+        arr = mx.nd.array(buf, dtype=self._byte_dtype)
+        self._broadcast_([f"__dg_object_{buf.shape[1]}"], [arr], root_rank, 0)
+        return pickle.loads(arr.asnumpy()[0, :length].astype(np.uint8).tobytes())
+
+    def allgather_object(self, obj: Any) -> list:
+        """Return the list of every rank's ``obj``, indexed by rank."""
+        if self.num_workers == 1:
+            return [obj]
+        payload = pickle.dumps(obj)
+        sizes = np.zeros((self.num_workers,), dtype="float64")
+        sizes[self.rank] = len(payload)
+        sizes_nd = mx.nd.array(sizes, dtype="float64")
+        self._allreduce_([f"__dg_gather_sizes_{self.num_workers}"], [sizes_nd], 0)
+        lengths = [int(n) for n in sizes_nd.asnumpy()]
+        buf = self._object_buffer(self.num_workers, max(lengths))
+        buf[self.rank, :len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        arr = mx.nd.array(buf, dtype=self._byte_dtype)
+        self._allreduce_([f"__dg_gather_{self.num_workers}_{buf.shape[1]}"], [arr], 0)
+        rows = arr.asnumpy().astype(np.uint8)
+        return [pickle.loads(rows[r, :n].tobytes()) for r, n in enumerate(lengths)]
+
+    @staticmethod
+    def _object_buffer(rows: int, length: int) -> np.ndarray:
+        width = _MIN_OBJECT_BUFFER
+        while width < length:
+            width *= 2
+        return np.zeros((rows, width), dtype=np.uint8)
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not 0 <= rank < self.num_workers:
+            raise ValueError(f"{what} must be in [0, {self.num_workers}), got {rank}")
+
+    # ------------------------------------------------------------ KVStoreBase extras
+    def is_capable(self, capability: str) -> bool:
+        """Updates always run on the workers: no backend runs an optimizer itself."""
+        if capability == KVStoreBase.OPTIMIZER:
+            return False
+        raise ValueError(f"Unknown capability: {capability}")
+
+    def set_optimizer(self, optimizer) -> None:
+        raise NotImplementedError(
+            f"the {self.type} backend does not run optimizers; use "
+            "dist_gluon.DistributedTrainer, or gluon.Trainer(..., update_on_kvstore=False)")
+
+    def save_optimizer_states(self, fname: str, dump_optimizer: bool = False) -> None:
+        raise NotImplementedError(
+            f"the {self.type} backend holds no optimizer state; use trainer.save_states")
+
+    def load_optimizer_states(self, fname: str) -> None:
+        raise NotImplementedError(
+            f"the {self.type} backend holds no optimizer state; use trainer.load_states")
+
+    # ------------------------------------------------------------ shutdown
+    def _atexit(self) -> None:
+        """Finish communication still in flight before the interpreter tears down
+        MXNet, so a rank that reaches the end first does not break a slower rank's last
+        collective."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            mx.nd.waitall()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        pass

@@ -1,0 +1,153 @@
+"""ps-lite backends: MXNet's own parameter server (``dist_sync``) and P3.
+
+P3 (priority-based parameter propagation, MXNet PR #15124) is the same job with the P3
+van (``DMLC_PS_VAN_TYPE=p3``) in every process: large tensors are sliced and sent in
+priority order. Updates always run on the workers; the servers only sum.
+
+This module also builds the environment of a ps-lite job for the launcher, so that
+nothing outside this package reads or writes ``DMLC_*`` variables.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import mxnet as mx
+import numpy as np
+
+from .base import Backend
+
+# ps-lite servers only aggregate floating point values.
+_SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
+
+_LAUNCH_HELP = (
+    "start every process of the job with the launcher, e.g.\n"
+    "    python -m dist_gluon.launch -n 2 --backend {backend} -- python your_script.py\n"
+    "(a ps-lite job is 1 scheduler, S servers and N workers sharing DMLC_PS_ROOT_URI, "
+    "DMLC_PS_ROOT_PORT, DMLC_NUM_SERVER, DMLC_NUM_WORKER and DMLC_ROLE)")
+
+
+def started_by_pslite(environ=os.environ) -> bool:
+    return environ.get("DMLC_ROLE") == "worker"
+
+
+def uses_p3_van(environ=os.environ) -> bool:
+    return environ.get("DMLC_PS_VAN_TYPE", "") == "p3"
+
+
+def job_env(num_workers: int, num_servers: int, port: int, p3: bool) -> dict[str, str]:
+    """Environment shared by the scheduler, the servers and the workers of a local job."""
+    env = {
+        "DMLC_PS_ROOT_URI": "127.0.0.1",
+        "DMLC_PS_ROOT_PORT": str(port),
+        "DMLC_NODE_HOST": "127.0.0.1",
+        "DMLC_NUM_SERVER": str(num_servers),
+        "DMLC_NUM_WORKER": str(num_workers),
+    }
+    if p3:
+        env.update({"DMLC_PS_VAN_TYPE": "p3", "MXNET_UPDATE_ON_KVSTORE": "0"})
+    return env
+
+
+def role_env(role: str) -> dict[str, str]:
+    """``role`` is 'scheduler', 'server' or 'worker'."""
+    return {"DMLC_ROLE": role}
+
+
+class DistSync(Backend):
+    """Synchronous data parallelism through MXNet's ps-lite kvstore.
+
+    Keys are created on the servers the first time they are used (a collective: every
+    worker must use keys in the same order, as with any collective). A key keeps the
+    shape and dtype of its first use. Integer arrays travel as float64, because the
+    servers only sum floating point values (exact below 2**53).
+    """
+
+    _type = "dist_sync"
+    _byte_dtype = "float16"
+    _p3 = False
+
+    def __init__(self):
+        role = os.environ.get("DMLC_ROLE")
+        if role is None:
+            raise RuntimeError(f"the '{self._type}' backend runs inside a ps-lite job: "
+                               + _LAUNCH_HELP.format(backend=self._type))
+        if role != "worker":
+            raise RuntimeError(f"DMLC_ROLE={role}: only workers create a kvstore; "
+                               "schedulers and servers just `import mxnet`")
+        if self._p3 and not uses_p3_van():
+            raise RuntimeError("the 'p3' backend needs every process of the job started with "
+                               "the P3 van (DMLC_PS_VAN_TYPE=p3, MXNET_UPDATE_ON_KVSTORE=0): "
+                               + _LAUNCH_HELP.format(backend="p3"))
+        if not self._p3 and uses_p3_van():
+            raise RuntimeError("this job runs the P3 van (DMLC_PS_VAN_TYPE=p3): create the "
+                               "'p3' backend, or dist_gluon.create() to choose from the "
+                               "environment")
+        self._kv = mx.kv.create("dist_sync")
+        # ps-lite numbers workers in the order they connect; the launcher's rank is
+        # stable and matches its output prefixes, so it wins when present.
+        self._rank = int(os.environ.get("DG_RANK", self._kv.rank))
+        self._local_rank = int(os.environ.get("DG_LOCAL_RANK", 0))
+        self._num_workers = self._kv.num_workers
+        self._keys: dict[str, tuple] = {}
+        super().__init__()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def _allreduce_(self, names, arrays, priority):
+        transit = [a if a.dtype in _SERVER_DTYPES else a.astype("float64") for a in arrays]
+        self._create_keys(names, transit)
+        self._kv.pushpull(names, transit, out=transit, priority=priority)
+        for arr, moved in zip(arrays, transit):
+            if moved is not arr:
+                moved.astype(arr.dtype).copyto(arr)
+
+    def _broadcast_(self, names, arrays, root_rank, priority):
+        # A sum in which only the root contributes is a broadcast, and it reuses the
+        # same server keys as every later call (a ps-lite key can be created once only).
+        if self.rank != root_rank:
+            for arr in arrays:
+                arr[:] = 0
+        self._allreduce_(names, arrays, priority)
+
+    def _create_keys(self, names, arrays):
+        new_names, new_values = [], []
+        for name, arr in zip(names, arrays):
+            spec = (arr.shape, np.dtype(arr.dtype))
+            known = self._keys.get(name)
+            if known is None:
+                self._keys[name] = spec
+                new_names.append(name)
+                new_values.append(mx.nd.zeros(arr.shape, dtype=arr.dtype))
+            elif known != spec:
+                raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
+                                 f"{known[1]}, now used with shape {spec[0]} and dtype "
+                                 f"{spec[1]}; on {self._type} a key keeps its first shape")
+        if new_names:
+            self._kv.init(new_names, new_values)
+
+    def _barrier(self) -> None:
+        self._kv._barrier()
+
+    def _shutdown(self) -> None:
+        # Freeing the kvstore runs ps-lite's exit barrier and stops the servers; do it
+        # now, while MXNet is alive, rather than during interpreter teardown.
+        self._kv = None
+        gc.collect()
+
+
+class P3(DistSync):
+    """``dist_sync`` over the P3 van: slices of large tensors are sent by priority."""
+
+    _type = "p3"
+    _p3 = True
