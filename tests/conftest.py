@@ -1,0 +1,46 @@
+"""Shared helpers: distributed tests run their worker script through the real launcher."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DISTRIBUTED_BACKENDS = ("horovod", "dist_sync", "p3")
+
+
+def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
+           args=(), launcher_args=(), timeout: float = 180, env=None,
+           name: str = "worker.py") -> subprocess.CompletedProcess:
+    """Write ``script`` to tmp_path and run it as ``n`` workers through
+    ``python -m dist_gluon.launch``. Workers get OMP_NUM_THREADS=1 and run with
+    tmp_path as their working directory. Returns the finished launcher process
+    (stdout and stderr as text)."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(script))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    full_env.update(env or {})
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
+            *launcher_args, "--", sys.executable, str(path), *args]
+    return subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def worker_lines(output: str, rank: int) -> list[str]:
+    """The lines worker ``rank`` printed, without the launcher's ``[rank] `` prefix."""
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (f"job failed with {proc.returncode}\n--- stdout\n"
+                                  f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+
+
+@pytest.fixture(params=DISTRIBUTED_BACKENDS)
+def backend(request) -> str:
+    return request.param
