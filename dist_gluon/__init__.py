@@ -9,7 +9,11 @@ parameter server (ps-lite ``dist_sync`` or P3); the backend is chosen by the lau
 """
 from .backends import BACKEND_NAMES, Backend, create
 from .backends import register as _register
+from .broadcast import ModelMismatchError, broadcast_parameters
+from .data import ShardSampler, reduce_metric, shard_kwargs
+from .trainer import DistributedTrainer
 
 _register()
 
-__all__ = ["BACKEND_NAMES", "Backend", "create"]
+__all__ = ["BACKEND_NAMES", "Backend", "DistributedTrainer", "ModelMismatchError",
+           "ShardSampler", "broadcast_parameters", "create", "reduce_metric", "shard_kwargs"]

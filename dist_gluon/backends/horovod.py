@@ -61,11 +61,11 @@ class Horovod(Backend):
 
     def _allreduce_(self, names, arrays, priority):
         for name, arr in zip(names, arrays):
-            self._hvd.allreduce_(arr, name=f"dg.{name}", priority=priority, op=self._hvd.Sum)
+            self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority, op=self._hvd.Sum)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
         for name, arr in zip(names, arrays):
-            self._hvd.broadcast_(arr, root_rank=root_rank, name=f"dg.{name}",
+            self._hvd.broadcast_(arr, root_rank=root_rank, name=f"dg.bc.{name}",
                                  priority=priority)
 
     def _barrier(self) -> None:

@@ -1,0 +1,122 @@
+"""DistributedTrainer and rank-0 broadcast: N workers on B samples each train exactly
+like one process on the N*B concatenated samples, on every backend."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
+
+WORKERS = REPO / "tests" / "workers"
+EXACT_CASES = ["sgd", "adam", "two_a", "two_b", "accum", "clip", "predivide"]
+
+
+def _run(argv, cwd, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The single-process run on the concatenated batches (no launcher: local backend)."""
+    out = tmp_path_factory.mktemp("reference")
+    assert_ok(_run([sys.executable, str(WORKERS / "trainer_cases.py"), str(out), "2"], out))
+    return out
+
+
+@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+def distributed(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(request.param)
+    proc = _run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
+                 request.param, "--", sys.executable, str(WORKERS / "trainer_cases.py"),
+                 str(out), "2"], out)
+    assert_ok(proc)
+    return out
+
+
+def _params(directory, case, rank):
+    data = np.load(directory / f"{case}_rank{rank}.npz")
+    return [data[str(i)] for i in range(len(data.files))]
+
+
+def _max_error(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", EXACT_CASES)
+def test_two_workers_train_like_one_process_on_the_concatenated_batch(
+        distributed, reference, case):
+    expected = _params(reference, case, 0)
+    for rank in (0, 1):
+        got = _params(distributed, case, rank)
+        assert [g.shape for g in got] == [e.shape for e in expected]
+        assert _max_error(got, expected) < 1e-5, (case, rank)
+
+
+def test_every_rank_starts_from_rank_0_weights_whatever_its_seed(distributed, reference):
+    # rank 1 used another seed and other parameter names; deferred init broadcast
+    # rank 0's values at the first forward
+    for case in ("sgd_init", "adam_init"):
+        rank0 = _params(distributed, case, 0)
+        assert _max_error(_params(distributed, case, 1), rank0) == 0.0
+        assert _max_error(rank0, _params(reference, case, 0)) == 0.0
+
+
+def test_fp16_compression_keeps_ranks_identical_and_close_to_fp32(distributed, reference):
+    rank0, rank1 = _params(distributed, "fp16", 0), _params(distributed, "fp16", 1)
+    assert _max_error(rank0, rank1) == 0.0
+    assert all(a.dtype == np.float32 for a in rank0)
+    assert _max_error(rank0, _params(reference, "fp16", 0)) < 1e-3
+
+
+def test_load_states_gives_every_rank_rank_0_optimizer_states(distributed):
+    meta = [json.loads((distributed / f"states_rank{r}.json").read_text()) for r in (0, 1)]
+    assert meta[0]["restored"] is True
+    assert meta[0]["num_update"] == meta[1]["num_update"] > 0
+    s0, s1 = (np.load(distributed / f"states_rank{r}.npz") for r in (0, 1))
+    assert sorted(s0.files) == sorted(s1.files) and s0.files
+    for key in s0.files:
+        assert np.array_equal(s0[key], s1[key])
+        assert not np.all(s1[key] == 7.0)
+
+
+@pytest.mark.parametrize("when", ["initialised", "deferred", "input"])
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+def test_a_model_mismatch_raises_a_clear_error_on_every_rank(tmp_path, backend, when):
+    start = time.monotonic()
+    proc = _run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
+                 "--", sys.executable, str(WORKERS / "mismatch.py"), when], tmp_path,
+                timeout=60)
+    assert time.monotonic() - start < 30
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        caught = [line for line in worker_lines(proc.stdout, rank) if line.startswith("caught")]
+        assert caught, proc.stdout + proc.stderr
+        # the second Dense: its weight (2) or, when the weight is deferred, its bias (3)
+        assert ("parameter #2: rank 0 has 'dense1_weight' shape (4, 8)" in caught[0]
+                and "rank 1 has 'dense1_weight' shape (5, 8)" in caught[0]) or \
+               ("parameter #3: rank 0 has 'dense1_bias' shape (4,)" in caught[0]
+                and "rank 1 has 'dense1_bias' shape (5,)" in caught[0]) or \
+               ("parameter #0: rank 0 has 'dense0_weight' shape (8, 3)" in caught[0]
+                and "rank 1 has 'dense0_weight' shape (8, 4)" in caught[0]), caught[0]
+
+
+def test_single_process_issues_no_collective(tmp_path):
+    script = tmp_path / "single.py"
+    script.write_text(
+        "import mxnet as mx\nfrom mxnet import autograd, gluon\nimport dist_gluon as dg\n"
+        "kv = dg.create('local')\n"
+        "def boom(*a, **k):\n    raise AssertionError('collective issued')\n"
+        "kv._allreduce_ = kv._broadcast_ = boom\n"
+        "net = gluon.nn.Dense(2)\nnet.initialize()\n"
+        "trainer = dg.DistributedTrainer(net.collect_params(), 'sgd', kv=kv)\n"
+        "with autograd.record():\n    loss = net(mx.nd.ones((3, 4))).sum()\n"
+        "loss.backward()\ntrainer.step(3)\ntrainer.save_states('s')\ntrainer.load_states('s')\n"
+        "print('ok')\n")
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert_ok(proc)
+    assert proc.stdout.strip() == "ok"
