@@ -1,0 +1,328 @@
+"""DistributedOptimizer: the Module API's way to average gradients over workers.
+
+``Module`` has no trainer to subclass; it hands its gradients to an optimizer through an
+``mx.optimizer.Updater``. Wrapping that optimizer is enough: each ``update`` first
+averages the gradients over the workers, then lets the wrapped optimizer do its usual
+update (as ``horovod.mxnet.DistributedOptimizer`` does). Everything else (learning rate
+and scheduler, lr/wd multipliers, states, multi_precision) is the wrapped optimizer's.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import mxnet as mx
+from mxnet.kvstore.base import KVStoreBase
+
+from .backends import Backend, resolve
+
+_MODULE_INIT_OPTIMIZER = mx.mod.Module.init_optimizer.__code__
+# How far up the stack an installer (Module.init_optimizer, KVStore.set_optimizer) is
+# looked for: pickling and mx.optimizer.get_updater put two or three frames in between.
+_INSTALLER_DEPTH = 5
+_auto_prefixes = (f"opt{n}" for n in itertools.count())
+# What Module.init_optimizer passes to mx.optimizer.create for optimizer=<name>.
+_MODULE_DEFAULTS = frozenset({"rescale_grad", "sym", "param_idx2name"})
+_KVSTORE_HELP = (
+    "DistributedOptimizer averages gradients over the workers itself, so MXNet must not "
+    "use a kvstore as well (it would reduce the gradients a second time, or run the "
+    "optimizer on the parameter servers). Pass kvstore=None: "
+    "mod.fit(train_iter, kvstore=None, optimizer=opt) or "
+    "mod.init_optimizer(kvstore=None, optimizer=opt)")
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """An optimizer that averages gradients over all workers before each update, for
+    training with the Module API.
+
+    Install it with ``kvstore=None``: ``mod.fit(train_iter, kvstore=None,
+    optimizer=opt)`` or ``mod.init_optimizer(kvstore=None, optimizer=opt)``. Each
+    ``update`` sums the gradients over the workers and divides them by the number of
+    workers, then runs the wrapped optimizer. With ``rescale_grad = 1 / batch_size``
+    (``batch_size`` per worker, what Module uses for a single process), N workers on B
+    samples each train exactly like one process on the N*B concatenated samples.
+
+    Everything else is the wrapped optimizer's: reading or setting an attribute (``lr``,
+    ``wd``, ``lr_scheduler``, ``rescale_grad``, ``idx2name``, ``param_dict``,
+    ``multi_precision``, ``num_update``...) and calling ``set_learning_rate``,
+    ``set_lr_mult``, ``set_wd_mult``, ``create_state`` or
+    ``create_state_multi_precision`` reach it. Optimizer states are the wrapped
+    optimizer's too, so ``mod.save_optimizer_states`` / ``load_optimizer_states`` and
+    ``mod.save_checkpoint(..., save_optimizer_states=True)`` work as usual; the states
+    are identical on every rank, so rank 0 alone can save them. A DistributedOptimizer
+    can be pickled (MXNet does so when it saves an Updater with its optimizer); the copy
+    finds its backend again when it is first used.
+
+    Gradients are keyed by the optimizer's index of the parameter (its position in the
+    Module's parameter list, the same on every rank), as ``'<prefix>.<index>'``.
+    Aggregated updates (lists of indices, as MXNet's Updater passes them when
+    ``MXNET_OPTIMIZER_AGGREGATION_SIZE`` > 0) are reduced in one call. On one process no
+    collective is issued.
+
+    Every rank must start from the same parameters: broadcast rank 0's with
+    :func:`~dist_gluon.broadcast_parameters` before training (see the example).
+
+    Parameters
+    ----------
+    optimizer : mx.optimizer.Optimizer or str
+        The optimizer to wrap, or the name of one (``'sgd'``, ``'adam'``...) created
+        with ``mx.optimizer.create(optimizer, **optimizer_params)``. Created from a
+        name, it is set up by ``init_optimizer`` as Module sets up ``optimizer='sgd'``:
+        ``rescale_grad = 1 / batch_size``, and the symbol's parameter names and
+        ``lr_mult`` / ``wd_mult`` attributes (so biases get no weight decay), except
+        what ``optimizer_params`` gives. An instance is used as it is, as Module does.
+    kv : backend, backend name, or None
+        None picks the backend from the environment (``dist_gluon.create()``).
+    gradient_predivide_factor : float
+        As in Horovod: gradients are divided by this factor before the sum and
+        multiplied by ``factor / num_workers`` after it.
+    prefix : str, optional
+        Names this optimizer's communication keys. By default optimizers are numbered in
+        construction order (which must be the same on every rank), so several models
+        trained in one program never share keys.
+    **optimizer_params
+        Arguments of ``mx.optimizer.create`` when ``optimizer`` is a name.
+
+    Raises
+    ------
+    ValueError
+        On every rank, when ``init_optimizer`` (or ``fit``) installs it with a kvstore
+        other than None (a KVStore or backend object, a 'dist_*' name), when a
+        ``KVStore.set_optimizer`` is given it (gluon's ``update_on_kvstore``), when the
+        Module has several contexts (one device per worker), or when ``optimizer`` is
+        already a DistributedOptimizer. (``kvstore='local'``, fit's default, means no
+        kvstore on one device and is accepted.) Note that Module creates the kvstore
+        it is given a name of before it consults the optimizer: ``kvstore='dist_sync'``
+        inside a dist_gluon ps-lite job starts a second ps-lite kvstore, which blocks
+        before this error can be raised.
+
+    Examples
+    --------
+    >>> kv = dg.create()
+    >>> batch_size = 32                               # per worker
+    >>> train_iter = mx.io.NDArrayIter(x[kv.rank::kv.num_workers],
+    ...                                y[kv.rank::kv.num_workers], batch_size)
+    >>> mod = mx.mod.Module(symbol, context=mx.cpu())
+    >>> mod.bind(data_shapes=train_iter.provide_data,
+    ...          label_shapes=train_iter.provide_label)
+    >>> mod.init_params(mx.init.Xavier())             # any seed: rank 0's values win
+    >>> arg_params, aux_params = mod.get_params()
+    >>> dg.broadcast_parameters(arg_params)
+    >>> dg.broadcast_parameters(aux_params)
+    >>> mod.set_params(arg_params, aux_params)
+    >>> opt = dg.DistributedOptimizer(mx.optimizer.SGD(
+    ...     learning_rate=0.1, momentum=0.9, rescale_grad=1.0 / batch_size))
+    >>> mod.fit(train_iter, kvstore=None, optimizer=opt, num_epoch=10)
+    """
+
+    def __init__(self, optimizer, kv=None, gradient_predivide_factor: float = 1.0,
+                 prefix: str | None = None, **optimizer_params):
+        # Optimizer.__init__ is not called on purpose: every attribute it would set
+        # belongs to the wrapped optimizer and is reached through __getattr__.
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ValueError("optimizer is already a DistributedOptimizer; wrapping it "
+                             "again would average the gradients twice")
+        if isinstance(optimizer, str):
+            module_defaults = _MODULE_DEFAULTS.difference(optimizer_params)
+            optimizer = mx.optimizer.create(optimizer, **optimizer_params)
+        elif isinstance(optimizer, mx.optimizer.Optimizer):
+            if optimizer_params:
+                raise TypeError("optimizer parameters (" + ", ".join(optimizer_params)
+                                + ") go with an optimizer name, e.g. DistributedOptimizer("
+                                "'sgd', learning_rate=0.1); set them on the optimizer "
+                                "instance instead")
+            module_defaults = frozenset()
+        else:
+            raise TypeError("optimizer must be an mx.optimizer.Optimizer or the name of "
+                            f"one, got {type(optimizer).__name__}")
+        if not gradient_predivide_factor > 0:
+            raise ValueError("gradient_predivide_factor must be positive, got "
+                             f"{gradient_predivide_factor}")
+        if prefix is None:
+            prefix = next(_auto_prefixes)
+        elif not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+        kv = resolve(kv)
+        self._dg_wrapped_optimizer = optimizer
+        self._dg_kv = kv
+        self._dg_kv_name = kv.type
+        self._dg_predivide = float(gradient_predivide_factor)
+        self._dg_prefix = prefix
+        self._dg_module_defaults = module_defaults
+
+    # ------------------------------------------------------------ attribute forwarding
+    def __getattr__(self, name):
+        # Only called for attributes this object lacks. Our own (_dg_*) and dunder names
+        # must not be forwarded: they are looked up before __setstate__ has run.
+        if name.startswith("_dg_") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self._dg_wrapped_optimizer, name)
+
+    def __setattr__(self, name, value):
+        # Module sets idx2name, gluon sets param_dict and rescale_grad, users set lr...:
+        # all of it configures the wrapped optimizer, which is the one that updates.
+        if name.startswith("_dg_"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._dg_wrapped_optimizer, name, value)
+
+    def __repr__(self) -> str:
+        return (f"DistributedOptimizer({self._dg_wrapped_optimizer!r}, "
+                f"kv={self._dg_kv_name!r}, prefix={self._dg_prefix!r})")
+
+    @property
+    def kv(self) -> Backend:
+        """The backend this optimizer communicates through."""
+        if self._dg_kv is None:
+            self._dg_kv = resolve(self._dg_kv_name)
+        return self._dg_kv
+
+    @property
+    def learning_rate(self) -> float:
+        return self._dg_wrapped_optimizer.learning_rate
+
+    @property
+    def rescale_grad(self) -> float:
+        # Module.init_optimizer reads rescale_grad right after choosing its kvstore.
+        self._check_installer()
+        return self._dg_wrapped_optimizer.rescale_grad
+
+    @property
+    def aggregate_num(self) -> int:
+        # mx.optimizer.Updater reads it when it is created, also by a KVStore.
+        self._check_installer()
+        return self._dg_wrapped_optimizer.aggregate_num
+
+    # ------------------------------------------------------------ the update
+    def update(self, index, weight, grad, state) -> None:
+        self._average(index, grad)
+        self._dg_wrapped_optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state) -> None:
+        self._average(index, grad)
+        self._dg_wrapped_optimizer.update_multi_precision(index, weight, grad, state)
+
+    def _average(self, index, grad) -> None:
+        """Average ``grad`` (one NDArray, or a list for a list of indices) over the
+        workers, in place."""
+        kv = self.kv
+        if kv.num_workers == 1:
+            return
+        indices = list(index) if isinstance(index, (list, tuple)) else [index]
+        grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        for i, g in zip(indices, grads):
+            if g.stype != "default":
+                raise TypeError(f"DistributedOptimizer averages dense gradients only; "
+                                f"parameter #{i} has a {g.stype} gradient")
+        if self._dg_predivide != 1.0:
+            for g in grads:
+                g *= 1.0 / self._dg_predivide
+        first = indices[0]
+        kv.pushpull([f"{self._dg_prefix}.{i}" for i in indices], grads,
+                    priority=-first if isinstance(first, int) else 0)
+        for g in grads:
+            g *= self._dg_predivide / kv.num_workers
+
+    # ------------------------------------------------------------ forwarded methods
+    # Optimizer's own implementations would run on this wrapper; forwarding keeps the
+    # wrapped optimizer's overrides (LARS' _get_lrs, set_wd_mult...).
+    def create_state(self, index, weight):
+        return self._dg_wrapped_optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._dg_wrapped_optimizer.create_state_multi_precision(index, weight)
+
+    def set_learning_rate(self, lr: float) -> None:
+        self._dg_wrapped_optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult: dict) -> None:
+        self._dg_wrapped_optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult: dict) -> None:
+        self._dg_wrapped_optimizer.set_wd_mult(args_wd_mult)
+
+    def _set_current_context(self, device_id):
+        self._dg_wrapped_optimizer._set_current_context(device_id)
+
+    def _update_count(self, index):
+        self._dg_wrapped_optimizer._update_count(index)
+
+    def _get_lrs(self, indices):
+        return self._dg_wrapped_optimizer._get_lrs(indices)
+
+    def _get_lr(self, index):
+        return self._dg_wrapped_optimizer._get_lr(index)
+
+    def _get_wds(self, indices):
+        return self._dg_wrapped_optimizer._get_wds(indices)
+
+    def _get_wd(self, index):
+        return self._dg_wrapped_optimizer._get_wd(index)
+
+    # ------------------------------------------------------------ pickling
+    def __getstate__(self) -> dict:
+        # A dist KVStore pickles the optimizer to run it on its servers.
+        self._check_installer()
+        state = {k: v for k, v in self.__dict__.items() if k.startswith("_dg_")}
+        state["_dg_kv"] = None          # the copy finds its backend when first used
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------ misuse
+    def _check_installer(self) -> None:
+        """Refuse to be installed with a kvstore; adopt Module's defaults otherwise.
+
+        MXNet tells an optimizer nothing about who uses it, so the callers' frames are
+        read: Module.init_optimizer reads ``rescale_grad`` right after choosing its
+        kvstore (its local ``kvstore``: None for ``kvstore=None``, and for 'local' with
+        one device), and a KVStore's ``set_optimizer`` pickles the optimizer (dist) or
+        builds an Updater from it (local).
+        """
+        frame = sys._getframe(2)
+        for _ in range(_INSTALLER_DEPTH):
+            if frame is None:
+                return
+            if frame.f_code is _MODULE_INIT_OPTIMIZER:
+                self._check_module(frame.f_locals)
+                return
+            owner = frame.f_locals.get("self")
+            if frame.f_code.co_name == "set_optimizer" and isinstance(owner, KVStoreBase):
+                raise ValueError(f"a DistributedOptimizer was given to a {owner.type!r} "
+                                 f"kvstore (set_optimizer). {_KVSTORE_HELP}")
+            frame = frame.f_back
+
+    def _check_module(self, init_locals: dict) -> None:
+        contexts = getattr(init_locals.get("self"), "_context", [])
+        if len(contexts) > 1:
+            raise ValueError(f"DistributedOptimizer runs one device per worker, but the "
+                             f"Module has the contexts {contexts}; start one worker per "
+                             f"device, each with mx.mod.Module(..., context=<its device>)")
+        kvstore = init_locals.get("kvstore")
+        if kvstore is not None:
+            raise ValueError(f"a DistributedOptimizer was installed with the "
+                             f"{getattr(kvstore, 'type', kvstore)!r} kvstore. "
+                             + _KVSTORE_HELP)
+        self._adopt_module_defaults(init_locals)
+
+    def _adopt_module_defaults(self, init_locals: dict) -> None:
+        """Set up an optimizer created from a name as Module sets up ``optimizer=name``:
+        ``opt.create(name, sym=symbol, param_idx2name=idx2name, rescale_grad=1/batch_size,
+        **optimizer_params)``, keeping what the user gave or set since."""
+        defaults = self._dg_module_defaults
+        if not defaults:
+            return
+        inner = self._dg_wrapped_optimizer
+        if "rescale_grad" in defaults:
+            inner.rescale_grad = init_locals["rescale_grad"]
+        if "param_idx2name" in defaults:
+            inner.idx2name = dict(init_locals["idx2name"])
+        if "sym" in defaults:
+            symbol = init_locals["self"].symbol
+            inner.sym_info = (symbol.attr_dict(), symbol.list_arguments())
+        # the multipliers set so far are the user's (set_lr_mult...); the defaults that
+        # come from the names and the symbol go under them, as in Optimizer.__init__
+        inner.set_lr_mult(dict(inner.lr_mult))
+        inner.set_wd_mult(dict(inner.wd_mult))
