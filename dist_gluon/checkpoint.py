@@ -1,0 +1,599 @@
+"""Checkpoints that survive a crash, and restore them on every rank.
+
+One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save order):
+
+``params.npz``
+    The parameter values, keyed ``"0"``, ``"1"``, ... by position in
+    ``net.collect_params()`` (names differ between ranks and runs, positions do not).
+``trainer.states``
+    The optimizer states and the optimizer, exactly as ``gluon.Trainer.save_states``
+    writes them (so ``trainer.load_states`` can read it too). Absent without a trainer.
+``state.pkl``
+    A pickle of ``{'epoch', 'step', 'extra', 'rng'}``; ``rng`` holds the state of
+    Python's ``random`` and NumPy's global generator of every rank.
+``meta.json``
+    Format name and version, epoch, step, num_workers, backend, package versions, the
+    parameters' names, shapes and dtypes, and the size and SHA-256 of every other file.
+
+A save writes everything into a hidden temporary directory, fsyncs every file and the
+directory, renames it to its final name and fsyncs the parent: a checkpoint directory
+either is complete or does not exist, and a crash during a save leaves at most a
+``.tmp-ckpt-*`` directory behind, which restore ignores and the next save deletes.
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.metadata
+import io
+import json
+import os
+import pickle
+import platform
+import random
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+from mxnet import gluon
+from mxnet.gluon.parameter import Parameter
+
+from .backends import Backend, resolve
+from .broadcast import parameter_list
+
+FORMAT = "dist_gluon.checkpoint"
+FORMAT_VERSION = 1
+_NAME = re.compile(r"^ckpt-(\d+)$")
+_TEMP_PREFIX = ".tmp-ckpt-"
+_META = "meta.json"
+_PARAMS = "params.npz"
+_TRAINER = "trainer.states"
+_STATE = "state.pkl"
+# Arrays of these dtypes travel as tensors of their own dtype (one collective each);
+# anything else in the optimizer states travels pickled with the small objects.
+_TENSOR_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8",
+                                        "int32", "int64")}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or restored: missing, truncated or corrupt files, a
+    newer format, or a model that does not match the checkpoint. Raised on every rank."""
+
+
+class Checkpointer:
+    """Saves training checkpoints from rank 0 and restores them on every rank.
+
+    ``save`` writes the parameters (by position in ``net.collect_params()``), the
+    trainer's optimizer states, ``epoch``, ``step``, the Python and NumPy random states
+    of every rank, a picklable ``extra`` and a metadata record with a checksum per file.
+    Only rank 0 writes, atomically (see the module docstring); every rank returns once
+    the checkpoint is on disk. The newest ``keep`` checkpoints are kept.
+
+    ``restore`` loads the newest checkpoint that is intact into the model (and trainer)
+    on every rank. Only rank 0 reads files, so the directory need not be visible to the
+    other ranks. A truncated or corrupt checkpoint is skipped with a warning naming the
+    bad file, and the one before it is used. Nothing in a checkpoint depends on the
+    number of workers, so it can be restored on a different number (the data position
+    ``step`` then refers to other shards: resume is exact on the same number).
+
+    Each rank gets back its own Python and NumPy random state (a rank that did not
+    exist at save time keeps its current one). MXNet's own generator (``mx.random``,
+    used by dropout and random augmentation) cannot be read through MXNet's API, so it
+    is neither saved nor restored: reseed it with ``mx.random.seed(...)`` after
+    ``restore`` if you need that.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        Where the checkpoints live (created by the first save). Only rank 0's value is
+        used; one Checkpointer per directory.
+    kv : Backend, str or None, default None
+        The backend, a backend name, or None to create it from the environment.
+    keep : int or None, default 3
+        How many of the newest checkpoints to keep (>= 1); None keeps all of them.
+
+    Examples
+    --------
+    >>> ckpt = dg.Checkpointer('checkpoints', keep=3)
+    >>> state = ckpt.restore(net, trainer)            # None on the first run
+    >>> start, skip = (state['epoch'], state['step']) if state else (0, 0)
+    >>> for epoch in range(start, epochs):
+    ...     sampler.set_epoch(epoch)
+    ...     for i, (data, label) in enumerate(loader):
+    ...         if epoch == start and i < skip:
+    ...             continue                          # done before the restart
+    ...         ...                                   # forward, backward, trainer.step
+    ...         if (i + 1) % 100 == 0:
+    ...             ckpt.save(net, trainer, epoch, step=i + 1)
+    ...     ckpt.save(net, trainer, epoch + 1)
+    """
+
+    def __init__(self, directory: str | os.PathLike, kv: Backend | str | None = None,
+                 keep: int | None = 3):
+        directory = os.fspath(directory)
+        if not directory:
+            raise ValueError("directory must be a non-empty path")
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
+                                 or keep < 1):
+            raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
+        self._directory = directory
+        self._keep = keep
+        self._kv = resolve(kv)
+
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def keep(self) -> int | None:
+        return self._keep
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({self._directory!r}, keep={self._keep})"
+
+    # ------------------------------------------------------------------------ save
+    def save(self, net, trainer: gluon.Trainer | None, epoch: int, step: int = 0,
+             extra: Any = None) -> str:
+        """Write a checkpoint from rank 0; every rank returns once it is durable.
+
+        Every rank must call it, with the same ``epoch`` and ``step``.
+
+        Parameters
+        ----------
+        net : Block, ParameterDict or list of Parameter
+            The model; its parameters must be initialised (after the first forward for
+            deferred initialisation).
+        trainer : gluon.Trainer or None
+            Its optimizer states (momentum, Adam's moments and update counts, the
+            learning rate schedule) are saved too.
+        epoch : int
+            The epoch to resume in (>= 0), e.g. ``epoch + 1`` after an epoch ends.
+        step : int, default 0
+            How many batches of ``epoch`` are done (>= 0).
+        extra : picklable, optional
+            Anything else to keep (metrics, the best accuracy...); returned by restore.
+
+        Returns
+        -------
+        str
+            The checkpoint's directory (rank 0's path, on every rank).
+
+        Raises
+        ------
+        CheckpointError
+            On every rank, when rank 0 cannot write the checkpoint; the previous ones
+            are untouched.
+        """
+        epoch = _check_count(epoch, "epoch")
+        step = _check_count(step, "step")
+        params = _parameters(net)
+        rng = self._kv.allgather_object(_rng_state())
+        status, failure = None, None
+        if self._kv.rank == 0:
+            try:
+                status = ("ok", self._write(params, trainer, epoch, step, extra, rng))
+            except Exception as err:  # every rank must hear about it, or they would hang
+                status = ("error", f"rank 0 could not save a checkpoint in "
+                                   f"{self._directory!r}: {type(err).__name__}: {err}")
+                failure = err
+        if self._kv.num_workers > 1:
+            status = self._kv.broadcast_object(status)
+        if status[0] == "error":
+            raise CheckpointError(status[1]) from failure
+        return status[1]
+
+    def _write(self, params: list, trainer, epoch: int, step: int, extra, rng) -> str:
+        arrays = {}
+        for i, p in enumerate(params):
+            if p._data is None:
+                raise CheckpointError(
+                    f"parameter #{i} ({p.name!r}) is not initialised yet; with deferred "
+                    "initialisation save after the first forward pass")
+            arrays[str(i)] = p.list_data()[0].asnumpy()
+        os.makedirs(self._directory, exist_ok=True)
+        for name in os.listdir(self._directory):
+            if name.startswith(_TEMP_PREFIX):   # left behind by a save that crashed
+                shutil.rmtree(os.path.join(self._directory, name), ignore_errors=True)
+        number = max((n for n, _ in self._checkpoints()), default=0) + 1
+        final = os.path.join(self._directory, f"ckpt-{number:06d}")
+        temp = os.path.join(self._directory, f"{_TEMP_PREFIX}{number:06d}-{os.getpid()}")
+        os.mkdir(temp)
+        try:
+            self._fill(temp, params, arrays, trainer, epoch, step, extra, rng)
+            os.rename(temp, final)
+        except BaseException:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise
+        _fsync_dir(self._directory)
+        self._prune()
+        return final
+
+    def _fill(self, temp: str, params: list, arrays: dict, trainer, epoch: int, step: int,
+              extra, rng) -> None:
+        """Write and fsync every file of a checkpoint into ``temp``, meta.json last."""
+        files = {}
+        with open(os.path.join(temp, _PARAMS), "wb") as f:
+            np.savez(f, **arrays)
+        files[_PARAMS] = _seal(os.path.join(temp, _PARAMS))
+        if trainer is not None:
+            # the base class writes the file itself; DistributedTrainer's would also
+            # wait for the other ranks, which are waiting for this save
+            gluon.Trainer.save_states(trainer, os.path.join(temp, _TRAINER))
+            files[_TRAINER] = _seal(os.path.join(temp, _TRAINER))
+        state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng}
+        with open(os.path.join(temp, _STATE), "wb") as f:
+            pickle.dump(state, f, protocol=4)
+        files[_STATE] = _seal(os.path.join(temp, _STATE))
+
+        meta = {
+            "format": FORMAT, "version": FORMAT_VERSION, "epoch": epoch, "step": step,
+            "num_workers": self._kv.num_workers, "backend": self._kv.type,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "versions": _versions(self._kv.type),
+            "parameters": [{"name": p.name, "shape": list(arrays[str(i)].shape),
+                            "dtype": arrays[str(i)].dtype.name}
+                           for i, p in enumerate(params)],
+            "files": files,
+        }
+        with open(os.path.join(temp, _META), "w") as f:
+            json.dump(meta, f, indent=1)
+        _seal(os.path.join(temp, _META))
+        _fsync_dir(temp)
+
+    def _checkpoints(self) -> list[tuple[int, str]]:
+        """(number, path) of the finished checkpoints in the directory, oldest first."""
+        try:
+            names = os.listdir(self._directory)
+        except FileNotFoundError:
+            return []
+        found = [(int(m.group(1)), os.path.join(self._directory, name))
+                 for name in names if (m := _NAME.match(name))]
+        return sorted(found)
+
+    def _prune(self) -> None:
+        if self._keep is None:
+            return
+        for _, path in self._checkpoints()[:-self._keep]:
+            try:
+                shutil.rmtree(path)
+            except OSError as err:
+                warnings.warn(f"could not delete the old checkpoint {path}: {err}",
+                              stacklevel=4)
+
+    # --------------------------------------------------------------------- restore
+    def restore(self, net, trainer: gluon.Trainer | None = None,
+                path: str | os.PathLike | None = None) -> dict | None:
+        """Load the newest intact checkpoint (or ``path``) on every rank.
+
+        Every rank must call it. Rank 0 reads and checks the files; the values reach
+        the other ranks through the backend. Deferred-initialised parameters get the
+        checkpoint's values at the first forward (instead of their initializer's, and
+        before the trainer's first-forward broadcast, which then sends the same values).
+
+        Parameters
+        ----------
+        net : Block, ParameterDict or list of Parameter
+            The model, built as when it was saved; initialised (``net.initialize()``),
+            possibly with deferred shapes.
+        trainer : gluon.Trainer, optional
+            Gets the saved optimizer and its states.
+        path : str or os.PathLike, optional
+            Restore this checkpoint instead of the newest one; a damaged one is an
+            error. A bare name such as ``'ckpt-000012'`` is looked up in ``directory``;
+            anything with a ``/`` is a path (``'./ckpt-000012'`` for the current one).
+
+        Returns
+        -------
+        dict or None
+            ``{'epoch', 'step', 'extra', 'path', 'num_workers'}`` (``num_workers`` at save
+            time), or None when the directory holds no checkpoint.
+
+        Raises
+        ------
+        CheckpointError
+            On every rank: ``path`` is missing or damaged, every checkpoint in the
+            directory is damaged, or the model does not match the checkpoint.
+        """
+        params = _parameters(net)
+        kv = self._kv
+        header, arrays, failure = None, None, None
+        if kv.rank == 0:
+            try:
+                header, arrays = self._read(path)
+            except Exception as err:  # every rank must hear about it, or they would hang
+                header = ("error", f"rank 0 could not read a checkpoint in "
+                                   f"{self._directory!r}: {type(err).__name__}: {err}")
+                failure = err
+        if kv.num_workers > 1:
+            header = kv.broadcast_object(header)
+        if header[0] == "none":
+            return None
+        if header[0] == "error":
+            raise CheckpointError(header[1]) from failure
+        content = header[1]
+
+        problem = _mismatch(params, content["parameters"], content["path"])
+        problems = kv.allgather_object(problem) if kv.num_workers > 1 else [problem]
+        for rank, message in enumerate(problems):
+            if message is not None:
+                raise CheckpointError(message if kv.num_workers == 1 else
+                                      f"on rank {rank}: {message}")
+        values = self._share(content["arrays"], arrays)
+
+        for p, value in zip(params, values):
+            p.set_data(value)   # deferred: kept and used as the initial value instead
+        if trainer is not None:
+            if content["trainer"] is None:
+                if kv.rank == 0:
+                    warnings.warn(f"checkpoint {content['path']} holds no trainer states; "
+                                  "the trainer keeps its own", stacklevel=2)
+            else:
+                states, optimizer = content["trainer"]
+                _load_trainer_states(trainer, (_unflatten(states, values), optimizer))
+        rng = content["rng"]
+        if kv.rank < len(rng):
+            _set_rng_state(rng[kv.rank])
+        return {"epoch": content["epoch"], "step": content["step"],
+                "extra": content["extra"], "path": content["path"],
+                "num_workers": content["num_workers"]}
+
+    def _read(self, path) -> tuple[tuple, list | None]:
+        """Rank 0: the broadcast header and the arrays of the checkpoint to restore."""
+        if path is not None:
+            path = os.fspath(path)
+            if os.sep not in path:
+                path = os.path.join(self._directory, path)
+            if not os.path.isdir(path):
+                return ("error", f"there is no checkpoint at {path!r}"), None
+            try:
+                return _load(path)
+            except CheckpointError as err:
+                return ("error", f"checkpoint {path} cannot be restored: {err}"), None
+        found = self._checkpoints()
+        if not found:
+            return ("none",), None
+        reasons = []
+        for _, candidate in reversed(found):
+            try:
+                return _load(candidate)
+            except CheckpointError as err:
+                reasons.append(f"{candidate}: {err}")
+                warnings.warn(f"skipping damaged checkpoint {candidate}: {err}; trying the "
+                              "previous one", stacklevel=3)
+        return ("error", f"no checkpoint in {self._directory!r} can be restored (delete "
+                         "the damaged ones to start afresh):\n  " + "\n  ".join(reasons)), None
+
+    def _share(self, specs: list, arrays: list | None) -> list[mx.nd.NDArray]:
+        """Rank 0's arrays as NDArrays on every rank; one tensor collective per array."""
+        kv = self._kv
+        if kv.rank == 0:
+            values = [mx.nd.array(a, dtype=a.dtype) for a in arrays]
+        else:
+            values = [mx.nd.zeros(shape, dtype=dtype) for shape, dtype in specs]
+        if kv.num_workers > 1 and values:
+            # keys named by shape and dtype: ps-lite keys keep their first shape, and
+            # another restore reuses the same server keys
+            seen: dict[str, int] = {}
+            keys = []
+            for shape, dtype in specs:
+                spec = f"{dtype}.{'x'.join(map(str, shape))}"
+                seen[spec] = seen.get(spec, -1) + 1
+                keys.append(f"__dg_ckpt.{spec}.{seen[spec]}")
+            kv.broadcast(keys, values, values)
+            for v in values:
+                v.wait_to_read()
+        return values
+
+
+# --------------------------------------------------------------------------- reading
+def _load(path: str) -> tuple[tuple, list]:
+    """Check and parse one checkpoint: (("ok", content), arrays), or CheckpointError
+    naming the damaged file."""
+    meta_path = os.path.join(path, _META)
+    try:
+        with open(meta_path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} record")
+        version, specs = int(meta["version"]), list(meta["parameters"])
+        saved_workers = int(meta["num_workers"])
+        files = {name: (int(r["bytes"]), str(r["sha256"])) for name, r in meta["files"].items()}
+    except FileNotFoundError:
+        raise CheckpointError(f"{meta_path} is missing") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{meta_path} is damaged ({type(err).__name__}: {err})") from None
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{meta_path}: format version {version} was written by a "
+                              f"newer dist_gluon (this one reads up to {FORMAT_VERSION})")
+
+    data = {}
+    for name, (size, sha256) in files.items():
+        file = os.path.join(path, name)
+        try:
+            with open(file, "rb") as f:
+                data[name] = f.read()
+        except OSError as err:
+            raise CheckpointError(f"{file} cannot be read ({err})") from None
+        if len(data[name]) != size:
+            raise CheckpointError(f"{file} is truncated or damaged: {len(data[name])} bytes, "
+                                  f"{size} expected")
+        if hashlib.sha256(data[name]).hexdigest() != sha256:
+            raise CheckpointError(f"{file} is corrupt: its SHA-256 checksum does not match "
+                                  f"{meta_path}")
+    for name in (_PARAMS, _STATE):
+        if name not in data:
+            raise CheckpointError(f"{meta_path} lists no {name}")
+
+    def parse(name, how):
+        try:
+            return how(data[name])
+        except Exception as err:
+            raise CheckpointError(f"{os.path.join(path, name)} cannot be loaded "
+                                  f"({type(err).__name__}: {err})") from None
+
+    def read_params(raw):
+        with np.load(io.BytesIO(raw), allow_pickle=False) as npz:
+            if len(npz.files) != len(specs):
+                raise ValueError(f"{len(npz.files)} arrays, {meta_path} lists {len(specs)}")
+            return [npz[str(i)] for i in range(len(specs))]
+
+    def read_state(raw):
+        state = pickle.loads(raw)
+        return {key: state[key] for key in ("epoch", "step", "extra", "rng")}
+
+    arrays = parse(_PARAMS, read_params)
+    state = parse(_STATE, read_state)
+    trainer = None
+    if _TRAINER in data:
+        states, optimizer = parse(_TRAINER, pickle.loads)
+        trainer = (_flatten(states, arrays), optimizer)
+    content = {"path": path, "epoch": state["epoch"], "step": state["step"],
+               "extra": state["extra"], "rng": state["rng"],
+               "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
+               "arrays": [(a.shape, a.dtype.name) for a in arrays]}
+    return ("ok", content), arrays
+
+
+class _Slot:
+    """Stands for the array at ``index`` of the shared arrays in a flattened object."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def _flatten(obj, arrays: list):
+    """``obj`` with its dense NDArrays moved (as NumPy arrays) to the end of ``arrays``."""
+    if isinstance(obj, mx.nd.NDArray) and obj.stype == "default" and obj.ndim > 0 \
+            and obj.size > 0 and np.dtype(obj.dtype) in _TENSOR_DTYPES:
+        arrays.append(obj.asnumpy())
+        return _Slot(len(arrays) - 1)
+    if type(obj) in (list, tuple):
+        return type(obj)(_flatten(item, arrays) for item in obj)
+    if type(obj) is dict:
+        return {key: _flatten(value, arrays) for key, value in obj.items()}
+    return obj
+
+
+def _unflatten(obj, values: list):
+    if isinstance(obj, _Slot):
+        return values[obj.index]
+    if type(obj) in (list, tuple):
+        return type(obj)(_unflatten(item, values) for item in obj)
+    if type(obj) is dict:
+        return {key: _unflatten(value, values) for key, value in obj.items()}
+    return obj
+
+
+# --------------------------------------------------------------------------- applying
+def _parameters(net) -> list:
+    params = parameter_list(net.collect_params() if hasattr(net, "collect_params") else net)
+    for item in params:
+        if not isinstance(item, Parameter):
+            raise TypeError("net must be a gluon Block, a ParameterDict or a list of "
+                            f"Parameters, got an item of type {type(item).__name__}")
+    return params
+
+
+def _mismatch(params: list, specs: list, path: str) -> str | None:
+    """Why the checkpoint's parameters do not fit ``params``, or None."""
+    if len(params) != len(specs):
+        return (f"checkpoint {path} holds {len(specs)} parameters but the model has "
+                f"{len(params)}; build the model as it was when the checkpoint was saved")
+    problems = []
+    for i, (p, spec) in enumerate(zip(params, specs)):
+        shape, dtype = tuple(spec["shape"]), np.dtype(spec["dtype"])
+        if p._data is None and not p._deferred_init:
+            problems.append(f"parameter #{i} ({p.name!r}) is not initialised; call "
+                            "net.initialize() before restore")
+            continue
+        mine = tuple(p.shape) if p.shape is not None else None
+        fits = mine is None or (len(mine) == len(shape) and all(
+            m in (0, -1, s) if p._data is None else m == s for m, s in zip(mine, shape)))
+        if not fits or np.dtype(p.dtype) != dtype:
+            problems.append(f"parameter #{i}: the model has {p.name!r} shape {mine} "
+                            f"{np.dtype(p.dtype).name}, the checkpoint has {spec['name']!r} "
+                            f"shape {shape} {dtype.name}")
+    if problems:
+        return (f"the model does not match checkpoint {path}:\n  "
+                + "\n  ".join(problems[:10]))
+    return None
+
+
+def _load_trainer_states(trainer: gluon.Trainer, states_and_optimizer) -> None:
+    blob = pickle.dumps(states_and_optimizer, protocol=4)
+    if trainer._kv_initialized and trainer._update_on_kvstore:
+        with tempfile.NamedTemporaryFile(suffix=".states", delete=False) as tmp:
+            tmp.write(blob)
+        try:
+            gluon.Trainer.load_states(trainer, tmp.name)
+        finally:
+            os.unlink(tmp.name)
+        return
+    # What gluon.Trainer.load_states does when updates run on the workers, minus its
+    # kvstore set-up, which reads every parameter and so fails before the first forward
+    # of a deferred-initialised model.
+    for updater in trainer._updaters:
+        updater.set_states(blob)
+        updater.optimizer = trainer._updaters[0].optimizer
+    trainer._optimizer = trainer._updaters[0].optimizer
+    trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state()}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+# --------------------------------------------------------------------------- files
+def _seal(path: str) -> dict:
+    """fsync ``path`` and return its size and SHA-256."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+            size += len(chunk)
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise   # (some file systems cannot sync a directory; nothing to do there)
+    finally:
+        os.close(fd)
+
+
+def _versions(backend: str) -> dict:
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    found = {"dist_gluon": version("dist_gluon"), "mxnet": mx.__version__,
+             "numpy": np.__version__, "python": platform.python_version()}
+    if backend == "horovod":
+        found["horovod"] = version("horovod")
+    return found
+
+
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+__all__ = ["Checkpointer", "CheckpointError", "FORMAT", "FORMAT_VERSION"]
