@@ -11,9 +11,11 @@ from .backends import BACKEND_NAMES, Backend, create
 from .backends import register as _register
 from .broadcast import ModelMismatchError, broadcast_parameters
 from .data import ShardSampler, reduce_metric, shard_kwargs
+from .optimizer import DistributedOptimizer
 from .trainer import DistributedTrainer
 
 _register()
 
-__all__ = ["BACKEND_NAMES", "Backend", "DistributedTrainer", "ModelMismatchError",
+__all__ = ["BACKEND_NAMES", "Backend", "DistributedOptimizer", "DistributedTrainer",
+           "ModelMismatchError",
            "ShardSampler", "broadcast_parameters", "create", "reduce_metric", "shard_kwargs"]

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+
 from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 
 WORKERS = REPO / "tests" / "workers"

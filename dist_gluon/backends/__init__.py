@@ -5,8 +5,10 @@ horovodrun, or MXNet's own ps-lite tools) left behind.
 """
 from __future__ import annotations
 
+import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
+from . import pslite
 from .base import Backend
 from .horovod import Horovod, started_by_horovod
 from .local import Local
@@ -71,8 +73,23 @@ def resolve(kv) -> Backend:
 def register() -> None:
     """Make ``mx.kv.create('horovod')`` return our backend. Assigned directly: MXNet's
     register() would warn about replacing nothing, and MXNet's own names ('local',
-    'dist_sync', ...) must stay MXNet's."""
+    'dist_sync', ...) must stay MXNet's. ``mx.kv.create`` still returns MXNet's own
+    stores for those, but a second ps-lite store in one process raises instead of
+    blocking forever."""
     KVStoreBase.kv_registry["horovod"] = Horovod
+    if getattr(mx.kvstore.create, "_dg_guard", False):
+        return
+    mxnet_create = pslite._MXNET_CREATE
+
+    def create(name="local"):
+        if isinstance(name, str) and name.lower().startswith("dist") \
+                and name.lower() not in KVStoreBase.kv_registry:
+            pslite.claim_native_store(f"MXNet's {name!r} kvstore")
+        return mxnet_create(name)
+
+    create.__doc__ = mxnet_create.__doc__
+    create._dg_guard = True
+    mx.kvstore.create = create
 
 
 __all__ = ["Backend", "Local", "Horovod", "DistSync", "P3", "BACKEND_NAMES", "create",

@@ -9,7 +9,9 @@ objects) is done once here.
 from __future__ import annotations
 
 import atexit
+import os
 import pickle
+import sys
 from typing import Any
 
 import mxnet as mx
@@ -33,6 +35,20 @@ def _key_name(key) -> str:
     raise TypeError(f"kvstore keys must be int or str, got {type(key).__name__}: {key!r}")
 
 
+def _exit_after_uncaught_exception() -> None:
+    """End a worker whose script died of an uncaught exception (Python has printed it and
+    set ``sys.last_value``). Its peers will never join the collectives it left pending,
+    and the orderly shutdown (horovod's, ps-lite's exit barrier) is itself a collective:
+    waiting for either hangs this process, or lets a peer fail first and be blamed by the
+    launcher. So skip them and exit with the status of an uncaught exception."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    os._exit(1)
+
+
 class Backend(KVStoreBase):
     """Base class of dist_gluon's communication backends.
 
@@ -47,6 +63,7 @@ class Backend(KVStoreBase):
 
     def __init__(self):
         self._closed = False
+        self._in_flight: dict[str, mx.nd.NDArray] = {}
         atexit.register(self._atexit)
 
     # ----------------------------------------------------------------- identity
@@ -96,6 +113,7 @@ class Backend(KVStoreBase):
                 vals[0].copyto(dsts[0])
             targets.append(dsts[0])
         if self.num_workers > 1:
+            self._one_at_a_time(names, targets)
             self._broadcast_(names, targets, root_rank, priority)
         for dsts in outs:
             for extra in dsts[1:]:
@@ -126,10 +144,21 @@ class Backend(KVStoreBase):
                 mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
             targets.append(target)
         if self.num_workers > 1:
+            self._one_at_a_time(names, targets)
             self._allreduce_(names, targets, priority)
         for dsts in outs:
             for extra in dsts[1:]:
                 dsts[0].copyto(extra)
+
+    def _one_at_a_time(self, names, arrays) -> None:
+        """Let at most one array per key be in flight. MXNet's engine orders operations
+        on the same array, but not two arrays sent under one key, and both ps-lite (the
+        server merges them as one round) and Horovod (duplicate name) break on that."""
+        for name, arr in zip(names, arrays):
+            previous = self._in_flight.get(name)
+            if previous is not None and previous is not arr:
+                previous.wait_to_read()
+            self._in_flight[name] = arr
 
     def _normalise(self, key, value, out, op: str):
         keys = _as_list(key)
@@ -244,10 +273,12 @@ class Backend(KVStoreBase):
     def _atexit(self) -> None:
         """Finish communication still in flight before the interpreter tears down
         MXNet, so a rank that reaches the end first does not break a slower rank's last
-        collective."""
+        collective. A script that died of an uncaught exception exits at once instead."""
         if self._closed:
             return
         self._closed = True
+        if self.num_workers > 1 and hasattr(sys, "last_value"):
+            _exit_after_uncaught_exception()
         try:
             mx.nd.waitall()
         finally:

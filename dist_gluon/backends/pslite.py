@@ -17,6 +17,8 @@ import numpy as np
 
 from .base import Backend
 
+_MXNET_CREATE = mx.kvstore.create
+
 # ps-lite servers only aggregate floating point values.
 _SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
 
@@ -47,6 +49,25 @@ def job_env(num_workers: int, num_servers: int, port: int, p3: bool) -> dict[str
     if p3:
         env.update({"DMLC_PS_VAN_TYPE": "p3", "MXNET_UPDATE_ON_KVSTORE": "0"})
     return env
+
+
+# ps-lite starts once per process: a second dist kvstore in the same process blocks
+# forever inside MXNet, so the first one is remembered and a second gets an error.
+_native_owner: str | None = None
+_SECOND_STORE = (
+    "this process already runs a ps-lite kvstore ({owner}), and ps-lite allows one per "
+    "process (a second one blocks forever). Share the first one: pass kv=dist_gluon.create()"
+    " to dist_gluon, or kvstore=dist_gluon.create() with update_on_kvstore=False to a "
+    "gluon.Trainer or Module, instead of kvstore='dist_sync'")
+
+
+def claim_native_store(owner: str) -> None:
+    """Record that ``owner`` creates this process's ps-lite kvstore, or raise if one
+    exists already."""
+    global _native_owner
+    if _native_owner is not None:
+        raise RuntimeError(_SECOND_STORE.format(owner=_native_owner))
+    _native_owner = owner
 
 
 def role_env(role: str) -> dict[str, str]:
@@ -83,7 +104,8 @@ class DistSync(Backend):
             raise RuntimeError("this job runs the P3 van (DMLC_PS_VAN_TYPE=p3): create the "
                                "'p3' backend, or dist_gluon.create() to choose from the "
                                "environment")
-        self._kv = mx.kv.create("dist_sync")
+        claim_native_store(f"dist_gluon's {self._type!r} backend")
+        self._kv = _MXNET_CREATE("dist_sync")
         # ps-lite numbers workers in the order they connect; the launcher's rank is
         # stable and matches its output prefixes, so it wins when present.
         self._rank = int(os.environ.get("DG_RANK", self._kv.rank))
