@@ -10,12 +10,13 @@ parameter server (ps-lite ``dist_sync`` or P3); the backend is chosen by the lau
 from .backends import BACKEND_NAMES, Backend, create
 from .backends import register as _register
 from .broadcast import ModelMismatchError, broadcast_parameters
+from .checkpoint import CheckpointError, Checkpointer
 from .data import ShardSampler, reduce_metric, shard_kwargs
 from .optimizer import DistributedOptimizer
 from .trainer import DistributedTrainer
 
 _register()
 
-__all__ = ["BACKEND_NAMES", "Backend", "DistributedOptimizer", "DistributedTrainer",
-           "ModelMismatchError",
+__all__ = ["BACKEND_NAMES", "Backend", "CheckpointError", "Checkpointer",
+           "DistributedOptimizer", "DistributedTrainer", "ModelMismatchError",
            "ShardSampler", "broadcast_parameters", "create", "reduce_metric", "shard_kwargs"]

@@ -101,6 +101,15 @@ class DistributedTrainer(gluon.Trainer):
     def _key(self, index: int) -> str:
         return f"{self._prefix}.{index}"
 
+    def _init_kvstore(self):
+        # Communication goes through self._kv, never through an MXNet kvstore; gluon's
+        # version would also read param.data(), which fails before a deferred model's
+        # first forward (e.g. in load_states right after a restart).
+        self._kvstore = None
+        self._update_on_kvstore = False
+        self._distributed = False
+        self._kv_initialized = True
+
     def _allreduce_grads(self):
         if self._kv.num_workers == 1:
             return

@@ -121,3 +121,20 @@ def test_single_process_issues_no_collective(tmp_path):
     proc = _run([sys.executable, str(script)], tmp_path)
     assert_ok(proc)
     assert proc.stdout.strip() == "ok"
+
+
+def test_load_states_works_before_a_deferred_models_first_forward(tmp_path):
+    script = tmp_path / "deferred_states.py"
+    script.write_text(
+        "import mxnet as mx\nfrom mxnet import autograd, gluon\nimport dist_gluon as dg\n"
+        "def make():\n    net = gluon.nn.Dense(2)\n    net.initialize()\n"
+        "    return net, dg.DistributedTrainer(net.collect_params(), 'sgd',"
+        " {'learning_rate': 0.1, 'momentum': 0.9})\n"
+        "net, trainer = make()\n"
+        "with autograd.record():\n    loss = net(mx.nd.ones((3, 4))).sum()\n"
+        "loss.backward()\ntrainer.step(3)\ntrainer.save_states('s')\n"
+        "fresh, fresh_trainer = make()\nfresh_trainer.load_states('s')\n"
+        "print(sorted(fresh_trainer._updaters[0].states))\n")
+    proc = _run([sys.executable, str(script)], tmp_path)
+    assert_ok(proc)
+    assert proc.stdout.strip() == "[0, 1]"
