@@ -1,0 +1,277 @@
+"""Train a LeNet on handwritten digits with Gluon, on one process or on N workers.
+
+The same script runs alone or under any dist_gluon backend:
+
+    python examples/mnist/train_gluon.py
+    python -m dist_gluon.launch -n 2 --backend horovod -- \\
+        python examples/mnist/train_gluon.py --plot runs/mnist.png
+
+Data: ``--data-dir`` holding the four standard MNIST files (train-images-idx3-ubyte.gz,
+train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz).
+Without it, the 1,797 handwritten digits that ship with scikit-learn (8x8 pixels,
+scaled to 28x28) are split into a training and a validation set, so nothing is
+downloaded.
+
+What makes it distributed (everything else is a plain Gluon training loop):
+- ``dg.DistributedTrainer`` averages the gradients over the workers and starts every
+  worker from rank 0's weights;
+- ``dg.ShardSampler`` gives each worker its own share of the data, and
+  ``sampler.unpadded`` with ``dg.reduce_metric`` makes the validation accuracy exactly
+  that of one process evaluating the whole validation set;
+- the learning rate grows with the number of workers (the global batch grows too),
+  after a linear warmup;
+- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from mxnet.gluon import nn
+
+import dist_gluon as dg
+
+MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+               "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+# Mean and standard deviation of MNIST pixels in [0, 1].
+MEAN, STD = 0.1307, 0.3081
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a LeNet on MNIST (or scikit-learn's digits) with dist_gluon.",
+        epilog="example: python -m dist_gluon.launch -n 2 --backend horovod -- "
+               "python examples/mnist/train_gluon.py --plot runs/mnist.png")
+    parser.add_argument("--data-dir", default=None,
+                        help="directory with the four standard MNIST .gz files; default: "
+                             "the handwritten digits bundled with scikit-learn")
+    parser.add_argument("--epochs", type=int, default=12, help="training epochs (default: 12)")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="batch size of each worker (default: 32)")
+    parser.add_argument("--lr", type=float, default=0.02,
+                        help="learning rate of one worker; N workers use N times this "
+                             "(default: 0.02)")
+    parser.add_argument("--warmup-epochs", type=float, default=1.0,
+                        help="epochs of linear warmup from --lr to the scaled rate "
+                             "(default: 1)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument("--wd", type=float, default=1e-4, help="weight decay (default: 1e-4)")
+    parser.add_argument("--val-fraction", type=float, default=0.2,
+                        help="share of the bundled digits held out for validation "
+                             "(default: 0.2; ignored with --data-dir)")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="seed of the shuffling and the initial weights (default: 42)")
+    parser.add_argument("--log-interval", type=int, default=10,
+                        help="print progress every this many batches (default: 10)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="write a checkpoint there after every epoch")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir, if any")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG of the loss and accuracy curves to PATH")
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
+        parser.error("--epochs, --batch-size and --log-interval must be at least 1")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    return args
+
+
+def load_digits(val_fraction: float, seed: int):
+    """scikit-learn's digits as 28x28 uint8 images (N, 28, 28, 1), split deterministically
+    (the same split on every worker) into training and validation sets."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    digits = sklearn_digits()
+    # 8x8 pixels in 0..16 -> 24x24 by repeating each pixel 3x3, then a 2-pixel border as
+    # in MNIST, whose digits sit in a 20x20 box centred in 28x28.
+    images = np.kron(digits.images, np.ones((3, 3))) * (255.0 / 16.0)
+    images = np.pad(images, ((0, 0), (2, 2), (2, 2))).round().astype(np.uint8)[..., None]
+    labels = digits.target.astype(np.int32)
+    order = np.random.RandomState(seed).permutation(len(labels))
+    num_val = int(round(len(labels) * val_fraction))
+    val, train = order[:num_val], order[num_val:]
+    return (gluon.data.ArrayDataset(images[train], labels[train]),
+            gluon.data.ArrayDataset(images[val], labels[val]))
+
+
+def load_mnist(data_dir: str):
+    missing = [f for f in MNIST_FILES if not os.path.isfile(os.path.join(data_dir, f))]
+    if missing:
+        raise SystemExit(f"--data-dir {data_dir!r} lacks {', '.join(missing)}; put the four "
+                         f"standard MNIST files there, or leave out --data-dir to train on "
+                         f"the digits bundled with scikit-learn")
+    return (gluon.data.vision.MNIST(root=data_dir, train=True),
+            gluon.data.vision.MNIST(root=data_dir, train=False))
+
+
+def lenet() -> nn.HybridSequential:
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(20, kernel_size=5, activation="relu"),
+            nn.MaxPool2D(pool_size=2, strides=2),
+            nn.Conv2D(50, kernel_size=5, activation="relu"),
+            nn.MaxPool2D(pool_size=2, strides=2),
+            nn.Flatten(),
+            nn.Dense(500, activation="relu"),
+            nn.Dense(10))
+    return net
+
+
+def to_input(images: mx.nd.NDArray) -> mx.nd.NDArray:
+    """uint8 (B, 28, 28, 1) images -> normalised float32 (B, 1, 28, 28)."""
+    return ((images.astype("float32") / 255 - MEAN) / STD).transpose((0, 3, 1, 2))
+
+
+def evaluate(net, loader, sampler, loss_fn, kv) -> tuple[float, float]:
+    """Loss and accuracy over the whole validation set, the same on every worker."""
+    metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
+    for images, labels in sampler.unpadded(loader):
+        outputs = net(to_input(images))
+        metric.get_metric(0).update(None, [loss_fn(outputs, labels)])
+        metric.get_metric(1).update([labels], [outputs])
+    (_, loss), (_, acc) = (m.get() for m in dg.reduce_metric(metric, kv=kv).metrics)
+    return loss, acc
+
+
+def save_plot(history: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    epochs = [h["epoch"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(epochs, [h["train_loss"] for h in history], "o-", label="train")
+    left.plot(epochs, [h["val_loss"] for h in history], "o-", label="validation")
+    left.set(xlabel="epoch", ylabel="cross-entropy loss", title="Loss")
+    right.plot(epochs, [h["train_acc"] for h in history], "o-", label="train")
+    right.plot(epochs, [h["val_acc"] for h in history], "o-", label="validation")
+    right.set(xlabel="epoch", ylabel="accuracy", title="Accuracy")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = time.time()
+    kv = dg.create()
+    workers = kv.num_workers
+
+    def log(message: str) -> None:
+        if kv.rank == 0:
+            print(message, flush=True)
+
+    if args.data_dir:
+        train_data, val_data = load_mnist(args.data_dir)
+        log(f"data: MNIST from {args.data_dir}")
+    else:
+        train_data, val_data = load_digits(args.val_fraction, args.seed)
+        log("data: no --data-dir given, using the handwritten digits bundled with "
+            "scikit-learn (8x8 scaled to 28x28); nothing is downloaded")
+    log(f"data: {len(train_data)} training and {len(val_data)} validation images; "
+        f"backend {kv.type}, {workers} worker(s), batch {args.batch_size} per worker")
+
+    train_sampler = dg.ShardSampler(len(train_data), kv=kv, shuffle=True, seed=args.seed)
+    val_sampler = dg.ShardSampler(len(val_data), kv=kv, shuffle=False)
+    train_loader = gluon.data.DataLoader(train_data, args.batch_size, sampler=train_sampler)
+    val_loader = gluon.data.DataLoader(val_data, args.batch_size, sampler=val_sampler)
+
+    mx.random.seed(args.seed)
+    net = lenet()
+    net.initialize(mx.init.Xavier(magnitude=2.24))
+    net.hybridize()
+
+    # N workers train on N times the batch, so they take N times the step (Goyal et al.,
+    # 2017), reached by a linear warmup from the one-worker rate, then a cosine decay.
+    steps_per_epoch = len(train_loader)
+    total_steps = args.epochs * steps_per_epoch
+    warmup_steps = min(int(args.warmup_epochs * steps_per_epoch), total_steps - 1)
+    lr = args.lr * workers
+    schedule = mx.lr_scheduler.CosineScheduler(
+        max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
+        warmup_steps=warmup_steps, warmup_begin_lr=args.lr)
+    trainer = dg.DistributedTrainer(
+        net.collect_params(), "sgd",
+        {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
+         "lr_scheduler": schedule}, kv=kv)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, {warmup_steps} warmup steps, "
+        f"cosine decay over {total_steps} steps")
+
+    history: list[dict] = []
+    start_epoch = 0
+    checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
+    if checkpointer is not None and args.resume:
+        state = checkpointer.restore(net, trainer)
+        if state is None:
+            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
+        else:
+            start_epoch = state["epoch"]
+            # The restored optimizer carries the saved run's schedule; this run's
+            # arguments (e.g. more --epochs) decide, from the restored step count on.
+            trainer.optimizer.lr_scheduler = schedule
+            history = list((state.get("extra") or {}).get("history", []))
+            log(f"resume: continuing after epoch {start_epoch} from {args.checkpoint_dir}")
+
+    train_time = 0.0
+    samples = 0
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)
+        metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
+        tic = time.time()
+        for batch, (images, labels) in enumerate(train_loader, start=1):
+            with autograd.record():
+                outputs = net(to_input(images))
+                loss = loss_fn(outputs, labels)
+            loss.backward()
+            trainer.step(images.shape[0])
+            metric.get_metric(0).update(None, [loss])
+            metric.get_metric(1).update([labels], [outputs])
+            samples += images.shape[0] * workers
+            if batch % args.log_interval == 0 or batch == steps_per_epoch:
+                (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
+                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{steps_per_epoch}] "
+                    f"loss {batch_loss:.4f} acc {batch_acc:.4f} lr {trainer.learning_rate:.4f}")
+        mx.nd.waitall()
+        elapsed = time.time() - tic
+        train_time += elapsed
+        (_, train_loss), (_, train_acc) = (m.get() for m in
+                                           dg.reduce_metric(metric, kv=kv).metrics)
+        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv)
+        speed = len(train_sampler) * workers / elapsed
+        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
+                        "val_loss": val_loss, "val_acc": val_acc})
+        log(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss:.4f} "
+            f"train_acc={train_acc:.4f} val_loss={val_loss:.4f} val_acc={val_acc:.4f} "
+            f"time={elapsed:.1f}s samples/s={speed:.0f}")
+        if checkpointer is not None:
+            checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
+        if args.plot and kv.rank == 0:
+            save_plot(history, args.plot)
+
+    if start_epoch >= args.epochs or not history:
+        log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
+            "nothing to train, evaluating it")
+        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv)
+        history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
+    elif args.plot:
+        log(f"plot: {args.plot}")
+    final = history[-1]
+    speed = samples / train_time if train_time else float("nan")
+    log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
+        f"epochs={final['epoch']} backend={kv.type} workers={workers} "
+        f"samples/s={speed:.0f} time={time.time() - started:.1f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The example programs train for real on tiny data, as plain processes and as 2 workers
+through the real launcher on horovod, dist_sync and p3: they print their progress from
+rank 0 only and end with a summary line holding the exact validation accuracy and the
+throughput; checkpoints written under one backend resume under another."""
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_ok, worker_lines
+
+EXAMPLES = REPO / "examples"
+BACKENDS = ("horovod", "dist_sync")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def run(script: str, *args: str, backend: str | None, cwd, timeout: float = 240):
+    """Run an example as 2 workers of ``backend``, or as a plain process (None)."""
+    command = [sys.executable, str(EXAMPLES / script), *args]
+    if backend is not None:
+        command = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
+                   backend, "--", *command]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rank0_lines(proc, distributed: bool = True) -> list[str]:
+    """Rank 0's output, after checking that the job succeeded and that rank 1 was silent."""
+    assert_ok(proc)
+    if not distributed:
+        return proc.stdout.splitlines()
+    assert worker_lines(proc.stdout, 1) == [], "rank 1 printed to stdout"
+    return worker_lines(proc.stdout, 0)
+
+
+def summary(lines: list[str]) -> dict[str, str]:
+    """The key=value fields of the summary line (the last line)."""
+    assert lines and lines[-1].startswith("summary: "), lines[-10:]
+    return dict(field.split("=", 1) for field in lines[-1].split()[1:])
+
+
+def epoch_lines(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("epoch ") and "val_acc=" in line]
+
+
+@pytest.fixture(scope="module")
+def tiny_rec(tmp_path_factory):
+    """3 classes of shapes; 33 validation images, so 2 workers hold 17 and 16 of them."""
+    out = tmp_path_factory.mktemp("tiny_rec")
+    assert_ok(run("imagenet/make_tiny_rec.py", "--output-dir", str(out), "--classes", "3",
+                  "--train-per-class", "16", "--val-per-class", "11", backend=None, cwd=out))
+    assert {p.name for p in out.iterdir()} >= {"train.rec", "train.idx", "val.rec", "val.idx"}
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny_folder")
+    assert_ok(run("imagenet/make_tiny_rec.py", "--output-dir", str(out), "--format", "folder",
+                  "--classes", "3", "--train-per-class", "8", "--val-per-class", "5",
+                  backend=None, cwd=out))
+    assert sorted(p.name for p in (out / "val").iterdir()) == ["circle", "square", "triangle"]
+    return out
+
+
+# ------------------------------------------------------------------------------ MNIST
+def test_mnist_gluon_learns_digits_on_horovod_and_resumes_on_dist_sync(tmp_path):
+    plot, checkpoints = tmp_path / "runs" / "mnist.png", tmp_path / "ckpt"
+    proc = run("mnist/train_gluon.py", "--epochs", "2", "--plot", str(plot),
+               "--checkpoint-dir", str(checkpoints), backend="horovod", cwd=tmp_path)
+    lines = rank0_lines(proc)
+    assert any("bundled with scikit-learn" in line for line in lines)
+    assert len(epoch_lines(lines)) == 2
+    assert any("[ 10/23]" in line for line in lines)   # progress within the epoch
+    result = summary(lines)
+    assert float(result["val_acc"]) >= 0.8
+    assert float(result["samples/s"]) > 0
+    assert (result["backend"], result["workers"]) == ("horovod", "2")
+    assert plot.read_bytes().startswith(PNG_SIGNATURE)
+    assert any(checkpoints.iterdir())
+
+    # A checkpoint does not depend on the backend.
+    resumed = rank0_lines(run("mnist/train_gluon.py", "--epochs", "3", "--checkpoint-dir",
+                              str(checkpoints), "--resume", backend="dist_sync", cwd=tmp_path))
+    assert any(line.startswith("resume: continuing after epoch 2") for line in resumed)
+    assert [line.split(":")[0] for line in epoch_lines(resumed)] == ["epoch 3/3"]
+    result = summary(resumed)
+    assert float(result["val_acc"]) >= 0.9
+    assert result["backend"] == "dist_sync"
+
+
+def test_mnist_gluon_gives_the_same_accuracy_on_one_process_and_on_p3(tmp_path):
+    """One process on batches of 64 and 2 workers on 32 each see the same samples per step
+    with the same learning rate (the script scales it by the workers), so they train
+    alike up to the order of float sums; the exact validation accuracy then agrees to a
+    few of the 359 images."""
+    single = summary(rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size",
+                                     "64", "--lr", "0.02", "--warmup-epochs", "0",
+                                     backend=None, cwd=tmp_path), distributed=False))
+    p3 = summary(rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size",
+                                 "32", "--lr", "0.01", "--warmup-epochs", "0", backend="p3",
+                                 cwd=tmp_path)))
+    assert (single["workers"], p3["workers"]) == ("1", "2")
+    assert abs(float(single["val_acc"]) - float(p3["val_acc"])) <= 2 / 359
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mnist_module_learns_digits(backend, tmp_path):
+    lines = rank0_lines(run("mnist/train_module.py", "--epochs", "2", backend=backend,
+                            cwd=tmp_path))
+    assert any("bundled with scikit-learn" in line for line in lines)
+    assert len(epoch_lines(lines)) == 2
+    result = summary(lines)
+    assert float(result["val_acc"]) >= 0.8
+    assert float(result["samples/s"]) > 0
+
+
+def write_idx(path, array) -> None:
+    """An MNIST idx file of uint8 ``array``, gzipped when ``path`` ends with .gz."""
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(d.to_bytes(4, "big") for d in array.shape)
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_mnist_module_reads_standard_mnist_files_as_a_plain_process(tmp_path):
+    rng = np.random.RandomState(0)
+    for split, count, suffix in (("train", 96, ".gz"), ("t10k", 40, "")):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte{suffix}",
+                  rng.randint(0, 256, size=(count, 28, 28)))
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte{suffix}", rng.randint(0, 10, count))
+    lines = rank0_lines(run("mnist/train_module.py", "--data-dir", str(tmp_path), "--epochs",
+                            "1", backend=None, cwd=tmp_path), distributed=False)
+    assert f"data: MNIST from {tmp_path}" in lines
+    assert any(line.startswith("data: 96 training and 40 validation") for line in lines)
+    result = summary(lines)
+    assert 0 <= float(result["val_acc"]) <= 1
+    assert result["workers"] == "1"
+
+
+# --------------------------------------------------------------------------- ImageNet
+def test_imagenet_trains_on_rec_files_on_horovod_and_resumes_on_dist_sync(tiny_rec, tmp_path):
+    common = ["--data-dir", str(tiny_rec), "--model", "mobilenet0.25", "--input-size", "32",
+              "--num-classes", "3", "--batch-size", "8", "--lr", "0.05", "--log-interval", "2",
+              "--warmup-epochs", "1", "--lr-mode", "step", "--lr-decay-epochs", "1",
+              "--mixup-alpha", "0.2", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    lines = rank0_lines(run("imagenet/train_imagenet.py", *common, "--epochs", "2",
+                            backend="horovod", cwd=tmp_path))
+    epochs = epoch_lines(lines)
+    assert len(epochs) == 2
+    # every validation image counted once, though 2 workers share 33 images in batches of 8
+    assert all(line.endswith("(33 images)") for line in epochs), epochs
+    assert all("images/s=" in line for line in epochs)
+    assert any("[   2/3]" in line for line in lines)
+    result = summary(lines)
+    assert 0 <= float(result["val_acc"]) <= 1
+    assert float(result["images/s"]) > 0
+    assert (result["model"], result["backend"]) == ("mobilenet0.25", "horovod")
+
+    resumed = rank0_lines(run("imagenet/train_imagenet.py", *common, "--epochs", "3",
+                              "--resume", backend="dist_sync", cwd=tmp_path))
+    assert any(line.startswith("resume: continuing after epoch 2") for line in resumed)
+    epochs = epoch_lines(resumed)
+    assert [line.split(":")[0] for line in epochs] == ["epoch 3/3"]
+    assert epochs[0].endswith("(33 images)")
+    assert summary(resumed)["backend"] == "dist_sync"
+
+
+def test_imagenet_trains_on_an_image_folder(tiny_folder, tmp_path):
+    lines = rank0_lines(run("imagenet/train_imagenet.py", "--data-dir", str(tiny_folder),
+                            "--model", "mobilenet0.25", "--input-size", "32", "--batch-size",
+                            "4", "--epochs", "1", "--lr-mode", "cosine", "--label-smoothing",
+                            "0.1", backend="horovod", cwd=tmp_path))
+    assert any("3 classes" in line and "FolderData" in line for line in lines)
+    assert epoch_lines(lines)[0].endswith("(15 images)")
+    assert 0 <= float(summary(lines)["val_acc"]) <= 1
+
+
+def test_imagenet_synthetic_measures_images_per_second_as_a_plain_process(tmp_path):
+    lines = rank0_lines(run("imagenet/train_imagenet.py", "--synthetic", "--model",
+                            "resnet18_v1b", "--input-size", "32", "--num-classes", "10",
+                            "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "3",
+                            "--warmup-epochs", "0", backend=None, cwd=tmp_path),
+                        distributed=False)
+    assert any("[   3/3]" in line and "images/s" in line for line in lines)
+    result = summary(lines)
+    assert result["val_acc"] == "nan"      # no validation data with --synthetic
+    assert float(result["images/s"]) > 0
+
+
+def test_imagenet_float16_on_cpu_is_a_clear_usage_error(tmp_path):
+    proc = run("imagenet/train_imagenet.py", "--synthetic", "--dtype", "float16",
+               backend=None, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--dtype float16 needs a GPU" in proc.stderr
