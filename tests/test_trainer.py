@@ -138,3 +138,41 @@ def test_load_states_works_before_a_deferred_models_first_forward(tmp_path):
     proc = _run([sys.executable, str(script)], tmp_path)
     assert_ok(proc)
     assert proc.stdout.strip() == "[0, 1]"
+
+
+HYBRIDIZED_FIRST = """
+    import json
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import dist_gluon as dg
+
+    kv = dg.create()
+    mx.random.seed(kv.rank)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(8, 3, in_channels=3), gluon.nn.BatchNorm(in_channels=8),
+            gluon.nn.Dense(4, in_units=8 * 6 * 6))
+    net.initialize()
+    net.hybridize(static_alloc=True, static_shape=True)
+    x = mx.nd.ones((2, 3, 8, 8)) * (kv.rank + 1)
+    net(x)      # weights may now hold MKLDNN-layout data
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    first = [p.data().asnumpy().sum().item() for p in net.collect_params().values()]
+    with autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    trainer.step(2)
+    # BatchNorm running statistics follow each rank's own data (as in Horovod)
+    after = [p.data().asnumpy().sum().item() for p in net.collect_params().values()
+             if p.grad_req != "null"]
+    print(json.dumps({"first": first, "after": after}))
+"""
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_a_trainer_created_after_a_hybridized_forward_still_broadcasts(tmp_path, backend):
+    from conftest import launch
+    proc = launch(HYBRIDIZED_FIRST, tmp_path, backend=backend,
+                  launcher_args=["--timeout", "60"])
+    assert_ok(proc)
+    rank0, rank1 = (json.loads(worker_lines(proc.stdout, r)[-1]) for r in (0, 1))
+    assert rank0 == rank1
