@@ -1,0 +1,557 @@
+"""The backends: one interface, the same results on local, horovod, dist_sync and p3.
+
+Each distributed backend runs ONE 2-worker job through the real launcher; the workers
+print what they sent and received as JSON lines and the tests below assert the values.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet.kvstore.base import KVStoreBase
+
+import dist_gluon as dg
+from conftest import DISTRIBUTED_BACKENDS, assert_ok, launch, worker_lines
+from dist_gluon import backends
+
+# Helpers shared by every worker script: `emit` prints one result as a JSON line and
+# `describe` turns an NDArray into something JSON can carry.
+WORKER_PRELUDE = """
+import hashlib
+import json
+import os
+import sys
+import time
+
+import mxnet as mx
+import numpy as np
+
+import dist_gluon as dg
+
+
+def emit(check, value):
+    print("RESULT " + json.dumps({"check": check, "value": value}), flush=True)
+
+
+def describe(arr):
+    data = arr.asnumpy()
+    return {"shape": list(data.shape), "dtype": data.dtype.name,
+            "sha": hashlib.sha256(data.tobytes()).hexdigest(),
+            "values": data.ravel().tolist() if data.size <= 64 else None}
+
+
+def pattern(shape, dtype, offset):
+    size = int(np.prod(shape))
+    return mx.nd.array((np.arange(size) % 29 + offset).reshape(shape), dtype=dtype)
+"""
+
+API_WORKER = WORKER_PRELUDE + """
+backend = os.environ["DG_BACKEND"]
+other_flavour = {"dist_sync": "p3", "p3": "dist_sync"}.get(backend)
+if other_flavour:
+    try:
+        dg.create(other_flavour)
+        emit("other_pslite_flavour_error", None)
+    except RuntimeError as err:
+        emit("other_pslite_flavour_error", str(err))
+
+kv = dg.create()
+rank = kv.rank
+emit("identity", {"type": kv.type, "rank": rank, "num_workers": kv.num_workers,
+                  "local_rank": kv.local_rank, "shared": dg.create(kv.type) is kv})
+if backend == "horovod":
+    plain = mx.kv.create("horovod")
+    emit("mx_kv_create_horovod", {"class": type(plain).__module__ + "." + type(plain).__name__,
+                                  "rank": plain.rank, "num_workers": plain.num_workers})
+
+# ---------------------------------------------------------------- broadcast
+# rank 1 starts from different values, and its outputs hold garbage before the call
+BROADCASTS = [(0, (3,), "float32"), ("weight", (2, 3), "float64"), (5, (4, 1, 2), "float16"),
+              ("counts", (2, 2), "int32"), ("big", (512, 300), "float32")]
+for key, shape, dtype in BROADCASTS:
+    value = pattern(shape, dtype, 1 if rank == 0 else 100)
+    out = mx.nd.full(shape, 7, dtype=dtype)
+    kv.broadcast(key, value, out)
+    emit(f"broadcast {key}", {"sent": describe(value), "out": describe(out)})
+
+values = [pattern((2,), "float32", 10 + 50 * rank), pattern((3, 3), "float64", 20 + 50 * rank)]
+outs = [mx.nd.zeros((2,)), mx.nd.zeros((3, 3), dtype="float64")]
+kv.broadcast([10, "eleven"], values, outs)
+emit("broadcast list", {"sent": [describe(v) for v in values], "out": [describe(o) for o in outs]})
+
+value = pattern((4,), "float32", 3 + 40 * rank)
+copies = [mx.nd.zeros((4,)), mx.nd.ones((4,))]
+kv.broadcast("copies", value, copies)
+emit("broadcast copies", {"sent": describe(value), "out": [describe(c) for c in copies]})
+
+value = pattern((5,), "float32", 2 + 60 * rank)
+sent = describe(value)
+kv.broadcast("inplace", value, value)
+emit("broadcast inplace", {"sent": sent, "out": describe(value)})
+
+repeats = []
+for round_ in range(3):
+    value = pattern((6,), "float32", 10 * round_ + (0 if rank == 0 else 500))
+    out = mx.nd.zeros((6,))
+    kv.broadcast("again", value, out)
+    repeats.append({"sent": describe(value), "out": describe(out)})
+emit("broadcast repeated", repeats)
+
+# ---------------------------------------------------------------- pushpull
+for dtype in ("float32", "float64", "float16", "int32"):
+    value = pattern((3, 4), dtype, 1 + 10 * rank)
+    sent = describe(value)
+    kv.pushpull(f"inplace_{dtype}", value)
+    emit(f"pushpull inplace {dtype}", {"sent": sent, "out": describe(value)})
+
+value = pattern((5,), "float32", 2 + 3 * rank)
+out = mx.nd.zeros((5,))
+kv.pushpull("into_out", value, out=out, priority=-3)
+emit("pushpull out", {"sent": describe(value), "out": describe(out)})
+
+values = [pattern((2,), "float32", 1 + rank), pattern((2, 2), "float64", 5 + rank)]
+outs = [mx.nd.zeros((2,)), mx.nd.zeros((2, 2), dtype="float64")]
+kv.pushpull([20, "twentyone"], values, out=outs)
+emit("pushpull list out", {"sent": [describe(v) for v in values],
+                           "out": [describe(o) for o in outs]})
+sent = [describe(v) for v in values]
+kv.pushpull([22, "twentythree"], values)
+emit("pushpull list inplace", {"sent": sent, "out": [describe(v) for v in values]})
+
+copies = [pattern((3,), "float32", 1 + rank), pattern((3,), "float32", 10 + rank)]
+outs = [mx.nd.zeros((3,)), mx.nd.zeros((3,))]
+kv.pushpull("devices", copies, out=outs)
+emit("pushpull copies", {"sent": [describe(c) for c in copies],
+                         "out": [describe(o) for o in outs]})
+copies = [[pattern((2,), "float32", 1 + rank), pattern((2,), "float32", 4 + rank)],
+          [pattern((3,), "float64", 7 + rank), pattern((3,), "float64", 9 + rank)]]
+sent = [[describe(c) for c in per_key] for per_key in copies]
+kv.pushpull(["devices_a", "devices_b"], copies)
+emit("pushpull list copies", {"sent": sent,
+                              "out": [[describe(c) for c in per_key] for per_key in copies]})
+
+value = pattern((512, 300), "float32", 1 + rank)
+sent = describe(value)
+kv.pushpull("big_sum", value)
+emit("pushpull big", {"sent": sent, "out": describe(value)})
+
+# ---------------------------------------------------------------- objects
+mine = {"from": rank, "name": f"rank{rank}", "array": np.arange(3 + rank, dtype=np.int64)}
+got = kv.broadcast_object(mine)
+emit("broadcast_object", {"from": got["from"], "name": got["name"],
+                          "array": got["array"].tolist(), "dtype": got["array"].dtype.name})
+got = kv.broadcast_object({"from": rank}, root_rank=1)
+emit("broadcast_object root 1", got)
+
+blob = np.random.RandomState(rank).bytes(100_000 + 1000 * rank)
+got = kv.broadcast_object({"blob": blob, "array": np.full((20_000,), rank, np.float64)})
+emit("broadcast_object large", {
+    "sent_sha": hashlib.sha256(blob).hexdigest(), "sha": hashlib.sha256(got["blob"]).hexdigest(),
+    "array": sorted(set(got["array"].tolist())), "array_len": len(got["array"])})
+
+sizes = [kv.broadcast_object("x" * n) for n in (10, 5000, 300, 70_000)]
+emit("broadcast_object sizes", [len(s) for s in sizes])
+
+got = kv.allgather_object({"rank": rank, "array": np.arange(rank + 2)})
+emit("allgather_object", [{"rank": g["rank"], "array": g["array"].tolist()} for g in got])
+
+mine = np.random.RandomState(10 + rank).bytes(10 if rank == 0 else 90_000)
+got = kv.allgather_object(mine)
+emit("allgather_object large", {"sent_sha": hashlib.sha256(mine).hexdigest(),
+                                "shas": [hashlib.sha256(g).hexdigest() for g in got]})
+
+# ---------------------------------------------------------------- barrier
+if rank == 1:
+    time.sleep(1.0)
+entered = time.time()
+kv.barrier()
+left = time.time()
+kv.barrier()
+kv.barrier()
+emit("barrier", {"entered": entered, "left": left})
+emit("done", True)
+"""
+
+
+def _results(proc, n: int = 2) -> list[dict]:
+    """Per rank, the {check: value} the worker emitted."""
+    assert_ok(proc)
+    per_rank = []
+    for rank in range(n):
+        found = {}
+        for line in worker_lines(proc.stdout, rank):
+            if line.startswith("RESULT "):
+                item = json.loads(line[len("RESULT "):])
+                found[item["check"]] = item["value"]
+        per_rank.append(found)
+    return per_rank
+
+
+def _array(desc: dict) -> np.ndarray:
+    return np.array(desc["values"], dtype=desc["dtype"]).reshape(desc["shape"])
+
+
+@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+def api_run(request, tmp_path_factory):
+    """(backend, per-rank results) of the API worker run with 2 workers."""
+    tmp_path = tmp_path_factory.mktemp(f"api_{request.param}")
+    results = _results(launch(API_WORKER, tmp_path, request.param, n=2, timeout=120))
+    for rank, found in enumerate(results):
+        assert found.get("done"), f"rank {rank} did not finish: {sorted(found)}"
+    return request.param, results
+
+
+# ------------------------------------------------------------------ identity
+def test_create_without_a_name_picks_the_backend_the_launcher_started(api_run):
+    backend, results = api_run
+    for rank, found in enumerate(results):
+        assert found["identity"] == {"type": backend, "rank": rank, "num_workers": 2,
+                                     "local_rank": rank, "shared": True}
+
+
+def test_mx_kv_create_horovod_returns_the_dist_gluon_backend_in_a_horovod_job(api_run):
+    backend, results = api_run
+    if backend != "horovod":
+        pytest.skip("horovod only")
+    for rank, found in enumerate(results):
+        assert found["mx_kv_create_horovod"] == {
+            "class": "dist_gluon.backends.horovod.Horovod", "rank": rank, "num_workers": 2}
+
+
+def test_asking_for_the_other_pslite_flavour_inside_a_pslite_job_is_a_clear_error(api_run):
+    backend, results = api_run
+    if backend == "horovod":
+        pytest.skip("ps-lite only")
+    for found in results:
+        message = found["other_pslite_flavour_error"]
+        assert message is not None, "creating the wrong ps-lite flavour did not raise"
+        assert "DMLC_PS_VAN_TYPE=p3" in message
+        if backend == "dist_sync":
+            assert "--backend p3" in message
+        else:
+            assert "'p3' backend" in message
+
+
+# ------------------------------------------------------------------ broadcast
+@pytest.mark.parametrize("key", ["0", "weight", "5", "counts", "big"])
+def test_broadcast_gives_every_rank_rank0s_values_shape_and_dtype(api_run, key):
+    _, (rank0, rank1) = api_run
+    root = rank0[f"broadcast {key}"]["sent"]
+    assert rank1[f"broadcast {key}"]["sent"]["sha"] != root["sha"]
+    for found in (rank0, rank1):
+        out = found[f"broadcast {key}"]["out"]
+        assert (out["shape"], out["dtype"], out["sha"]) == \
+            (root["shape"], root["dtype"], root["sha"])
+        if root["values"] is not None:
+            assert out["values"] == root["values"]
+
+
+def test_broadcast_of_a_list_of_keys_fills_each_output(api_run):
+    _, (rank0, rank1) = api_run
+    root = rank0["broadcast list"]["sent"]
+    for found in (rank0, rank1):
+        outs = found["broadcast list"]["out"]
+        assert [o["sha"] for o in outs] == [r["sha"] for r in root]
+        assert [o["dtype"] for o in outs] == ["float32", "float64"]
+
+
+def test_broadcast_to_several_device_copies_fills_every_copy(api_run):
+    _, (rank0, rank1) = api_run
+    root = rank0["broadcast copies"]["sent"]
+    for found in (rank0, rank1):
+        assert [c["values"] for c in found["broadcast copies"]["out"]] == [root["values"]] * 2
+
+
+def test_broadcast_in_place_overwrites_the_value_on_other_ranks(api_run):
+    _, (rank0, rank1) = api_run
+    root = rank0["broadcast inplace"]["sent"]["values"]
+    assert rank1["broadcast inplace"]["sent"]["values"] != root
+    assert rank0["broadcast inplace"]["out"]["values"] == root
+    assert rank1["broadcast inplace"]["out"]["values"] == root
+
+
+def test_repeated_broadcast_of_one_key_delivers_each_rounds_root_values(api_run):
+    _, (rank0, rank1) = api_run
+    roots = [r["sent"]["values"] for r in rank0["broadcast repeated"]]
+    assert len({tuple(v) for v in roots}) == 3
+    for found in (rank0, rank1):
+        assert [r["out"]["values"] for r in found["broadcast repeated"]] == roots
+
+
+# ------------------------------------------------------------------ pushpull
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32"])
+def test_pushpull_in_place_sums_over_workers_and_keeps_the_dtype(api_run, dtype):
+    _, (rank0, rank1) = api_run
+    check = f"pushpull inplace {dtype}"
+    expected = _array(rank0[check]["sent"]) + _array(rank1[check]["sent"])
+    for found in (rank0, rank1):
+        out = found[check]["out"]
+        assert out["dtype"] == dtype and out["shape"] == [3, 4]
+        np.testing.assert_array_equal(_array(out), expected)
+
+
+def test_pushpull_into_out_leaves_the_value_untouched(api_run):
+    _, (rank0, rank1) = api_run
+    expected = _array(rank0["pushpull out"]["sent"]) + _array(rank1["pushpull out"]["sent"])
+    for rank, found in enumerate((rank0, rank1)):
+        np.testing.assert_array_equal(_array(found["pushpull out"]["out"]), expected)
+        np.testing.assert_array_equal(_array(found["pushpull out"]["sent"]),
+                                      np.arange(5) + 2 + 3 * rank)
+
+
+@pytest.mark.parametrize("check", ["pushpull list out", "pushpull list inplace"])
+def test_pushpull_of_a_list_of_keys_sums_each_key(api_run, check):
+    _, (rank0, rank1) = api_run
+    expected = [_array(a) + _array(b) for a, b in zip(rank0[check]["sent"],
+                                                      rank1[check]["sent"])]
+    for found in (rank0, rank1):
+        for out, want in zip(found[check]["out"], expected, strict=True):
+            assert out["dtype"] == want.dtype.name
+            np.testing.assert_array_equal(_array(out), want)
+
+
+def test_pushpull_of_several_device_copies_sums_locally_then_over_workers(api_run):
+    _, (rank0, rank1) = api_run
+    expected = sum(_array(c) for found in (rank0, rank1)
+                   for c in found["pushpull copies"]["sent"])
+    for found in (rank0, rank1):
+        for out in found["pushpull copies"]["out"]:
+            np.testing.assert_array_equal(_array(out), expected)
+
+
+def test_pushpull_of_a_list_of_keys_with_device_copies_writes_back_into_every_copy(api_run):
+    _, (rank0, rank1) = api_run
+    check = "pushpull list copies"
+    for k in range(2):
+        expected = sum(_array(c) for found in (rank0, rank1) for c in found[check]["sent"][k])
+        for found in (rank0, rank1):
+            for out in found[check]["out"][k]:
+                np.testing.assert_array_equal(_array(out), expected)
+
+
+def test_pushpull_of_a_large_array_sums_every_element(api_run):
+    _, results = api_run
+    # the workers sent pattern(offset=1) and pattern(offset=2)
+    expected = (2 * (np.arange(512 * 300) % 29) + 3).astype("float32").reshape(512, 300)
+    for found in results:
+        assert found["pushpull big"]["out"]["sha"] == hashlib.sha256(expected.tobytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ objects
+def test_broadcast_object_returns_the_roots_object_numpy_arrays_included(api_run):
+    _, results = api_run
+    for found in results:
+        assert found["broadcast_object"] == {"from": 0, "name": "rank0", "array": [0, 1, 2],
+                                             "dtype": "int64"}
+        assert found["broadcast_object root 1"] == {"from": 1}
+
+
+def test_broadcast_object_carries_objects_larger_than_64_kb(api_run):
+    _, (rank0, rank1) = api_run
+    root_sha = rank0["broadcast_object large"]["sent_sha"]
+    assert rank1["broadcast_object large"]["sent_sha"] != root_sha
+    for found in (rank0, rank1):
+        got = found["broadcast_object large"]
+        assert got["sha"] == root_sha
+        assert got["array"] == [0.0] and got["array_len"] == 20_000
+        assert found["broadcast_object sizes"] == [10, 5000, 300, 70_000]
+
+
+def test_allgather_object_returns_every_ranks_object_in_rank_order(api_run):
+    _, results = api_run
+    for found in results:
+        assert found["allgather_object"] == [{"rank": 0, "array": [0, 1]},
+                                             {"rank": 1, "array": [0, 1, 2]}]
+
+
+def test_allgather_object_handles_objects_of_very_different_sizes(api_run):
+    _, (rank0, rank1) = api_run
+    expected = [rank0["allgather_object large"]["sent_sha"],
+                rank1["allgather_object large"]["sent_sha"]]
+    for found in (rank0, rank1):
+        assert found["allgather_object large"]["shas"] == expected
+
+
+def test_barrier_releases_no_rank_before_the_last_one_arrives(api_run):
+    _, (rank0, rank1) = api_run
+    assert rank0["barrier"]["left"] >= rank1["barrier"]["entered"] - 0.05
+    assert rank1["barrier"]["entered"] - rank0["barrier"]["entered"] > 0.5
+
+
+# ------------------------------------------------------------------ local, in-process
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher environment, and no backend created yet in this process."""
+    for name in ("DMLC_ROLE", "DMLC_PS_VAN_TYPE", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK",
+                 "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(backends, "_INSTANCES", {})
+
+
+def test_local_backend_is_one_worker_and_every_collective_is_the_identity(clean_env):
+    kv = dg.create("local")
+    assert (kv.type, kv.rank, kv.num_workers, kv.local_rank) == ("local", 0, 1, 0)
+    assert dg.create() is kv
+
+    value, out = mx.nd.array([1, 2, 3]), mx.nd.zeros((3,))
+    kv.broadcast("w", value, out)
+    assert out.asnumpy().tolist() == [1, 2, 3]
+    copies = [mx.nd.zeros((3,)), mx.nd.zeros((3,))]
+    kv.broadcast(0, value, copies)
+    assert [c.asnumpy().tolist() for c in copies] == [[1, 2, 3]] * 2
+
+    kv.pushpull(1, value)
+    assert value.asnumpy().tolist() == [1, 2, 3]
+    kv.pushpull(1, value, out=out)
+    assert out.asnumpy().tolist() == [1, 2, 3]
+    ints = [mx.nd.array([1, 2], dtype="int32"), mx.nd.array([3, 4], dtype="int32")]
+    outs = [mx.nd.zeros((2,), dtype="int32"), mx.nd.zeros((2,), dtype="int32")]
+    kv.pushpull("dev", ints, out=outs)
+    assert [o.asnumpy().tolist() for o in outs] == [[4, 6], [4, 6]]
+    assert outs[0].dtype == np.int32
+    pair = [mx.nd.ones((2,)), mx.nd.ones((3,))]
+    kv.pushpull(["a", 7], pair)
+    assert [p.asnumpy().tolist() for p in pair] == [[1, 1], [1, 1, 1]]
+
+    kv.barrier()
+    obj = {"a": np.arange(3)}
+    assert kv.broadcast_object(obj) is obj
+    assert kv.allgather_object(obj) == [obj]
+
+
+def test_local_backend_issues_no_collective(clean_env, monkeypatch):
+    kv = dg.create("local")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective was issued by a single process")
+
+    monkeypatch.setattr(kv, "_allreduce_", refuse)
+    monkeypatch.setattr(kv, "_broadcast_", refuse)
+    monkeypatch.setattr(kv, "_barrier", refuse)
+    arr = mx.nd.ones((2,))
+    kv.pushpull(0, arr)
+    kv.broadcast(0, arr, arr)
+    kv.barrier()
+    kv.broadcast_object("x")
+    kv.allgather_object("x")
+
+
+def test_bad_keys_and_mismatched_lists_are_clear_errors(clean_env):
+    kv = dg.create("local")
+    with pytest.raises(TypeError, match="keys must be int or str"):
+        kv.pushpull(1.5, mx.nd.ones((1,)))
+    with pytest.raises(ValueError, match="2 keys, 1 values"):
+        kv.pushpull([0, 1], [mx.nd.ones((1,))])
+    with pytest.raises(TypeError, match="expected an mxnet NDArray"):
+        kv.pushpull(0, np.ones((1,)))
+
+
+def test_create_with_an_unknown_name_lists_the_valid_names(clean_env):
+    with pytest.raises(ValueError) as err:
+        dg.create("nccl")
+    for name in ("'local'", "'horovod'", "'dist_sync'", "'p3'", "'nccl'"):
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["dist_sync", "p3"])
+def test_pslite_backends_outside_a_launcher_say_how_to_launch(clean_env, name):
+    with pytest.raises(RuntimeError) as err:
+        dg.create(name)
+    assert f"python -m dist_gluon.launch -n 2 --backend {name}" in str(err.value)
+
+
+def test_create_without_a_name_outside_any_launcher_is_local(clean_env):
+    assert backends.detect() == "local"
+    assert dg.create().type == "local"
+
+
+def test_horovod_not_importable_is_an_import_error_that_says_make_setup(clean_env,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "horovod", None)
+    monkeypatch.setitem(sys.modules, "horovod.mxnet", None)
+    with pytest.raises(ImportError, match="make setup"):
+        dg.create("horovod")
+
+
+def test_import_registers_horovod_without_shadowing_mxnets_own_kvstores():
+    assert KVStoreBase.kv_registry["horovod"] is backends.Horovod
+    assert "local" not in KVStoreBase.kv_registry
+    assert "dist_sync" not in KVStoreBase.kv_registry
+    native = mx.kv.create("local")
+    assert type(native) is mx.kvstore.KVStore
+    assert native.type == "local"
+
+
+# ------------------------------------------------------------------ plain gluon.Trainer
+TRAINER_WORKER = WORKER_PRELUDE + """
+from mxnet import autograd, gluon
+
+kv = mx.kv.create("horovod")
+mx.random.seed(100 + kv.rank)
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(8, in_units=4, activation="relu"), gluon.nn.Dense(1, in_units=8))
+net.initialize(mx.init.Xavier())
+params = list(net.collect_params().values())
+emit("initial", [p.data().asnumpy().ravel().tolist() for p in params])
+
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.05},
+                        kvstore=kv, update_on_kvstore=False)
+data = np.random.RandomState(kv.rank)
+loss_fn = gluon.loss.L2Loss()
+for step in range(5):
+    x = mx.nd.array(data.randn(16, 4))
+    y = mx.nd.array(data.randn(16, 1))
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(16)
+emit("final", [p.data().asnumpy().ravel().tolist() for p in params])
+emit("kvstore", type(trainer._kvstore).__name__)
+"""
+
+
+def test_plain_gluon_trainer_with_mx_kv_create_horovod_keeps_weights_identical(tmp_path):
+    rank0, rank1 = _results(launch(TRAINER_WORKER, tmp_path, "horovod", n=2))
+    assert rank0["kvstore"] == rank1["kvstore"] == "Horovod"
+    # different seeds: the ranks start apart, so equality below is the trainer's doing
+    assert rank0["initial"] != rank1["initial"]
+    for a, b in zip(rank0["final"], rank1["final"], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert rank0["final"] != rank0["initial"]
+
+
+# ------------------------------------------------------------------ exit with work in flight
+IN_FLIGHT_WORKER = WORKER_PRELUDE + """
+kv = dg.create()
+shape = (1000, 1000)
+# first use of each key, by both ranks together (ps-lite creates keys collectively)
+warm = [mx.nd.ones(shape) for _ in range(4)]
+for i, arr in enumerate(warm):
+    kv.pushpull(f"inflight{i}", arr)
+mx.nd.waitall()
+
+arrays = [mx.nd.ones(shape) * (kv.rank + 1) for _ in range(4)]
+if kv.rank == 1:
+    time.sleep(2)
+    emit("started", time.time())
+for i, arr in enumerate(arrays):
+    kv.pushpull(f"inflight{i}", arr)
+if kv.rank == 0:
+    emit("left_script", time.time())   # and exits, the pushpulls still pending
+else:
+    emit("values", sorted({float(v) for arr in arrays for v in (arr.min().asscalar(),
+                                                                  arr.max().asscalar())}))
+"""
+
+
+@pytest.mark.parametrize("backend_name", ["horovod", "dist_sync"])
+def test_a_rank_that_exits_with_collectives_in_flight_does_not_break_the_slow_rank(
+        tmp_path, backend_name):
+    rank0, rank1 = _results(launch(IN_FLIGHT_WORKER, tmp_path, backend_name, n=2,
+                                   timeout=120))
+    assert rank0["left_script"] < rank1["started"]
+    assert rank1["values"] == [3.0]

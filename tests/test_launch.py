@@ -1,0 +1,302 @@
+"""The launcher: output prefixes, exit status, failures, --timeout, Ctrl-C and arguments.
+
+Every job gets a unique DG_TEST_MARKER in its environment; every process of the job
+(launcher, scheduler, servers, workers and their children) inherits it, so after the
+launcher has ended, any process whose environment still holds the marker was left behind.
+"""
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, worker_lines
+from dist_gluon import launch as launch_module
+
+FAILURE_DEADLINE = 15.0   # seconds from a worker's failure to the launcher's exit
+
+
+def _marker_env() -> dict[str, str]:
+    return {"DG_TEST_MARKER": uuid.uuid4().hex}
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of live processes whose environment holds ``marker``."""
+    needle = f"DG_TEST_MARKER={marker}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle not in (entry / "environ").read_bytes().split(b"\0"):
+                continue
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def assert_nothing_left(marker: str) -> None:
+    """No process of the job survives (zombies aside: init reaps orphans on its own
+    schedule). A process being killed can take a moment to exit, hence the short grace."""
+    limit = time.monotonic() + 1.0
+    while (left := _processes_with(marker)) and time.monotonic() < limit:
+        time.sleep(0.1)
+    assert not left, "processes of the job were left behind:\n" + "\n".join(left)
+
+
+def _launcher_argv(path: Path, backend: str, n: int = 2, launcher_args=(), args=()):
+    return [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
+            *launcher_args, "--", sys.executable, str(path), *args]
+
+
+def _launcher_env(env: dict) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env)
+
+
+def _report(proc) -> str:
+    return f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------ output and status
+OUTPUT_WORKER = """
+import os
+import sys
+
+rank = os.environ["DG_RANK"]
+for i in range(3):
+    print(f"out line {i} of rank {rank}", flush=True)
+    print(f"err line {i} of rank {rank}", file=sys.stderr, flush=True)
+"""
+
+
+def test_every_line_a_worker_prints_is_prefixed_with_its_rank(tmp_path):
+    proc = launch(OUTPUT_WORKER, tmp_path, "horovod", n=2)
+    assert proc.returncode == 0, _report(proc)
+    for rank in (0, 1):
+        for i in range(3):
+            assert f"[{rank}] out line {i} of rank {rank}" in proc.stdout.splitlines()
+            assert f"[{rank}] err line {i} of rank {rank}" in proc.stderr.splitlines()
+        assert worker_lines(proc.stdout, rank) == [f"out line {i} of rank {rank}"
+                                                   for i in range(3)]
+
+
+LATE_EXIT_WORKER = """
+import os
+import sys
+import time
+
+if os.environ["DG_RANK"] == "1":
+    time.sleep(1)
+    print("rank 1 gives up late", file=sys.stderr, flush=True)
+    sys.exit(3)
+print("rank 0 done", flush=True)
+"""
+
+
+def test_exit_status_is_non_zero_when_one_worker_fails_after_the_others_succeeded(
+        tmp_path):
+    proc = launch(LATE_EXIT_WORKER, tmp_path, "horovod", n=2)
+    assert worker_lines(proc.stdout, 0) == ["rank 0 done"]
+    assert proc.returncode == 3, _report(proc)
+    assert "rank 1 failed (exit code 3)" in proc.stderr
+    assert "rank 1 gives up late" in proc.stderr
+
+
+# ------------------------------------------------------------------ failures
+# argv[1]: 'raise' (rank 1 raises, rank 0 sleeps and has a child process of its own),
+# 'sigkill' (rank 1 kills itself, rank 0 sleeps) or 'collective' (rank 1 raises while
+# rank 0 waits in a pushpull rank 1 never joins).
+FAILING_WORKER = """
+import os
+import subprocess
+import sys
+import time
+
+import mxnet as mx
+
+import dist_gluon as dg
+
+mode = sys.argv[1]
+kv = dg.create()
+if mode == "raise" and kv.rank == 0:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+warm = mx.nd.ones((4,))
+kv.pushpull("warm", warm)
+warm.wait_to_read()
+print("ready", flush=True)
+if kv.rank == 1:
+    print(f"FAILING_AT {time.time()!r}", flush=True)
+    print(f"rank 1 is about to fail by {mode}", file=sys.stderr, flush=True)
+    if mode == "sigkill":
+        os.kill(os.getpid(), 9)
+    raise RuntimeError(f"rank 1 fails on purpose ({mode})")
+if mode in ("raise", "sigkill"):
+    time.sleep(300)
+else:
+    never = mx.nd.ones((4,))
+    kv.pushpull("never", never)
+    never.wait_to_read()
+print("rank 0 should never get here", flush=True)
+"""
+
+FAILURES = [("horovod", "raise"), ("horovod", "sigkill"), ("horovod", "collective"),
+            ("dist_sync", "raise"), ("dist_sync", "sigkill"), ("dist_sync", "collective"),
+            ("p3", "collective")]
+
+
+@pytest.mark.parametrize("backend,mode", FAILURES)
+def test_a_failing_rank_ends_the_whole_job_quickly_and_is_named_with_its_stderr(
+        tmp_path, backend, mode):
+    env = _marker_env()
+    proc = launch(FAILING_WORKER, tmp_path, backend, n=2, args=[mode], env=env, timeout=90)
+    ended = time.time()
+    assert proc.returncode != 0, _report(proc)
+    failing_at = [float(line.split()[1]) for line in worker_lines(proc.stdout, 1)
+                  if line.startswith("FAILING_AT ")]
+    assert failing_at, "rank 1 never reached its failure\n" + _report(proc)
+    assert ended - failing_at[0] < FAILURE_DEADLINE, _report(proc)
+    assert "rank 0 should never get here" not in proc.stdout
+
+    how = "killed by SIGKILL" if mode == "sigkill" else "exit code 1"
+    assert f"rank 1 failed ({how})" in proc.stderr, _report(proc)
+    report = proc.stderr[proc.stderr.index("rank 1 failed"):]
+    assert "last lines of rank 1's stderr" in report
+    assert f"rank 1 is about to fail by {mode}" in report
+    if mode != "sigkill":
+        assert f"RuntimeError: rank 1 fails on purpose ({mode})" in report
+    assert_nothing_left(env["DG_TEST_MARKER"])
+
+
+# ------------------------------------------------------------------ timeout and Ctrl-C
+SLEEPING_WORKER = """
+import time
+
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+SLEEPING_IN_A_JOB_WORKER = """
+import time
+
+import dist_gluon as dg
+
+kv = dg.create()
+kv.barrier()
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_timeout_terminates_the_job_and_names_the_ranks_still_running(tmp_path, backend):
+    env = _marker_env()
+    started = time.monotonic()
+    proc = launch(SLEEPING_WORKER, tmp_path, backend, n=2, launcher_args=["--timeout", "5"],
+                  env=env, timeout=60)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0, _report(proc)
+    assert re.search(r"timeout after 5 s.*Ranks still running: 0, 1", proc.stderr), \
+        _report(proc)
+    assert elapsed < 5 + FAILURE_DEADLINE
+    assert_nothing_left(env["DG_TEST_MARKER"])
+
+
+def _read_until(proc: subprocess.Popen, wanted: set[str], timeout: float) -> list[str]:
+    """Lines of ``proc.stdout`` until every line in ``wanted`` was seen."""
+    seen, lines, buffer = set(), [], b""
+    limit = time.monotonic() + timeout
+    while not wanted <= seen:
+        left = limit - time.monotonic()
+        assert left > 0, f"never saw {wanted - seen}; output so far: {lines}"
+        ready, _, _ = select.select([proc.stdout], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        assert chunk, f"launcher closed its output early; output so far: {lines}"
+        buffer += chunk
+        *complete, buffer = buffer.split(b"\n")
+        for raw in complete:
+            line = raw.decode()
+            lines.append(line)
+            seen.add(line)
+    return lines
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_sigint_to_the_launcher_terminates_every_process_of_the_job(tmp_path, backend):
+    env = _marker_env()
+    path = tmp_path / "worker.py"
+    path.write_text(textwrap.dedent(SLEEPING_IN_A_JOB_WORKER))
+    proc = subprocess.Popen(_launcher_argv(path, backend), cwd=tmp_path,
+                            env=_launcher_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        _read_until(proc, {"[0] ready", "[1] ready"}, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=FAILURE_DEADLINE)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    assert "interrupted by SIGINT" in stderr.decode()
+    assert_nothing_left(env["DG_TEST_MARKER"])
+
+
+# ------------------------------------------------------------------ arguments
+@pytest.mark.parametrize("argv,complaint", [
+    (["-n", "0", "--", "python", "x.py"], "-n must be at least 1"),
+    (["-n", "-2", "--", "python", "x.py"], "-n must be at least 1"),
+    (["-n", "2"], "no command given"),
+    (["-n", "2", "--"], "no command given"),
+    (["-n", "2", "--backend", "mpi", "--", "python", "x.py"], "invalid choice: 'mpi'"),
+    (["-n", "2", "--backend", "dist_sync", "--servers", "0", "--", "python", "x.py"],
+     "--servers must be at least 1"),
+])
+def test_bad_arguments_are_a_usage_error_with_exit_status_2(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch_module.main(argv)
+    assert stop.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("usage:")
+    assert complaint in stderr
+
+
+def test_a_usage_error_exits_2_from_the_command_line():
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.launch", "-n", "0", "--",
+                           "python", "x.py"],
+                          env=_launcher_env({}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, _report(proc)
+    assert proc.stderr.startswith("usage:")
+
+
+SINGLE_WORKER = """
+import mxnet as mx
+
+import dist_gluon as dg
+
+kv = dg.create()
+value = mx.nd.array([1.0, 2.0])
+kv.pushpull(0, value)
+print(f"{kv.type} {kv.rank} {kv.num_workers} {value.asnumpy().tolist()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["horovod", "p3"])
+def test_one_worker_job_runs(tmp_path, backend):
+    proc = launch(SINGLE_WORKER, tmp_path, backend, n=1, timeout=60)
+    assert proc.returncode == 0, _report(proc)
+    assert worker_lines(proc.stdout, 0) == [f"{backend} 0 1 [1.0, 2.0]"]
