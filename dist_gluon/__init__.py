@@ -10,7 +10,7 @@ parameter server (ps-lite ``dist_sync`` or P3); the backend is chosen by the lau
 from .backends import BACKEND_NAMES, Backend, create
 from .backends import register as _register
 from .broadcast import ModelMismatchError, broadcast_parameters
-from .checkpoint import CheckpointError, Checkpointer
+from .checkpoint import Checkpointer, CheckpointError
 from .data import ShardSampler, reduce_metric, shard_kwargs
 from .optimizer import DistributedOptimizer
 from .trainer import DistributedTrainer

@@ -16,11 +16,11 @@ import warnings
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
 import dist_gluon.checkpoint
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 from dist_gluon.checkpoint import FORMAT, FORMAT_VERSION, Checkpointer, CheckpointError
 
 WORKERS = REPO / "tests" / "workers"

@@ -6,6 +6,7 @@ import json
 import textwrap
 
 import pytest
+
 from conftest import assert_ok, launch, worker_lines
 
 # Both the workers and the test process build the same data and model from seeded RNGs.

@@ -12,10 +12,10 @@ import warnings
 import mxnet as mx
 import numpy as np
 import pytest
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 from mxnet import gluon
 
 import dist_gluon as dg
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 from dist_gluon.optimizer import DistributedOptimizer
 
 WORKERS = REPO / "tests" / "workers"
