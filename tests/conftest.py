@@ -44,3 +44,17 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 @pytest.fixture(params=DISTRIBUTED_BACKENDS)
 def backend(request) -> str:
     return request.param
+
+
+def run(argv, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``argv`` (a plain process or a launcher command line) with the test
+    environment: OMP_NUM_THREADS=1 and the checkout on PYTHONPATH."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
+    """The launcher command line that runs ``script`` as ``n`` workers on ``backend``."""
+    return [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
+            "--", sys.executable, str(script), *map(str, args)]

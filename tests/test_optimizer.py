@@ -3,9 +3,7 @@ one process on the N*B concatenated samples; everything but the gradient average
 wrapped optimizer's; a kvstore besides it is refused."""
 import json
 import logging
-import os
 import pickle
-import subprocess
 import sys
 import warnings
 
@@ -15,17 +13,12 @@ import pytest
 from mxnet import gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run, worker_lines
 from dist_gluon.optimizer import DistributedOptimizer
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "aggregated", "adam", "full", "part", "resumed"]
 
-
-def _run(argv, cwd, timeout=180):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 # ---------------------------------------------------------------- distributed runs
@@ -33,7 +26,7 @@ def _run(argv, cwd, timeout=180):
 def reference(tmp_path_factory):
     """The single-process run on the concatenated batches (no launcher: local backend)."""
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(_run([sys.executable, str(WORKERS / "module_cases.py"), str(out), "2"], out))
+    assert_ok(run([sys.executable, str(WORKERS / "module_cases.py"), str(out), "2"], out))
     return out
 
 
@@ -41,9 +34,7 @@ def reference(tmp_path_factory):
 def distributed(request, tmp_path_factory):
     """(output directory, launcher stdout) of 2 workers on ``request.param``."""
     out = tmp_path_factory.mktemp(request.param)
-    proc = _run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
-                 request.param, "--", sys.executable, str(WORKERS / "module_cases.py"),
-                 str(out), "2"], out)
+    proc = run(launcher(request.param, WORKERS / "module_cases.py", out, 2), out)
     assert_ok(proc)
     return out, proc.stdout
 
@@ -91,7 +82,7 @@ def test_updates_are_aggregated_or_not_as_mxnet_optimizer_aggregation_size_says(
     assert _record(out, "aggregated", 0)["learning_rate"] == pytest.approx(0.1 * 0.5 ** 3)
 
 
-def test_a_run_resumed_from_a_rank_0_checkpoint_ends_like_an_uninterrupted_run(
+def test_a_run_resumed_from_a_rank_0_checkpoint_ends_like_an_uninterruptedrun(
         distributed):
     out, _ = distributed
     full = _params(out, "full", 0)

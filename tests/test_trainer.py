@@ -1,40 +1,31 @@
 """DistributedTrainer and rank-0 broadcast: N workers on B samples each train exactly
 like one process on the N*B concatenated samples, on every backend."""
 import json
-import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "adam", "two_a", "two_b", "accum", "clip", "predivide"]
 
-
-def _run(argv, cwd, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The single-process run on the concatenated batches (no launcher: local backend)."""
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(_run([sys.executable, str(WORKERS / "trainer_cases.py"), str(out), "2"], out))
+    assert_ok(run([sys.executable, str(WORKERS / "trainer_cases.py"), str(out), "2"], out))
     return out
 
 
 @pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
 def distributed(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    proc = _run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
-                 request.param, "--", sys.executable, str(WORKERS / "trainer_cases.py"),
-                 str(out), "2"], out)
+    proc = run(launcher(request.param, WORKERS / "trainer_cases.py", out, 2), out)
     assert_ok(proc)
     return out
 
@@ -89,7 +80,7 @@ def test_load_states_gives_every_rank_rank_0_optimizer_states(distributed):
 @pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
 def test_a_model_mismatch_raises_a_clear_error_on_every_rank(tmp_path, backend, when):
     start = time.monotonic()
-    proc = _run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
+    proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
                  "--", sys.executable, str(WORKERS / "mismatch.py"), when], tmp_path,
                 timeout=60)
     assert time.monotonic() - start < 30
@@ -118,7 +109,7 @@ def test_single_process_issues_no_collective(tmp_path):
         "with autograd.record():\n    loss = net(mx.nd.ones((3, 4))).sum()\n"
         "loss.backward()\ntrainer.step(3)\ntrainer.save_states('s')\ntrainer.load_states('s')\n"
         "print('ok')\n")
-    proc = _run([sys.executable, str(script)], tmp_path)
+    proc = run([sys.executable, str(script)], tmp_path)
     assert_ok(proc)
     assert proc.stdout.strip() == "ok"
 
@@ -135,7 +126,7 @@ def test_load_states_works_before_a_deferred_models_first_forward(tmp_path):
         "loss.backward()\ntrainer.step(3)\ntrainer.save_states('s')\n"
         "fresh, fresh_trainer = make()\nfresh_trainer.load_states('s')\n"
         "print(sorted(fresh_trainer._updaters[0].states))\n")
-    proc = _run([sys.executable, str(script)], tmp_path)
+    proc = run([sys.executable, str(script)], tmp_path)
     assert_ok(proc)
     assert proc.stdout.strip() == "[0, 1]"
 
