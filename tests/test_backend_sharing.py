@@ -30,8 +30,13 @@ SAME_KEY_AND_PLAIN_TRAINER = """
             loss = net(mx.nd.ones((1, 3)) * (r + 1)).sum()
         loss.backward()
         trainer.step(1)
+    # on ps-lite, float arrays travel in their own dtype (integers go as float64)
+    h = mx.nd.ones((4,), dtype="float16")
+    kv.pushpull("half", h)
+    wire = {k: str(v[1]) for k, v in getattr(kv, "_keys", {}).items() if k in ("k", "half")}
     print(json.dumps({"a": a[0].asscalar().item(), "b": b[0].asscalar().item(),
-                      "w": net.weight.data().asnumpy().ravel().tolist()}))
+                      "w": net.weight.data().asnumpy().ravel().tolist(), "wire": wire,
+                      "half": [h.dtype.__name__, h[0].asscalar().item()]}))
 """
 
 
@@ -41,6 +46,9 @@ def test_one_key_in_flight_twice_and_plain_gluon_trainer_stay_exact(tmp_path, ba
     results = [json.loads(worker_lines(proc.stdout, r)[-1]) for r in (0, 1)]
     for res in results:
         assert (res["a"], res["b"]) == (3.0, 30.0)
+        assert res["half"] == ["float16", 2.0]
+        if backend != "horovod":
+            assert res["wire"] == {"k": "float32", "half": "float16"}
     assert results[0]["w"] == results[1]["w"]
 
 

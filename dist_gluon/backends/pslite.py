@@ -127,7 +127,8 @@ class DistSync(Backend):
         return self._local_rank
 
     def _allreduce_(self, names, arrays, priority):
-        transit = [a if a.dtype in _SERVER_DTYPES else a.astype("float64") for a in arrays]
+        transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
+                   for a in arrays]
         self._create_keys(names, transit)
         self._kv.pushpull(names, transit, out=transit, priority=priority)
         for arr, moved in zip(arrays, transit):
