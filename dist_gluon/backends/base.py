@@ -35,18 +35,41 @@ def _key_name(key) -> str:
     raise TypeError(f"kvstore keys must be int or str, got {type(key).__name__}: {key!r}")
 
 
-def _exit_after_uncaught_exception() -> None:
-    """End a worker whose script died of an uncaught exception (Python has printed it and
-    set ``sys.last_value``). Its peers will never join the collectives it left pending,
-    and the orderly shutdown (horovod's, ps-lite's exit barrier) is itself a collective:
-    waiting for either hangs this process, or lets a peer fail first and be blamed by the
-    launcher. So skip them and exit with the status of an uncaught exception."""
+# sys.exit(status) leaves no trace an exit handler can read, so a failing status is
+# remembered here (see _remember_failing_exit).
+_failing_exit_status: int | None = None
+
+
+def _remember_failing_exit() -> None:
+    """Wrap sys.exit so that a worker leaving with a failing status skips the collective
+    shutdown, like one that died of an uncaught exception."""
+    if getattr(sys.exit, "_dg_wrapped", False):
+        return
+    original = sys.exit
+
+    def exit(status=None):
+        global _failing_exit_status
+        if status not in (None, 0):
+            _failing_exit_status = status if isinstance(status, int) else 1
+        original(status)
+
+    exit._dg_wrapped = True
+    exit.__doc__ = original.__doc__
+    sys.exit = exit
+
+
+def _exit_now(status: int) -> None:
+    """End a worker that failed: an uncaught exception (Python has printed it and set
+    ``sys.last_value``) or sys.exit with a failing status. Its peers will never join the
+    collectives it left pending, and the orderly shutdown (horovod's, ps-lite's exit
+    barrier) is itself a collective: waiting for either hangs this process, or lets a
+    peer fail first and be blamed by the launcher. So skip them."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
-    os._exit(1)
+    os._exit(status)
 
 
 class Backend(KVStoreBase):
@@ -64,6 +87,7 @@ class Backend(KVStoreBase):
     def __init__(self):
         self._closed = False
         self._in_flight: dict[str, mx.nd.NDArray] = {}
+        _remember_failing_exit()
         atexit.register(self._atexit)
 
     # ----------------------------------------------------------------- identity
@@ -273,12 +297,15 @@ class Backend(KVStoreBase):
     def _atexit(self) -> None:
         """Finish communication still in flight before the interpreter tears down
         MXNet, so a rank that reaches the end first does not break a slower rank's last
-        collective. A script that died of an uncaught exception exits at once instead."""
+        collective. A script that failed (uncaught exception, sys.exit with a failing
+        status) exits at once instead."""
         if self._closed:
             return
         self._closed = True
         if self.num_workers > 1 and hasattr(sys, "last_value"):
-            _exit_after_uncaught_exception()
+            _exit_now(1)
+        if self.num_workers > 1 and _failing_exit_status is not None:
+            _exit_now(_failing_exit_status)
         try:
             mx.nd.waitall()
         finally:
