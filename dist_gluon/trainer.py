@@ -11,6 +11,9 @@ from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 
 _COMPRESSIONS = (None, "none", "fp16")
+# Tensors with more elements than this are updated one per optimizer call; smaller ones
+# are aggregated (see _SizeGroupedUpdater).
+_AGGREGATE_BELOW = 1 << 16
 _prefixes_in_use: set[str] = set()
 _auto_prefix_count = 0
 
@@ -128,6 +131,14 @@ class DistributedTrainer(gluon.Trainer):
             if self._predivide != 1.0:
                 grad *= self._predivide
 
+    def _update(self, ignore_stale_grad=False):
+        updaters = self._updaters
+        self._updaters = [_SizeGroupedUpdater(u) for u in updaters]
+        try:
+            super()._update(ignore_stale_grad)
+        finally:
+            self._updaters = updaters
+
     def save_states(self, fname: str) -> None:
         """Save the optimizer states (identical on every rank) from rank 0 only; every
         rank returns once the file is written."""
@@ -154,6 +165,32 @@ class DistributedTrainer(gluon.Trainer):
             super().load_states(tmp.name)
         finally:
             os.unlink(tmp.name)
+
+
+class _SizeGroupedUpdater:
+    """Calls an ``mx.optimizer.Updater`` with large tensors one at a time and the small
+    ones together, sorted by size.
+
+    gluon.Trainer passes every tensor in parameter order, and the updater aggregates
+    MXNET_OPTIMIZER_AGGREGATION_SIZE (4) consecutive tensors per fused kernel
+    (multi_sgd_mom_update...), which loops over the largest tensor of the group for all
+    of them. In model order a group is a large conv weight with small BatchNorm
+    tensors, or two large Dense weights; both run far slower than separate calls
+    (ResNet-18 update 44 -> 26 ms, 100M-parameter MLP 413 -> 217 ms, one thread).
+    Indices are unchanged, so optimizer states and lr/wd multipliers are too."""
+
+    def __init__(self, updater):
+        self._updater = updater
+
+    def __call__(self, indices, grads, weights):
+        small, large = [], []
+        for entry in zip(indices, grads, weights):
+            (large if entry[2].size > _AGGREGATE_BELOW else small).append(entry)
+        for index, grad, weight in large:
+            self._updater([index], [grad], [weight])
+        if small:
+            small.sort(key=lambda entry: entry[2].size)
+            self._updater(*(list(column) for column in zip(*small)))
 
 
 def _unwrap_distributed_optimizer(optimizer):

@@ -9,7 +9,7 @@ import os
 
 import mxnet as mx
 
-from .base import Backend
+from .base import Backend, remember_failing_exit
 
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -46,6 +46,7 @@ class Horovod(Backend):
         if not self._hvd.is_initialized():
             self._hvd.init()
         super().__init__()
+        remember_failing_exit()
 
     @property
     def rank(self) -> int:

@@ -15,12 +15,17 @@ import os
 import mxnet as mx
 import numpy as np
 
-from .base import Backend
+from .base import Backend, remember_failing_exit
 
 _MXNET_CREATE = mx.kvstore.create
 
 # ps-lite servers only aggregate floating point values.
 _SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
+# The plain van moves a key as one message through one server, so the push, the sum and
+# the pull of a large tensor run one after the other. Cut into slices of this many
+# elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes a
+# third of the time on loopback. The P3 van slices by itself.
+_SLICE_ELEMENTS = 1 << 18
 
 _LAUNCH_HELP = (
     "start every process of the job with the launcher, e.g.\n"
@@ -113,6 +118,7 @@ class DistSync(Backend):
         self._num_workers = self._kv.num_workers
         self._keys: dict[str, tuple] = {}
         super().__init__()
+        remember_failing_exit()
 
     @property
     def rank(self) -> int:
@@ -130,7 +136,12 @@ class DistSync(Backend):
         transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
                    for a in arrays]
         self._create_keys(names, transit)
-        self._kv.pushpull(names, transit, out=transit, priority=priority)
+        wire_names, wire = [], []
+        for name, arr in zip(names, transit):
+            for wire_name, part in self._wire(name, arr):
+                wire_names.append(wire_name)
+                wire.append(part)
+        self._kv.pushpull(wire_names, wire, out=wire, priority=priority)
         for arr, moved in zip(arrays, transit):
             if moved is not arr:
                 moved.astype(arr.dtype).copyto(arr)
@@ -138,10 +149,15 @@ class DistSync(Backend):
     def _broadcast_(self, names, arrays, root_rank, priority):
         # A sum in which only the root contributes is a broadcast, and it reuses the
         # same server keys as every later call (a ps-lite key can be created once only).
-        if self.rank != root_rank:
-            for arr in arrays:
-                arr[:] = 0
-        self._allreduce_(names, arrays, priority)
+        # Weights used by a hybridized forward may hold MKLDNN-layout data, which cannot
+        # be sliced in place; broadcasts are rare, so go through plain-layout copies.
+        plain = [mx.nd.zeros(a.shape, ctx=a.context, dtype=a.dtype) for a in arrays]
+        if self.rank == root_rank:
+            for arr, copy in zip(arrays, plain):
+                arr.copyto(copy)
+        self._allreduce_(names, plain, priority)
+        for arr, copy in zip(arrays, plain):
+            copy.copyto(arr)
 
     def _create_keys(self, names, arrays):
         new_names, new_values = [], []
@@ -150,14 +166,25 @@ class DistSync(Backend):
             known = self._keys.get(name)
             if known is None:
                 self._keys[name] = spec
-                new_names.append(name)
-                new_values.append(mx.nd.zeros(arr.shape, dtype=arr.dtype))
+                for wire_name, part in self._wire(name, arr):
+                    new_names.append(wire_name)
+                    new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
             elif known != spec:
                 raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
                                  f"{known[1]}, now used with shape {spec[0]} and dtype "
                                  f"{spec[1]}; on {self._type} a key keeps its first shape")
         if new_names:
             self._kv.init(new_names, new_values)
+
+    def _wire(self, name, arr):
+        """The (server key, array) pairs that carry ``arr``: itself, or views of slices of
+        ``_SLICE_ELEMENTS`` elements."""
+        size = arr.size
+        if self._p3 or size <= _SLICE_ELEMENTS:
+            return [(name, arr)]
+        flat = arr.reshape((-1,))
+        return [(f"{name}#{j}", flat[start:start + _SLICE_ELEMENTS])
+                for j, start in enumerate(range(0, size, _SLICE_ELEMENTS))]
 
     def _barrier(self) -> None:
         self._kv._barrier()
