@@ -131,25 +131,17 @@ class Backend(KVStoreBase):
 
     def _broadcast_root(self, key, value, out, root_rank: int, priority: int) -> None:
         names, values, outs = self._normalise(key, value, out, "broadcast")
-        if self.num_workers == 1:
-            for vals, dsts in zip(values, outs):
-                for dst in dsts:
-                    if dst is not vals[0]:
-                        vals[0].copyto(dst)
-            return
-        # Weights used by a hybridized forward (static_alloc) may hold MKLDNN-layout
-        # data, which no backend can read, write or slice in place; broadcasts are rare,
-        # so they always go through plain-layout copies.
-        plain = [mx.nd.zeros(vals[0].shape, ctx=vals[0].context, dtype=vals[0].dtype)
-                 for vals in values]
-        if self.rank == root_rank:
-            for vals, copy in zip(values, plain):
-                vals[0].copyto(copy)
-        self._one_at_a_time(names, plain)
-        self._broadcast_(names, plain, root_rank, priority)
-        for copy, dsts in zip(plain, outs):
-            for dst in dsts:
-                copy.copyto(dst)
+        targets = []
+        for vals, dsts in zip(values, outs):
+            if dsts[0] is not vals[0]:
+                vals[0].copyto(dsts[0])
+            targets.append(dsts[0])
+        if self.num_workers > 1:
+            self._one_at_a_time(names, targets)
+            self._broadcast_(names, targets, root_rank, priority)
+        for dsts in outs:
+            for extra in dsts[1:]:
+                dsts[0].copyto(extra)
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Sum ``value`` over all workers and write the result to ``out``.

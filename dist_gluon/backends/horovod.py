@@ -65,9 +65,15 @@ class Horovod(Backend):
             self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority, op=self._hvd.Sum)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
+        # Weights used by a hybridized forward (static_alloc) may hold MKLDNN-layout
+        # data, which horovod cannot read in place; broadcasts are rare, so always go
+        # through a plain-layout copy.
         for name, arr in zip(names, arrays):
-            self._hvd.broadcast_(arr, root_rank=root_rank, name=f"dg.bc.{name}",
+            plain = mx.nd.empty(arr.shape, ctx=arr.context, dtype=arr.dtype)
+            arr.copyto(plain)
+            self._hvd.broadcast_(plain, root_rank=root_rank, name=f"dg.bc.{name}",
                                  priority=priority)
+            plain.copyto(arr)
 
     def _barrier(self) -> None:
         token = mx.nd.zeros((1,))

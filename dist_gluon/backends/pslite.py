@@ -149,10 +149,15 @@ class DistSync(Backend):
     def _broadcast_(self, names, arrays, root_rank, priority):
         # A sum in which only the root contributes is a broadcast, and it reuses the
         # same server keys as every later call (a ps-lite key can be created once only).
-        if self.rank != root_rank:
-            for arr in arrays:
-                arr[:] = 0
-        self._allreduce_(names, arrays, priority)
+        # Weights used by a hybridized forward may hold MKLDNN-layout data, which cannot
+        # be sliced in place; broadcasts are rare, so go through plain-layout copies.
+        plain = [mx.nd.zeros(a.shape, ctx=a.context, dtype=a.dtype) for a in arrays]
+        if self.rank == root_rank:
+            for arr, copy in zip(arrays, plain):
+                arr.copyto(copy)
+        self._allreduce_(names, plain, priority)
+        for arr, copy in zip(arrays, plain):
+            copy.copyto(arr)
 
     def _create_keys(self, names, arrays):
         new_names, new_values = [], []
