@@ -29,7 +29,7 @@ import os
 import time
 
 import mxnet as mx
-import numpy as np
+from digits import load_digits  # examples/mnist/digits.py, beside this script
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
@@ -83,22 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def load_digits(val_fraction: float, seed: int):
-    """scikit-learn's digits as 28x28 uint8 images (N, 28, 28, 1), split deterministically
-    (the same split on every worker) into training and validation sets."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    # 8x8 pixels in 0..16 -> 24x24 by repeating each pixel 3x3, then a 2-pixel border as
-    # in MNIST, whose digits sit in a 20x20 box centred in 28x28.
-    images = np.kron(digits.images, np.ones((3, 3))) * (255.0 / 16.0)
-    images = np.pad(images, ((0, 0), (2, 2), (2, 2))).round().astype(np.uint8)[..., None]
-    labels = digits.target.astype(np.int32)
-    order = np.random.RandomState(seed).permutation(len(labels))
-    num_val = int(round(len(labels) * val_fraction))
-    val, train = order[:num_val], order[num_val:]
-    return (gluon.data.ArrayDataset(images[train], labels[train]),
-            gluon.data.ArrayDataset(images[val], labels[val]))
+def digits_datasets(val_fraction: float, seed: int):
+    """The embedded digits as (N, 28, 28, 1) training and validation datasets."""
+    train_x, train_y, val_x, val_y = load_digits(val_fraction, seed)
+    return (gluon.data.ArrayDataset(train_x[..., None], train_y),
+            gluon.data.ArrayDataset(val_x[..., None], val_y))
 
 
 def load_mnist(data_dir: str):
@@ -175,7 +164,7 @@ def main(argv=None) -> None:
         train_data, val_data = load_mnist(args.data_dir)
         log(f"data: MNIST from {args.data_dir}")
     else:
-        train_data, val_data = load_digits(args.val_fraction, args.seed)
+        train_data, val_data = digits_datasets(args.val_fraction, args.seed)
         log("data: no --data-dir given, using the handwritten digits bundled with "
             "scikit-learn (8x8 scaled to 28x28); nothing is downloaded")
     log(f"data: {len(train_data)} training and {len(val_data)} validation images; "

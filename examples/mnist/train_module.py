@@ -30,6 +30,7 @@ import time
 
 import mxnet as mx
 import numpy as np
+from digits import load_digits  # examples/mnist/digits.py, beside this script
 
 import dist_gluon as dg
 
@@ -72,23 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     return args
-
-
-def load_digits(val_fraction: float, seed: int):
-    """scikit-learn's digits as 28x28 uint8 images, split deterministically (the same
-    split on every worker): (train_images, train_labels, val_images, val_labels)."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    # 8x8 pixels in 0..16 -> 24x24 by repeating each pixel 3x3, then a 2-pixel border as
-    # in MNIST, whose digits sit in a 20x20 box centred in 28x28.
-    images = np.kron(digits.images, np.ones((3, 3))) * (255.0 / 16.0)
-    images = np.pad(images, ((0, 0), (2, 2), (2, 2))).round().astype(np.uint8)
-    labels = digits.target.astype(np.int32)
-    order = np.random.RandomState(seed).permutation(len(labels))
-    num_val = int(round(len(labels) * val_fraction))
-    val, train = order[:num_val], order[num_val:]
-    return images[train], labels[train], images[val], labels[val]
 
 
 def read_idx(path: str) -> np.ndarray:
