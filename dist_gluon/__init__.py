@@ -3,20 +3,47 @@
 One training script runs unchanged on one process, on Horovod, and on MXNet's
 parameter server (ps-lite ``dist_sync`` or P3); the backend is chosen by the launcher.
 
+>>> import mxnet as mx
 >>> import dist_gluon as dg
 >>> kv = dg.create()                      # from the environment the launcher set
 >>> trainer = dg.DistributedTrainer(net.collect_params(), 'sgd', {'learning_rate': 0.1})
+
+The public names are loaded on first use, so the launcher (``python -m
+dist_gluon.launch``), which needs neither MXNet nor Horovod, starts in a fraction of a
+second. Importing dist_gluon after mxnet, or using any of its names, registers the
+'horovod' backend with ``mx.kv.create``.
 """
-from .backends import BACKEND_NAMES, Backend, create
-from .backends import register as _register
-from .broadcast import ModelMismatchError, broadcast_parameters
-from .checkpoint import Checkpointer, CheckpointError
-from .data import ShardSampler, reduce_metric, shard_kwargs
-from .optimizer import DistributedOptimizer
-from .trainer import DistributedTrainer
+import importlib
+import sys
 
-_register()
+_PUBLIC = {
+    "BACKEND_NAMES": ".backends", "Backend": ".backends", "create": ".backends",
+    "ModelMismatchError": ".broadcast", "broadcast_parameters": ".broadcast",
+    "CheckpointError": ".checkpoint", "Checkpointer": ".checkpoint",
+    "ShardSampler": ".data", "reduce_metric": ".data", "shard_kwargs": ".data",
+    "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",
+}
+__all__ = sorted(_PUBLIC)
 
-__all__ = ["BACKEND_NAMES", "Backend", "CheckpointError", "Checkpointer",
-           "DistributedOptimizer", "DistributedTrainer", "ModelMismatchError",
-           "ShardSampler", "broadcast_parameters", "create", "reduce_metric", "shard_kwargs"]
+
+def _load():
+    """Import the MXNet-backed API and register 'horovod' with ``mx.kv.create``."""
+    namespace = globals()
+    for name, module in _PUBLIC.items():
+        namespace[name] = getattr(importlib.import_module(module, __name__), name)
+    importlib.import_module(".backends", __name__).register()
+
+
+def __getattr__(name):
+    if name in _PUBLIC:
+        _load()
+        return globals()[name]
+    raise AttributeError(f"module 'dist_gluon' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if "mxnet" in sys.modules:
+    _load()

@@ -9,6 +9,7 @@ objects) is done once here.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import pickle
 import sys
@@ -17,6 +18,8 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 from mxnet.kvstore.base import KVStoreBase
+
+from .. import jobcontrol
 
 # Python objects travel as arrays of bytes; buffers are rounded up to a power of two so
 # that backends with fixed-shape keys (ps-lite) reuse a handful of keys.
@@ -35,33 +38,18 @@ def _key_name(key) -> str:
     raise TypeError(f"kvstore keys must be int or str, got {type(key).__name__}: {key!r}")
 
 
-# sys.exit(status) leaves no trace an exit handler can read, so a failing status is
-# remembered here (see remember_failing_exit).
-_failing_exit_status: int | None = None
-
-
-def remember_failing_exit() -> None:
-    """Wrap sys.exit so that a worker leaving with a failing status skips the collective
-    shutdown, like one that died of an uncaught exception. Only real multi-process
-    backends install it: a SystemExit that the script catches is remembered too."""
-    if getattr(sys.exit, "_dg_wrapped", False):
-        return
-    original = sys.exit
-
-    def exit(status=None):
-        global _failing_exit_status
-        if status not in (None, 0):
-            _failing_exit_status = status if isinstance(status, int) else 1
-        original(status)
-
-    exit._dg_wrapped = True
-    exit.__doc__ = original.__doc__
-    sys.exit = exit
+def report_connect(backend_type: str) -> None:
+    """Count joining the job (a rendezvous every worker must reach) as the first
+    collective, so that the launcher sees a rank waiting for a peer that left before it
+    ever connected."""
+    reporter = jobcontrol.reporter()
+    if reporter is not None and int(os.environ.get("DG_NUM_WORKERS", "1")) > 1:
+        reporter.submitted(f"connect ({backend_type})")
 
 
 def _exit_now(status: int) -> None:
-    """End a worker that failed: an uncaught exception (Python has printed it and set
-    ``sys.last_value``) or sys.exit with a failing status. Its peers will never join the
+    """End a worker that failed with an uncaught exception (Python has printed it and set
+    ``sys.last_value``). Its peers will never join the
     collectives it left pending, and the orderly shutdown (horovod's, ps-lite's exit
     barrier) is itself a collective: waiting for either hangs this process, or lets a
     peer fail first and be blamed by the launcher. So skip them."""
@@ -88,7 +76,15 @@ class Backend(KVStoreBase):
     def __init__(self):
         self._closed = False
         self._in_flight: dict[str, mx.nd.NDArray] = {}
+        self._reporter = jobcontrol.reporter()
+        # registered after the transport's own exit handlers (horovod's shutdown), so
+        # it runs before them
         atexit.register(self._atexit)
+
+    def _progress(self, name: str) -> None:
+        """Tell the launcher a collective was submitted (job-control channel)."""
+        if self._reporter is not None:
+            self._reporter.submitted(name)
 
     # ----------------------------------------------------------------- identity
     @property
@@ -137,6 +133,7 @@ class Backend(KVStoreBase):
                 vals[0].copyto(dsts[0])
             targets.append(dsts[0])
         if self.num_workers > 1:
+            self._progress(names[0])
             self._one_at_a_time(names, targets)
             self._broadcast_(names, targets, root_rank, priority)
         for dsts in outs:
@@ -162,6 +159,7 @@ class Backend(KVStoreBase):
             # general normalisation (7 us of Python per call, 0.5 us this way)
             if self.num_workers > 1:
                 names = [_key_name(key)]
+                self._progress(names[0])
                 self._one_at_a_time(names, [value])
                 self._allreduce_(names, [value], priority)
             return
@@ -176,6 +174,7 @@ class Backend(KVStoreBase):
                 mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
             targets.append(target)
         if self.num_workers > 1:
+            self._progress(names[0])
             self._one_at_a_time(names, targets)
             self._allreduce_(names, targets, priority)
         for dsts in outs:
@@ -226,6 +225,7 @@ class Backend(KVStoreBase):
     def barrier(self) -> None:
         """Block until every worker has reached this call."""
         if self.num_workers > 1:
+            self._progress("barrier")
             self._barrier()
 
     def _barrier(self) -> None:
@@ -244,6 +244,7 @@ class Backend(KVStoreBase):
             return obj
         payload = pickle.dumps(obj) if self.rank == root_rank else b""
         size = mx.nd.array([len(payload)], dtype="float64")
+        self._progress("broadcast_object")
         self._broadcast_(["__dg_object_size"], [size], root_rank, 0)
         length = int(size.asscalar())
         buf = self._object_buffer(1, length)
@@ -261,6 +262,7 @@ class Backend(KVStoreBase):
         sizes = np.zeros((self.num_workers,), dtype="float64")
         sizes[self.rank] = len(payload)
         sizes_nd = mx.nd.array(sizes, dtype="float64")
+        self._progress("allgather_object")
         self._allreduce_([f"__dg_gather_sizes_{self.num_workers}"], [sizes_nd], 0)
         lengths = [int(n) for n in sizes_nd.asnumpy()]
         buf = self._object_buffer(self.num_workers, max(lengths))
@@ -305,19 +307,39 @@ class Backend(KVStoreBase):
     def _atexit(self) -> None:
         """Finish communication still in flight before the interpreter tears down
         MXNet, so a rank that reaches the end first does not break a slower rank's last
-        collective. A script that failed (uncaught exception, sys.exit with a failing
-        status) exits at once instead."""
+        collective. A script that died of an uncaught exception exits at once instead.
+
+        Under the launcher, the collective shutdown waits for its verdict: it runs once
+        every rank has finished its script, and is skipped when the job has failed
+        (e.g. this rank left early and a peer waits in a collective it will never
+        join), so that this process ends with its own exit status instead of blocking
+        in a shutdown its peers never reach."""
         if self._closed:
             return
         self._closed = True
         if self.num_workers > 1 and hasattr(sys, "last_value"):
             _exit_now(1)
-        if self.num_workers > 1 and _failing_exit_status is not None:
-            _exit_now(_failing_exit_status)
+        if self.num_workers > 1 and self._reporter is not None:
+            if self._reporter.wait_for_verdict() == jobcontrol.ABANDON:
+                self._abandon()
+                return
         try:
             mx.nd.waitall()
         finally:
             self._shutdown()
+
+    def _abandon(self) -> None:
+        """The job failed: leave without the collective shutdown, and without the
+        native libraries' teardown at exit (their static destructors join threads that
+        still wait for peers, and abort). glibc's on_exit hands the exit status to the
+        function it registers: registered now, after every library object exists, it
+        runs first and makes the process end right there with the script's own status,
+        which the launcher reports."""
+        try:
+            libc = ctypes.CDLL(None)
+            libc.on_exit(ctypes.cast(libc._exit, ctypes.c_void_p), None)
+        except (OSError, AttributeError):
+            pass
 
     def _shutdown(self) -> None:
         pass

@@ -9,7 +9,7 @@ import os
 
 import mxnet as mx
 
-from .base import Backend, remember_failing_exit
+from .base import Backend, report_connect
 
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
@@ -44,9 +44,9 @@ class Horovod(Backend):
     def __init__(self):
         self._hvd = _import_horovod()
         if not self._hvd.is_initialized():
+            report_connect(self._type)
             self._hvd.init()
         super().__init__()
-        remember_failing_exit()
 
     @property
     def rank(self) -> int:

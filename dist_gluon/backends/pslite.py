@@ -9,13 +9,14 @@ nothing outside this package reads or writes ``DMLC_*`` variables.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 
 import mxnet as mx
 import numpy as np
 
-from .base import Backend, remember_failing_exit
+from .base import Backend, report_connect
 
 _MXNET_CREATE = mx.kvstore.create
 
@@ -110,6 +111,7 @@ class DistSync(Backend):
                                "'p3' backend, or dist_gluon.create() to choose from the "
                                "environment")
         claim_native_store(f"dist_gluon's {self._type!r} backend")
+        report_connect(self._type)
         self._kv = _MXNET_CREATE("dist_sync")
         # ps-lite numbers workers in the order they connect; the launcher's rank is
         # stable and matches its output prefixes, so it wins when present.
@@ -118,7 +120,6 @@ class DistSync(Backend):
         self._num_workers = self._kv.num_workers
         self._keys: dict[str, tuple] = {}
         super().__init__()
-        remember_failing_exit()
 
     @property
     def rank(self) -> int:
@@ -188,6 +189,12 @@ class DistSync(Backend):
 
     def _barrier(self) -> None:
         self._kv._barrier()
+
+    def _abandon(self) -> None:
+        # The kvstore's destructor runs ps-lite's exit barrier, which peers that are
+        # being terminated never join: keep it alive until the process is gone.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._kv))
+        super()._abandon()
 
     def _shutdown(self) -> None:
         # Freeing the kvstore runs ps-lite's exit barrier and stops the servers; do it

@@ -1,0 +1,213 @@
+"""The job-control channel between a worker and the launcher that started it.
+
+Each worker owns one small shared-memory record (a file in the directory the launcher
+names in ``DG_CONTROL_DIR``, mapped into both processes). The worker writes, at no
+measurable cost per step, how many collectives it has submitted and their keys, how it
+ended (an uncaught exception with its type and message, or reaching interpreter exit),
+and when; the launcher reads every record to tell the rank that left first (the cause)
+from ranks that failed afterwards (consequences), to spot ranks waiting in a collective
+that another rank will never join, and to watch for stalls. The launcher writes one
+thing back: its verdict for a rank that reached interpreter exit, which decides whether
+that rank runs the backend's collective shutdown (everyone is done) or skips it (the job
+has failed, and peers that would have to join it are being terminated).
+
+A worker also dumps the Python stacks of all its threads into a file next to its record
+when it receives ``STACKS_SIGNAL`` (``faulthandler``; works while a thread is blocked in
+C code), which the launcher requests for a stall report.
+
+This module imports neither mxnet nor horovod: the launcher uses it too.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import mmap
+import os
+import signal
+import struct
+import sys
+import time
+
+ENV_DIR = "DG_CONTROL_DIR"
+STACKS_SIGNAL = signal.SIGUSR1
+
+_MAGIC = b"DGJC"
+_VERSION = 1
+# phases of a worker
+ATTACHED, DEPARTING = 1, 2
+# verdicts the launcher writes for a departing worker
+FINALIZE, ABANDON = 1, 2
+
+# layout: magic, version, pid, phase, verdict, pad | count | departed_at | exception text
+# | key ring (the key of collective n sits in slot n % _RING)
+_HEAD = struct.Struct("<4sIiIII")       # 24 bytes
+_COUNT_AT = 24                           # uint64
+_DEPARTED_AT = 32                        # float64, time.time(); 0 while running
+_EXCEPTION_AT = 40                       # 512 bytes, utf-8, NUL padded
+_EXCEPTION_BYTES = 512
+_RING_AT = _EXCEPTION_AT + _EXCEPTION_BYTES
+_RING = 512
+_KEY_BYTES = 64
+RECORD_SIZE = _RING_AT + _RING * _KEY_BYTES
+_U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+_U32 = struct.Struct("<I")
+_PHASE_AT, _VERDICT_AT = 12, 16
+
+
+def record_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.rec")
+
+
+def stacks_path(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank{rank}.stacks")
+
+
+def create_record(directory: str, rank: int) -> str:
+    """Launcher side: an empty record for ``rank`` (all zeros: not attached yet)."""
+    path = record_path(directory, rank)
+    with open(path, "wb") as f:
+        f.truncate(RECORD_SIZE)
+    open(stacks_path(directory, rank), "wb").close()
+    return path
+
+
+class Record:
+    """One rank's record, mapped read-write (the worker writes progress and its end, the
+    launcher writes verdicts)."""
+
+    def __init__(self, path: str):
+        with open(path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), RECORD_SIZE)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def attached(self) -> bool:
+        return self._map[:4] == _MAGIC
+
+    @property
+    def pid(self) -> int:
+        return _HEAD.unpack_from(self._map)[2]
+
+    @property
+    def phase(self) -> int:
+        return _U32.unpack_from(self._map, _PHASE_AT)[0]
+
+    @property
+    def verdict(self) -> int:
+        return _U32.unpack_from(self._map, _VERDICT_AT)[0]
+
+    @property
+    def count(self) -> int:
+        return _U64.unpack_from(self._map, _COUNT_AT)[0]
+
+    @property
+    def departed_at(self) -> float | None:
+        value = _F64.unpack_from(self._map, _DEPARTED_AT)[0]
+        return value or None
+
+    @property
+    def exception(self) -> str | None:
+        raw = self._map[_EXCEPTION_AT:_EXCEPTION_AT + _EXCEPTION_BYTES].split(b"\0", 1)[0]
+        return raw.decode("utf-8", "replace") or None
+
+    def key(self, n: int) -> str | None:
+        """The key of collective ``n`` (1-based), if still in the ring."""
+        if n < 1 or n > self.count or n <= self.count - _RING:
+            return None
+        at = _RING_AT + (n % _RING) * _KEY_BYTES
+        return self._map[at:at + _KEY_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace")
+
+    def snapshot(self) -> dict:
+        """Everything a launcher reports about this rank, as plain values."""
+        count = self.count
+        return {"attached": self.attached, "pid": self.pid, "phase": self.phase,
+                "count": count, "departed_at": self.departed_at,
+                "exception": self.exception,
+                "keys": {n: self.key(n) for n in range(max(1, count - _RING + 1), count + 1)}}
+
+    # ------------------------------------------------------------------ writing
+    def set_verdict(self, verdict: int) -> None:
+        _U32.pack_into(self._map, _VERDICT_AT, verdict)
+
+    def _attach(self, pid: int) -> None:
+        _HEAD.pack_into(self._map, 0, _MAGIC, _VERSION, pid, ATTACHED, 0, 0)
+
+    def _submit(self, key: str) -> None:
+        n = _U64.unpack_from(self._map, _COUNT_AT)[0] + 1
+        at = _RING_AT + (n % _RING) * _KEY_BYTES
+        self._map[at:at + _KEY_BYTES] = key.encode("utf-8", "replace")[:_KEY_BYTES - 1] \
+            .ljust(_KEY_BYTES, b"\0")
+        _U64.pack_into(self._map, _COUNT_AT, n)
+
+    def _depart(self, when: float) -> None:
+        if not self.departed_at:
+            _F64.pack_into(self._map, _DEPARTED_AT, when)
+        _U32.pack_into(self._map, _PHASE_AT, DEPARTING)
+
+    def _set_exception(self, text: str, when: float) -> None:
+        data = text.encode("utf-8", "replace")[:_EXCEPTION_BYTES - 1]
+        self._map[_EXCEPTION_AT:_EXCEPTION_AT + _EXCEPTION_BYTES] = \
+            data.ljust(_EXCEPTION_BYTES, b"\0")
+        if not self.departed_at:
+            _F64.pack_into(self._map, _DEPARTED_AT, when)
+
+
+class Reporter:
+    """The worker side: reports progress and the end of this process to its launcher."""
+
+    def __init__(self, record: Record, stacks_file: str):
+        self._record = record
+        record._attach(os.getpid())
+        # kept open for the process's lifetime: faulthandler writes to its descriptor
+        self._stacks = open(stacks_file, "a")
+        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True,
+                              chain=False)
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._excepthook
+        atexit.register(self.depart)
+
+    def submitted(self, key: str) -> None:
+        """A collective under ``key`` was submitted (called by the backends)."""
+        self._record._submit(key)
+
+    def depart(self) -> None:
+        """The script has ended (interpreter exit): record when, once."""
+        self._record._depart(time.time())
+
+    def wait_for_verdict(self, poll: float = 0.01) -> int:
+        """Mark this rank as departing and wait until the launcher decides: FINALIZE when
+        every rank has finished its script (run the collective shutdown), ABANDON when
+        the job has failed (skip it). The launcher always decides; if it dies, so does
+        this process (the launcher sets PDEATHSIG)."""
+        self.depart()
+        while True:
+            verdict = self._record.verdict
+            if verdict:
+                return verdict
+            time.sleep(poll)
+
+    def _excepthook(self, exc_type, exc, tb):
+        text = exc_type.__name__
+        message = str(exc).strip()
+        if message:
+            text += ": " + message.splitlines()[0]
+        self._record._set_exception(text, time.time())
+        self._previous_hook(exc_type, exc, tb)
+
+
+_reporter: Reporter | None = None
+_attached = False
+
+
+def reporter() -> Reporter | None:
+    """This process's reporter, or None when no launcher listens (no DG_CONTROL_DIR)."""
+    global _reporter, _attached
+    if not _attached:
+        _attached = True
+        directory, rank = os.environ.get(ENV_DIR), os.environ.get("DG_RANK")
+        if directory and rank is not None and os.path.exists(
+                record_path(directory, int(rank))):
+            _reporter = Reporter(Record(record_path(directory, int(rank))),
+                                 stacks_path(directory, int(rank)))
+    return _reporter

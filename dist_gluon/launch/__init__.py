@@ -1,0 +1,514 @@
+"""One launcher for every backend, on one machine or many.
+
+    python -m dist_gluon.launch -n 2 --backend horovod -- python train.py --epochs 3
+    dist-gluon-run -n 4 --backend dist_sync --servers 2 -- python train.py
+    # one launcher per machine (as torchrun), the same command on every machine:
+    dist-gluon-run --nnodes 2 --node-rank I --master-addr 10.0.0.1 -n 4 -- python train.py
+    # or one command that starts them over ssh:
+    dist-gluon-run -H host1:4,host2:4 --backend p3 -- python train.py
+
+``-n`` is the number of workers per node; global rank = node rank * N + local rank.
+Every line a process prints is prefixed with its rank (``[0]``, ``[server1]``,
+``[scheduler]``). Workers report their progress and how they ended over a job-control
+channel (dist_gluon/jobcontrol.py), and the launchers of one job report to node 0's: the
+job fails as a whole as soon as a worker fails, or leaves while others wait in a
+collective it will never join; the report names the rank that left first, its host, how
+it ended and why, and lists later errors as consequences. ``--stall-warning`` reports
+ranks that lag behind a collective the others wait in, with their Python stacks;
+``--stall-timeout`` ends such a job. ``--max-restarts`` restarts all nodes in lockstep;
+``--timeout`` bounds the whole job.
+
+The launcher is a process supervisor: it imports neither mxnet nor horovod.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+
+from .. import jobenv
+from .._version import __version__
+from ..rendezvous import GlooRendezvous
+from . import slurm, ssh
+from .channel import JoinError, Link, accept_nodes, connect_to_master
+from .node import Node, free_port
+from .supervisor import Supervisor
+
+BACKENDS = ("horovod", "dist_sync", "p3")
+SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers
+STATUS_EVERY = 0.1      # seconds between a node's status reports
+DEFAULT_MASTER_PORT = 29500
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="python -m dist_gluon.launch",
+        description="Run COMMAND as data-parallel workers of a dist_gluon job, on this "
+                    "machine or on several.",
+        epilog="examples:\n"
+               "  python -m dist_gluon.launch -n 2 --backend dist_sync -- python train.py\n"
+               "  dist-gluon-run --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 -n 2 -- "
+               "python train.py\n"
+               "  dist-gluon-run -H host1:2,host2:2 --backend p3 -- python train.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"dist_gluon {__version__}")
+    parser.add_argument("-n", "--num-workers", "--nproc-per-node", type=int, default=None,
+                        help="worker processes per node (>= 1); with -H/--hostfile, "
+                             "the slots of each host")
+    parser.add_argument("--backend", default="horovod", choices=BACKENDS,
+                        help="communication backend (default: horovod)")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="ps-lite servers per node for dist_sync and p3 (default: 1)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds the whole job may run; then everything is "
+                             "terminated and the launcher exits 124")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the whole job (every node) up to R times after a "
+                             "failure; scripts resume from their last checkpoint")
+    parser.add_argument("--stall-warning", type=float, default=60.0, metavar="SEC",
+                        help="report ranks that have not reached a collective the others "
+                             "have waited in for SEC seconds, with their Python stacks "
+                             "(default: 60; 0 turns it off)")
+    parser.add_argument("--stall-timeout", type=float, default=None, metavar="SEC",
+                        help="end the job when such a stall lasts SEC seconds "
+                             "(default: never)")
+    nodes = parser.add_argument_group("several machines: one launcher per node")
+    nodes.add_argument("--nnodes", type=int, default=None,
+                       help="number of nodes (default: 1, or SLURM's node count under srun)")
+    nodes.add_argument("--node-rank", type=int, default=None,
+                       help="this node's rank in [0, nnodes) (default: 0, or SLURM_NODEID)")
+    nodes.add_argument("--master-addr", default=None,
+                       help="address of node 0, reachable from every node (default under "
+                            "srun: the first host of the job's node list)")
+    nodes.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
+                       help=f"port of node 0's launcher (default: {DEFAULT_MASTER_PORT})")
+    nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="SEC",
+                       help="seconds for every node to join (default: 300)")
+    nodes.add_argument("--iface", default=None,
+                       help="horovod: network interface for Gloo (default: the one that "
+                            "carries this node's route to the master)")
+    fan = parser.add_argument_group("several machines: one command over ssh")
+    fan.add_argument("-H", "--hosts", default=None,
+                     help="host1:N1,host2:N2,... start a launcher on each host over ssh")
+    fan.add_argument("--hostfile", default=None,
+                     help="file of lines 'host slots=N' (same as -H)")
+    fan.add_argument("--ssh-port", type=int, default=None, help="ssh port of every host")
+    fan.add_argument("--ssh-identity-file", default=None, help="ssh private key")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="the worker command, after --")
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if not args.command:
+        parser.error("no command given: put the worker command after --, e.g. "
+                     "-- python train.py")
+    if args.hosts and args.hostfile:
+        parser.error("give either -H/--hosts or --hostfile, not both")
+    if args.hosts or args.hostfile:
+        try:
+            args.host_slots = ssh.parse_hosts(args.hosts) if args.hosts \
+                else ssh.read_hostfile(args.hostfile)
+        except ValueError as err:
+            parser.error(str(err))
+        if args.nnodes is not None or args.node_rank is not None:
+            parser.error("-H/--hostfile starts one launcher per host itself; do not add "
+                         "--nnodes or --node-rank")
+        if args.num_workers is None:
+            args.num_workers = args.host_slots[0][1]
+    if args.num_workers is None:
+        parser.error("-n is required: the number of workers per node")
+    if args.num_workers < 1:
+        parser.error(f"-n must be at least 1, got {args.num_workers}")
+    if args.servers < 1:
+        parser.error(f"--servers must be at least 1, got {args.servers}")
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    for name in ("timeout", "stall_timeout", "join_timeout"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+    if args.stall_warning is not None and args.stall_warning < 0:
+        parser.error(f"--stall-warning must be >= 0, got {args.stall_warning:g}")
+    if args.stall_warning == 0:
+        args.stall_warning = None
+    if not 0 < args.master_port < 65536:
+        parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
+    if not (args.hosts or args.hostfile):
+        _node_arguments(parser, args)
+    return args
+
+
+def _node_arguments(parser, args) -> None:
+    """--nnodes/--node-rank/--master-addr, with SLURM's values as defaults under srun."""
+    try:
+        defaults = slurm.defaults(os.environ) if args.nnodes is None else None
+    except ValueError as err:
+        parser.error(str(err))
+    if defaults:
+        args.nnodes = defaults["nnodes"]
+        if args.node_rank is None:
+            args.node_rank = defaults["node_rank"]
+        if args.master_addr is None:
+            args.master_addr = defaults["master_addr"]
+    args.nnodes = 1 if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    if args.nnodes < 1:
+        parser.error(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank must be in [0, {args.nnodes}), got {args.node_rank}")
+    if args.nnodes > 1 and not args.master_addr:
+        parser.error("--nnodes > 1 needs --master-addr: the address of node 0, reachable "
+                     "from every node")
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum):
+        self.signum = signum
+
+
+class _Output:
+    """The launcher's own messages, prefixed so they stand out from the workers'."""
+
+    def __init__(self, nnodes: int, node_rank: int):
+        self.lock = threading.Lock()
+        self.prefix = "dist_gluon.launch: " if nnodes == 1 \
+            else f"dist_gluon.launch[node {node_rank}]: "
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            sys.stderr.write("".join(f"{self.prefix}{line}\n" for line in text.splitlines()))
+            sys.stderr.flush()
+
+
+# ---------------------------------------------------------------------- node 0
+class _JobView:
+    """What the supervisor sees: this node's ranks and the latest reports of the
+    others; and the way its verdicts and requests reach every node."""
+
+    def __init__(self, node: Node, links: dict[int, Link], out: _Output):
+        self.node, self.links, self.out = node, links, out
+        self.remote: dict[int, dict] = {n: {"states": [], "service_failure": None,
+                                            "services_ended": False} for n in links}
+        self.lost: list[int] = []
+        self.hint = 0
+        self._stacks: dict[int, str] = {}
+
+    def pump(self, timeout: float = 0.0) -> None:
+        """Take in every message that has arrived from the other nodes."""
+        limit = time.monotonic() + timeout
+        while True:
+            got = False
+            for n, link in self.links.items():
+                try:
+                    message = link.inbox.get_nowait()
+                except queue.Empty:
+                    continue
+                got = True
+                if message is None:
+                    if n not in self.lost:
+                        self.lost.append(n)
+                elif message["type"] == "status":
+                    self.remote[n] = message
+                elif message["type"] == "stacks":
+                    self._stacks.update({int(r): t for r, t in message["found"].items()})
+            if not got and time.monotonic() >= limit:
+                return
+            if not got:
+                time.sleep(0.02)
+
+    def states(self) -> list[dict]:
+        states = self.node.states(self.hint)
+        for n in sorted(self.remote):
+            states.extend(self.remote[n]["states"])
+        low = min((s["count"] for s in states), default=0)
+        if low != self.hint:
+            self.hint = low
+            self.broadcast({"type": "hint", "low": low})
+        return sorted(states, key=lambda s: s["rank"])
+
+    def broadcast(self, message: dict) -> None:
+        for link in self.links.values():
+            link.send(message)
+
+    def set_verdicts(self, verdicts: dict[int, int]) -> None:
+        self.node.set_verdicts(verdicts)
+        self.broadcast({"type": "verdicts", "verdicts": verdicts})
+
+    def stacks(self, ranks: list[int]) -> dict[int, str]:
+        self._stacks = {}
+        self.broadcast({"type": "stacks", "ranks": ranks})
+        found = self.node.stacks(ranks)
+        remote = [r for r in ranks if r not in found
+                  and r not in self.node.ranks]
+        limit = time.monotonic() + 3.0
+        while remote and time.monotonic() < limit and not all(r in self._stacks
+                                                              for r in remote):
+            self.pump(0.1)
+        found.update({r: self._stacks[r] for r in remote if r in self._stacks})
+        return found
+
+    def service_failure(self, workers_running: bool) -> str | None:
+        report = self.node.service_failure(workers_running)
+        if report:
+            return report
+        return next((r["service_failure"] for r in self.remote.values()
+                     if r.get("service_failure")), None)
+
+    def services_ended(self) -> bool:
+        return self.node.services_ended() and all(r.get("services_ended")
+                                                  for r in self.remote.values())
+
+    def say(self, text: str) -> None:
+        self.out.say(text)
+
+
+def _job_spec(args, restart: int, master_addr: str) -> dict:
+    spec = {"backend": args.backend, "nnodes": args.nnodes, "nproc": args.num_workers,
+            "servers": args.servers, "restart": restart, "master_addr": master_addr}
+    bind = "" if args.nnodes > 1 else "127.0.0.1"
+    port = free_port(bind)
+    spec["rendezvous_port" if args.backend == "horovod" else "scheduler_port"] = port
+    return spec
+
+
+def _run_master(args, out: _Output) -> int:
+    links: dict[int, Link] = {}
+    if args.nnodes > 1:
+        jobenv_error = _check_multinode_host(args)
+        if jobenv_error:
+            out.say(jobenv_error)
+            return 1
+        out.say(f"waiting for {args.nnodes - 1} more node(s) on port {args.master_port}")
+        try:
+            joined = accept_nodes(args.master_port, args.nnodes, args.join_timeout, out.say)
+        except JoinError as err:
+            out.say(str(err))
+            return 1
+        links = {n: link for n, (link, _) in joined.items()}
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    status = 1
+    try:
+        for restart in range(args.max_restarts + 1):
+            spec = _job_spec(args, restart, args.master_addr or "127.0.0.1")
+            status, report, again = _run_once(args, spec, links, out, deadline,
+                                              last=restart == args.max_restarts)
+            if not again:
+                return status
+            out.say(f"restarting the job on every node ({restart + 1} of "
+                    f"{args.max_restarts})")
+        return status
+    finally:
+        for link in links.values():
+            link.close()
+
+
+def _run_once(args, spec, links, out, deadline, last: bool):
+    """One run of the job on every node; returns (status, report, run again)."""
+    rendezvous = None
+    if spec["backend"] == "horovod":
+        rendezvous = GlooRendezvous("0.0.0.0" if spec["nnodes"] > 1 else "127.0.0.1",
+                                    spec["rendezvous_port"])
+        rendezvous.start()
+    node = Node(args, 0, spec, out.lock)
+    view = _JobView(node, links, out)
+    supervisor = Supervisor(view, args.stall_warning, args.stall_timeout)
+    status, report = 1, None
+    try:
+        for link in links.values():
+            link.send({"type": "start", "spec": spec})
+        node.start()
+        status, report = _supervise(args, view, supervisor, deadline)
+    except _Interrupted as stop:
+        status = 128 + stop.signum
+        report = f"interrupted by {signal.Signals(stop.signum).name}; terminated the job"
+        last = True
+    finally:
+        again = status not in (0, 124) and not last and report is not None \
+            and not report.startswith("interrupted")
+        view.broadcast({"type": "end", "status": status, "report": report, "again": again})
+        node.terminate()
+        if report:
+            out.say(report if status == 0 else report + "\nterminated the rest of the job.")
+        _wait_stopped(links, out)
+        if rendezvous is not None:
+            rendezvous.stop()
+    return status, report, again
+
+
+def _supervise(args, view: _JobView, supervisor: Supervisor, deadline):
+    services_by = None
+    while True:
+        view.pump()
+        if view.lost:
+            lost = view.lost[0]
+            return 1, (f"the launcher of node {lost} disconnected (its machine or its "
+                       "launcher died); its ranks are lost")
+        states = view.states()
+        running = any(s["returncode"] is None for s in states)
+        failure = view.service_failure(running)
+        if failure:
+            return 1, failure
+        decision = supervisor.check(states)
+        if decision is not None and decision[0] == "fail":
+            return decision[1], decision[2]
+        if decision is not None and decision[0] == "ok":
+            services_by = services_by or time.monotonic() + SERVICE_GRACE
+            if view.services_ended() or time.monotonic() > services_by:
+                return 0, None
+        if deadline is not None and time.monotonic() > deadline:
+            still = [f"{s['rank']}" for s in states if s["returncode"] is None]
+            return 124, (f"timeout after {args.timeout:g} s; terminated the job. "
+                         f"Ranks still running: {', '.join(still) or 'none'}")
+        time.sleep(0.05)
+
+
+def _wait_stopped(links: dict[int, Link], out: _Output, timeout: float = 15.0) -> None:
+    limit = time.monotonic() + timeout
+    for n, link in links.items():
+        while not link.closed and time.monotonic() < limit:
+            try:
+                message = link.receive(timeout=0.2)
+            except queue.Empty:
+                continue
+            if message is None or message.get("type") == "stopped":
+                break
+        else:
+            if not link.closed:
+                out.say(f"node {n} did not confirm that its processes ended")
+
+
+def _check_multinode_host(args) -> str | None:
+    """Gloo across nodes needs this host's name to resolve to a reachable address."""
+    if args.backend != "horovod":
+        return None
+    try:
+        if jobenv.resolves_to_loopback():
+            host = socket.gethostname()
+            return jobenv.loopback_hostname_error(host, socket.gethostbyname(host))
+    except OSError as err:
+        return f"this host's name {socket.gethostname()!r} does not resolve: {err}"
+    return None
+
+
+# ---------------------------------------------------------------------- nodes 1..M-1
+def _run_agent(args, out: _Output) -> int:
+    error = _check_multinode_host(args)
+    if error:
+        out.say(error)
+        return 1
+    hello = {"type": "hello", "node": args.node_rank, "host": socket.gethostname(),
+             "nproc": args.num_workers}
+    try:
+        link = connect_to_master(args.master_addr, args.master_port, hello,
+                                 args.join_timeout)
+    except JoinError as err:
+        out.say(str(err))
+        return 1
+    try:
+        while True:
+            message = link.receive()
+            if message is None:
+                out.say(f"lost the master launcher at {args.master_addr}:"
+                        f"{args.master_port} before the job started")
+                return 1
+            if message["type"] == "end":
+                if message.get("report"):
+                    out.say(message["report"])
+                return message["status"]
+            if message["type"] != "start":
+                continue
+            status, again = _agent_run_once(args, message["spec"], link, out)
+            if not again:
+                return status
+    finally:
+        link.close()
+
+
+def _agent_run_once(args, spec, link: Link, out: _Output):
+    node = Node(args, args.node_rank, spec, out.lock)
+    hint, next_status = 0, 0.0
+    try:
+        node.start()
+        while True:
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + STATUS_EVERY
+                states = node.states(hint)
+                running = any(s["returncode"] is None for s in states)
+                link.send({"type": "status", "states": states,
+                           "service_failure": node.service_failure(running),
+                           "services_ended": node.services_ended()})
+            try:
+                message = link.receive(timeout=0.05)
+            except queue.Empty:
+                continue
+            if message is None:
+                out.say(f"lost the master launcher at {args.master_addr}:{args.master_port}"
+                        "; terminated this node's processes")
+                return 1, False
+            kind = message["type"]
+            if kind == "hint":
+                hint = message["low"]
+            elif kind == "verdicts":
+                node.set_verdicts({int(r): v for r, v in message["verdicts"].items()})
+            elif kind == "stacks":
+                found = node.stacks([r for r in message["ranks"] if r in node.ranks])
+                link.send({"type": "stacks", "found": found})
+            elif kind == "end":
+                node.terminate()
+                if message.get("report"):
+                    end = "" if message["status"] == 0 else \
+                        "\nterminated this node's processes."
+                    out.say(message["report"] + end)
+                link.send({"type": "stopped"})
+                return message["status"], message["again"]
+    except _Interrupted as stop:
+        out.say(f"interrupted by {signal.Signals(stop.signum).name}; terminated this "
+                "node's processes")
+        return 128 + stop.signum, False
+    finally:
+        node.terminate()
+
+
+# ---------------------------------------------------------------------- entry point
+def _watch_stdin() -> None:
+    """Started over ssh by a launcher with -H: end when that launcher goes away (the
+    ssh channel closes, which no signal reports)."""
+    def watch():
+        try:
+            while sys.stdin.buffer.read(1):
+                pass
+        except (OSError, ValueError):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def main(argv=None) -> int:
+    args = _parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hosts or args.hostfile:
+        return ssh.run(args)
+    out = _Output(args.nnodes, args.node_rank)
+
+    def on_signal(signum, frame):
+        raise _Interrupted(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    if os.environ.get(ssh.PARENT_ENV) == "ssh":
+        _watch_stdin()
+    try:
+        if args.node_rank == 0:
+            return _run_master(args, out)
+        return _run_agent(args, out)
+    except _Interrupted as stop:
+        out.say(f"interrupted by {signal.Signals(stop.signum).name}")
+        return 128 + stop.signum
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

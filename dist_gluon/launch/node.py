@@ -1,0 +1,202 @@
+"""The processes of one node of a job: its workers (and, for ps-lite, its servers and on
+node 0 the scheduler), their job-control records, and their environment."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+from .. import jobcontrol, jobenv
+from .processes import Process, terminate
+
+STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
+
+
+def free_port(bind_addr: str = "") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((bind_addr, 0))
+        return sock.getsockname()[1]
+
+
+class Node:
+    """One run (one restart) of this node's processes.
+
+    ``spec`` is what node 0 decided for this run, the same on every node: backend,
+    nnodes, nproc, servers, restart, master_addr and the ports of the Gloo rendezvous or
+    of the ps-lite scheduler.
+    """
+
+    def __init__(self, args, node_rank: int, spec: dict, out_lock: threading.Lock):
+        self.args, self.node_rank, self.spec = args, node_rank, spec
+        self.host = socket.gethostname()
+        self.processes: list[Process] = []
+        self._out_lock = out_lock
+        self._records: dict[int, jobcontrol.Record] = {}
+        self._stack_offsets: dict[int, int] = {}
+        self._control_dir = tempfile.mkdtemp(prefix="dg-control-",
+                                              dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                              else None)
+
+    @property
+    def first_rank(self) -> int:
+        return self.node_rank * self.spec["nproc"]
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.first_rank, self.first_rank + self.spec["nproc"]))
+
+    # ------------------------------------------------------------------ start
+    def start(self) -> None:
+        spec, args = self.spec, self.args
+        nproc, nnodes = spec["nproc"], spec["nnodes"]
+        base = dict(os.environ)
+        base.setdefault("PYTHONUNBUFFERED", "1")
+        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        base.update({"DG_NUM_WORKERS": str(nproc * nnodes), "DG_BACKEND": spec["backend"],
+                     "DG_RESTART": str(spec["restart"]), "DG_NNODES": str(nnodes),
+                     "DG_NODE_RANK": str(self.node_rank),
+                     jobcontrol.ENV_DIR: self._control_dir})
+        if spec["backend"] == "horovod":
+            self._start_horovod(base)
+        else:
+            self._start_pslite(base)
+
+    def _worker_env(self, base, local_rank):
+        rank = self.first_rank + local_rank
+        path = jobcontrol.create_record(self._control_dir, rank)
+        self._records[rank] = jobcontrol.Record(path)
+        return rank, dict(base, DG_RANK=str(rank), DG_LOCAL_RANK=str(local_rank))
+
+    def _start_horovod(self, base):
+        spec = self.spec
+        nproc, nnodes = spec["nproc"], spec["nnodes"]
+        if nnodes == 1:
+            addr, iface, label = "127.0.0.1", "lo", "localhost"
+        else:
+            addr = spec["master_addr"]
+            iface = self.args.iface or jobenv.gloo_iface(addr)
+            label = self.host
+        for local_rank in range(nproc):
+            rank, env = self._worker_env(base, local_rank)
+            layout = jobenv.worker_layout([nproc] * nnodes, self.node_rank, local_rank)
+            env.update(jobenv.horovod_worker_env(addr, spec["rendezvous_port"], iface, label,
+                                                 **layout._asdict()))
+            self._spawn(str(rank), "worker", rank, self.args.command, env)
+
+    def _start_pslite(self, base):
+        spec = self.spec
+        nproc, nnodes, servers = spec["nproc"], spec["nnodes"], spec["servers"]
+        if nnodes == 1:
+            root, node_host = "127.0.0.1", "127.0.0.1"
+        else:
+            root = spec["master_addr"]
+            node_host = jobenv.route_source_addr(root)
+        common = dict(base)
+        common.update(jobenv.pslite_env(root, spec["scheduler_port"], nproc * nnodes,
+                                        servers * nnodes, node_host,
+                                        p3=spec["backend"] == "p3"))
+        service = [sys.executable, "-c", "import mxnet"]
+        if self.node_rank == 0:
+            self._spawn("scheduler", "scheduler", None, service,
+                        dict(common, **jobenv.pslite_role_env("scheduler")))
+        for s in range(servers):
+            index = self.node_rank * servers + s
+            self._spawn(f"server{index}", "server", None, service,
+                        dict(common, **jobenv.pslite_role_env("server")))
+        for local_rank in range(nproc):
+            rank, env = self._worker_env(common, local_rank)
+            env.update(jobenv.pslite_role_env("worker"))
+            self._spawn(str(rank), "worker", rank, self.args.command, env)
+
+    def _spawn(self, label, role, rank, argv, env):
+        try:
+            self.processes.append(Process(label, role, rank, argv, env, self._out_lock))
+        except OSError as err:
+            raise SystemExit(f"dist_gluon.launch: cannot start {argv[0]!r}: {err}") from err
+
+    # ------------------------------------------------------------------ watching
+    @property
+    def workers(self) -> list[Process]:
+        return [p for p in self.processes if p.role == "worker"]
+
+    def states(self, hint: int = 0) -> list[dict]:
+        """The state of each of this node's workers (see supervisor.py); ``hint`` is the
+        lowest collective count in the job, whose next key reports name."""
+        states = []
+        for p in self.workers:
+            record = self._records[p.rank]
+            attached = record.attached
+            count = record.count if attached else 0
+            phase = record.phase if attached else 0
+            left = p.returncode is not None or phase == jobcontrol.DEPARTING
+            states.append({
+                "rank": p.rank, "host": self.host, "node": self.node_rank,
+                "attached": attached, "count": count, "phase": phase,
+                "departed_at": record.departed_at if attached else None,
+                "exception": record.exception if attached else None,
+                "returncode": p.returncode, "ended_at": p.ended_at,
+                "tail": list(p.tail) if left or (attached and record.exception) else [],
+                "key_next": record.key(hint + 1) if attached else None,
+                "key_last": record.key(count) if attached else None,
+            })
+        return states
+
+    def service_failure(self, workers_running: bool) -> str | None:
+        """A report when a scheduler or server failed while workers still needed it."""
+        if not workers_running:
+            return None
+        for p in self.processes:
+            if p.role != "worker" and p.returncode not in (None, 0):
+                end = (f"killed by signal {-p.returncode}" if p.returncode < 0
+                       else f"exit code {p.returncode}")
+                lines = [f"ps-lite {p.label} on {self.host} failed ({end}) while workers "
+                         "still needed it."]
+                if p.tail:
+                    lines.append(f"last lines of {p.label}'s stderr:")
+                    lines.extend(f"    {line}" for line in p.tail)
+                return "\n".join(lines)
+        return None
+
+    def services_ended(self) -> bool:
+        return all(p.returncode is not None for p in self.processes if p.role != "worker")
+
+    def set_verdicts(self, verdicts: dict[int, int]) -> None:
+        for rank, verdict in verdicts.items():
+            record = self._records.get(int(rank))
+            if record is not None:
+                record.set_verdict(verdict)
+
+    def stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Ask the given local ranks for their Python stacks and return what they wrote."""
+        asked = []
+        for p in self.workers:
+            record = self._records[p.rank]
+            if p.rank in ranks and record.attached and p.returncode is None:
+                path = jobcontrol.stacks_path(self._control_dir, p.rank)
+                self._stack_offsets[p.rank] = os.path.getsize(path)
+                try:
+                    os.kill(record.pid, jobcontrol.STACKS_SIGNAL)
+                    asked.append(p.rank)
+                except ProcessLookupError:
+                    pass
+        if asked:
+            time.sleep(STACKS_WAIT)
+        found = {}
+        for rank in asked:
+            with open(jobcontrol.stacks_path(self._control_dir, rank)) as f:
+                f.seek(self._stack_offsets[rank])
+                found[rank] = f.read()
+        return found
+
+    def terminate(self) -> None:
+        terminate(self.processes)
+        shutil.rmtree(self._control_dir, ignore_errors=True)
+
+    def interrupt(self) -> None:
+        for p in self.processes:
+            p.signal_group(signal.SIGTERM)

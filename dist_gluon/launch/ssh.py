@@ -1,0 +1,173 @@
+"""One command for all hosts: start a node launcher on each host over ssh (the first
+host is node 0, the master) and relay their output here."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+from .processes import Process, terminate
+
+PARENT_ENV = "DG_LAUNCHED_BY"
+# What a node launcher needs from this environment on the other hosts (ssh gives a
+# bare one); the job's own settings travel too.
+_FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+_FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PYTHON", "OMP_", "KMP_")
+_NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
+                  "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_CONTROL_DIR", PARENT_ENV}
+END_GRACE = 20.0        # seconds the other node launchers get once one has ended
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """'host1:2,host2:2' -> [('host1', 2), ('host2', 2)] (slots default to 1)."""
+    hosts = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        host, _, slots = item.partition(":")
+        hosts.append((host, _slots(slots or "1", item)))
+    return _checked(hosts, "-H")
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Lines 'host slots=N' (or 'host:N', or 'host'); '#' starts a comment."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as err:
+        raise ValueError(f"cannot read --hostfile {path!r}: {err}") from err
+    hosts = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        host, slots = words[0], "1"
+        if ":" in host:
+            host, slots = host.split(":", 1)
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key not in ("slots", "max_slots") or not value:
+                raise ValueError(f"{path}:{number}: expected 'host slots=N', got {line!r}")
+            if key == "slots":
+                slots = value
+        hosts.append((host, _slots(slots, f"{path}:{number}")))
+    return _checked(hosts, f"--hostfile {path}")
+
+
+def _slots(text: str, where: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        raise ValueError(f"{where}: slots must be a whole number, got {text!r}") from None
+    if slots < 1:
+        raise ValueError(f"{where}: slots must be at least 1, got {slots}")
+    return slots
+
+
+def _checked(hosts, where) -> list[tuple[str, int]]:
+    if not hosts:
+        raise ValueError(f"{where} names no host")
+    names = [h for h, _ in hosts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where} names a host twice: {names}")
+    if len({s for _, s in hosts}) != 1:
+        raise ValueError(f"{where}: every host must have the same number of slots "
+                         f"(global rank = node rank * slots + local rank), got "
+                         f"{', '.join(f'{h}:{s}' for h, s in hosts)}")
+    return hosts
+
+
+def _forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if (k in _FORWARD or k.startswith(_FORWARD_PREFIXES)) and k not in _NOT_FORWARDED}
+
+
+def node_command(args, node_rank: int, master_addr: str) -> str:
+    """The shell command that starts node ``node_rank``'s launcher on its host."""
+    argv = [sys.executable, "-m", "dist_gluon.launch",
+            "--nnodes", str(len(args.host_slots)), "--node-rank", str(node_rank),
+            "--master-addr", master_addr, "--master-port", str(args.master_port),
+            "--join-timeout", f"{args.join_timeout:g}",
+            "-n", str(args.num_workers), "--backend", args.backend,
+            "--servers", str(args.servers), "--max-restarts", str(args.max_restarts),
+            "--stall-warning", f"{args.stall_warning or 0:g}"]
+    for flag, value in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
+                        ("--iface", args.iface)):
+        if value is not None:
+            argv += [flag, str(value)]
+    argv += ["--", *args.command]
+    env = dict(_forwarded_env(), **{PARENT_ENV: "ssh"})
+    assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
+    return f"cd {shlex.quote(os.getcwd())} && exec env {assignments} {shlex.join(argv)}"
+
+
+def ssh_argv(args, host: str) -> list[str]:
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
+    if args.ssh_port is not None:
+        argv += ["-p", str(args.ssh_port)]
+    if args.ssh_identity_file is not None:
+        argv += ["-i", args.ssh_identity_file]
+    return argv + [host]
+
+
+def run(args) -> int:
+    """Start every host's launcher and wait for them; node 0's exit status wins."""
+    master = args.master_addr or args.host_slots[0][0]
+    lock = threading.Lock()
+    launchers: list[Process] = []
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for rank, (host, _) in enumerate(args.host_slots):
+            argv = ssh_argv(args, host) + [node_command(args, rank, master)]
+            # stdin stays open: the node launcher ends when this process goes away
+            launchers.append(Process("", "launcher", rank, argv, None, lock,
+                                     stdin=subprocess.PIPE))
+        ended_at = None
+        while True:
+            codes = [p.returncode for p in launchers]
+            if all(c is not None for c in codes):
+                break
+            if ended_at is None and any(c is not None for c in codes):
+                ended_at = time.monotonic()
+            if ended_at is not None and time.monotonic() - ended_at > END_GRACE:
+                stuck = [args.host_slots[i][0] for i, c in enumerate(codes) if c is None]
+                sys.stderr.write(f"dist_gluon.launch: the launchers on {', '.join(stuck)} "
+                                 "did not end; closing their ssh sessions\n")
+                break
+            time.sleep(0.1)
+        codes = [p.returncode for p in launchers]
+        if codes[0] == 255 or any(c == 255 for c in codes):
+            bad = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
+            sys.stderr.write(f"dist_gluon.launch: ssh to {', '.join(bad)} failed (exit 255):"
+                             " check that passwordless ssh works (--ssh-port, "
+                             "--ssh-identity-file) and that dist_gluon is installed there "
+                             "at the same path\n")
+        if codes[0] not in (None, 0):
+            return codes[0]
+        return next((c for c in codes if c not in (None, 0)), 0 if None not in codes else 1)
+    except KeyboardInterrupt:
+        sys.stderr.write("dist_gluon.launch: interrupted; ending the job on every host\n")
+        return 130
+    finally:
+        for p in launchers:
+            if p.popen.stdin:
+                try:
+                    p.popen.stdin.close()
+                except OSError:
+                    pass
+        limit = time.monotonic() + 10
+        while any(p.returncode is None for p in launchers) and time.monotonic() < limit:
+            time.sleep(0.1)
+        terminate(launchers)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

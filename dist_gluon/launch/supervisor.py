@@ -1,0 +1,245 @@
+"""The job's judge: from every rank's progress record and process status it decides when
+the job has failed, which rank caused it (the first to leave) and which failures are
+consequences, when ranks that finished may run their collective shutdown, and when the
+job stalls.
+
+It sees the whole job as a list of rank states (plain dicts, the same whether a rank
+runs on this node or on another node's launcher):
+
+    rank, host, attached, count (collectives submitted), phase (jobcontrol.ATTACHED /
+    DEPARTING), departed_at, exception ("Type: message"), returncode, ended_at, tail
+    (last stderr lines), key_next (key of collective ``hint + 1``), key_last
+
+A rank has *left* when its process ended or it reached interpreter exit. A rank that
+left while another rank has submitted more collectives than it ever will is the cause of
+a deadlock, even if it ended cleanly; a rank that failed (exception, non-zero status,
+signal) ends the job at once. Errors other ranks hit after the first departure are
+reported as consequences.
+"""
+from __future__ import annotations
+
+import re
+import time
+
+from .. import jobcontrol
+from .processes import signal_name
+
+SETTLE = 0.5            # seconds to let near-simultaneous departures land before judging
+EXIT_WAIT = 3.0         # seconds a released rank gets to exit with its own status
+# Errors a rank hits because a peer went away; never the cause when another rank left.
+_CONSEQUENCE = re.compile(
+    r"has been shut down|shut ?down|ps-lite|ps::|Check failed|gloo|Gloo|connection|"
+    r"Connection|Broken pipe|terminate called|peer|Peer", re.IGNORECASE)
+
+
+def _left(s: dict) -> bool:
+    return s["returncode"] is not None or s["phase"] == jobcontrol.DEPARTING \
+        or s["exception"] is not None
+
+
+def _failed(s: dict) -> bool:
+    return s["exception"] is not None or (s["returncode"] not in (None, 0))
+
+
+def _left_at(s: dict) -> float:
+    return s["departed_at"] or s["ended_at"] or float("inf")
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _who(s: dict) -> str:
+    return f"rank {s['rank']} ({s['host']})" if s.get("host") else f"rank {s['rank']}"
+
+
+def describe_end(s: dict) -> str:
+    """How a rank ended, e.g. 'exited (SystemExit: data directory missing)'."""
+    code, tail = s["returncode"], [line for line in s.get("tail") or [] if line.strip()]
+    if s["exception"]:
+        return f"failed ({s['exception']})"
+    if code is None:
+        return "left its script (no uncaught exception) and was still shutting down"
+    if code < 0:
+        return f"was killed by {signal_name(-code)}"
+    if not s["attached"]:
+        return f"exited with status {code}"
+    if code == 0:
+        return "finished its script (exit status 0)"
+    if code == 1 and tail and not tail[-1].startswith((" ", "Traceback")):
+        return f"exited (SystemExit: {tail[-1].strip()})"
+    return f"exited (SystemExit: {code})"
+
+
+def _shorten(text: str, limit: int = 160) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def exit_status(s: dict) -> int:
+    code = s["returncode"]
+    if code is None or code == 0:
+        return 1
+    return code if code > 0 else 128 - code
+
+
+class Supervisor:
+    """Judges a job from its rank states; see the module docstring."""
+
+    def __init__(self, view, stall_warning: float | None, stall_timeout: float | None):
+        self.view = view
+        self.stall_warning, self.stall_timeout = stall_warning, stall_timeout
+        self._failing_since: float | None = None
+        self._released_at: float | None = None
+        self._stall_state = None
+        self._stall_since: float | None = None
+        self._stall_warned = False
+        self._finalized: set[int] = set()
+
+    # ------------------------------------------------------------------ one look
+    def check(self, states: list[dict], now: float | None = None):
+        """None while the job runs; ('ok',) when every worker ended cleanly; ('fail',
+        status, report) when the job has failed."""
+        now = time.monotonic() if now is None else now
+        if not states:
+            return None
+        if self._failing_since is None and self._broken(states):
+            self._failing_since = now
+        if self._failing_since is not None:
+            return self._judge(states, now)
+        if all(_left(s) for s in states):
+            self._release(states, jobcontrol.FINALIZE)
+            if all(s["returncode"] == 0 for s in states):
+                return ("ok",)
+            return None
+        return self._watch_stall(states, now)
+
+    def _broken(self, states) -> bool:
+        if any(_failed(s) for s in states):
+            return True
+        return bool(self._deadlocked(states))
+
+    @staticmethod
+    def _deadlocked(states) -> list[dict]:
+        """Ranks that left cleanly while another rank has submitted a collective they
+        never will."""
+        top = max(s["count"] for s in states)
+        return [s for s in states if _left(s) and not _failed(s) and s["count"] < top]
+
+    def _release(self, states, verdict) -> None:
+        ready = {s["rank"]: verdict for s in states
+                 if s["phase"] == jobcontrol.DEPARTING and s["returncode"] is None
+                 and s["rank"] not in self._finalized}
+        if ready:
+            self._finalized.update(ready)
+            self.view.set_verdicts(ready)
+
+    # ------------------------------------------------------------------ failures
+    def _judge(self, states, now):
+        if now - self._failing_since < SETTLE:
+            return None
+        if self._released_at is None:
+            # ranks blocked in their exit learn the job failed and end with their own
+            # exit status, which the report then shows
+            self._released_at = now
+            self._release(states, jobcontrol.ABANDON)
+        waiting = [s for s in states if _left(s) and s["returncode"] is None]
+        if waiting and now - self._released_at < EXIT_WAIT:
+            return None
+        cause = self._cause(states)
+        return ("fail", exit_status(cause), self._failure_report(cause, states))
+
+    def _cause(self, states) -> dict:
+        candidates = [s for s in states if _failed(s)] + self._deadlocked(states)
+        candidates.sort(key=_left_at)
+        first = candidates[0]
+        if first["exception"] and _CONSEQUENCE.search(first["exception"]):
+            others = [s for s in candidates[1:] if not (
+                s["exception"] and _CONSEQUENCE.search(s["exception"]))]
+            if others and _left_at(others[0]) - _left_at(first) < 5.0:
+                return others[0]
+        return first
+
+    def _failure_report(self, cause, states) -> str:
+        lines = [f"{_who(cause)} {describe_end(cause)} after {cause['count']} "
+                 f"collective{'s' if cause['count'] != 1 else ''}" + self._waiters(cause, states)
+                 + "."]
+        ahead = [s for s in states if s["count"] > cause["count"]]
+        if ahead and not _failed(cause):
+            lines.append(
+                f"tip: {_who(cause)} ran fewer collectives than {_ranks(s['rank'] for s in ahead)}."
+                " Every rank must run the same number of steps (and of evaluations, "
+                "barriers, checkpoints); give every rank the same number of batches: "
+                "dist_gluon.ShardSampler pads or drops to equal shards (last_batch='pad' "
+                "or 'drop'), and dist_gluon.shard_kwargs(kv) does it for mx.io iterators.")
+        if not cause["attached"] and cause["count"] == 0 and any(s["count"] for s in states):
+            lines.append(f"note: {_who(cause)} never created a dist_gluon backend "
+                         "(dist_gluon.create()).")
+        tail = cause.get("tail") or []
+        if tail:
+            lines.append(f"last lines of rank {cause['rank']}'s stderr:")
+            lines.extend(f"    {line}" for line in tail)
+        else:
+            lines.append(f"rank {cause['rank']} wrote nothing to stderr.")
+        after = [s for s in states if s is not cause and _failed(s)]
+        if after:
+            lines.append("consequences (failures after the first departure, not the cause):")
+            lines.extend(f"    {_who(s)} {_shorten(describe_end(s))}" for s in after)
+        return "\n".join(lines)
+
+    @staticmethod
+    def _waiters(cause, states) -> str:
+        ahead = [s for s in states if s["count"] > cause["count"]]
+        if not ahead:
+            return ""
+        n = cause["count"] + 1
+        key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
+        verb = "waits" if len(ahead) == 1 else "wait"
+        return (f"; {_ranks(s['rank'] for s in ahead)} {verb} in collective #{n}"
+                + (f" (key {key!r})" if key else ""))
+
+    # ------------------------------------------------------------------ stalls
+    def _watch_stall(self, states, now):
+        if self.stall_warning is None and self.stall_timeout is None:
+            return None
+        low = min(s["count"] for s in states)
+        lagging = frozenset(s["rank"] for s in states if s["count"] == low and not _left(s))
+        ahead = [s for s in states if s["count"] > low]
+        state = (low, lagging) if ahead and lagging else None
+        if state != self._stall_state:
+            self._stall_state, self._stall_since, self._stall_warned = state, now, False
+        if state is None:
+            return None
+        waited = now - self._stall_since
+        if self.stall_timeout is not None and waited >= self.stall_timeout:
+            report = self._stall_report(states, low, lagging, ahead, waited)
+            return ("fail", 124, report + f"\nstall timeout ({self.stall_timeout:g} s); "
+                    "terminated the job.")
+        if self.stall_warning is not None and waited >= self.stall_warning \
+                and not self._stall_warned:
+            self._stall_warned = True
+            self.view.say(self._stall_report(states, low, lagging, ahead, waited)
+                          + "\nThe job keeps running (--stall-timeout SEC ends it).")
+        return None
+
+    def _stall_report(self, states, low, lagging, ahead, waited) -> str:
+        n = low + 1
+        key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
+        by_rank = {s["rank"]: s for s in states}
+        lines = [f"stall: {_ranks(s['rank'] for s in ahead)} "
+                 f"{'has' if len(ahead) == 1 else 'have'} waited {waited:.0f} s in collective "
+                 f"#{n}" + (f" (key {key!r})" if key else "")
+                 + f" that {_ranks(lagging)} ({', '.join(by_rank[r]['host'] or '?' for r in sorted(lagging))}) "
+                 f"{'has' if len(lagging) == 1 else 'have'} not reached"
+                 + (f" (last submitted: #{low}, key {by_rank[min(lagging)]['key_last']!r})"
+                    if low else " (no collective submitted yet)") + "."]
+        stacks = self.view.stacks(sorted(lagging))
+        for rank in sorted(lagging):
+            text = stacks.get(rank)
+            if text:
+                lines.append(f"Python stacks of rank {rank} (every thread):")
+                lines.extend(f"    {line}" for line in text.rstrip().splitlines())
+            else:
+                lines.append(f"no Python stacks from rank {rank} (it has not imported "
+                             "dist_gluon's backend, or did not answer)")
+        return "\n".join(lines)
