@@ -325,7 +325,7 @@ def _run_once(args, spec, links, out, deadline, last: bool):
         status, report = _supervise(args, view, supervisor, deadline)
     except _Interrupted as stop:
         status = 128 + stop.signum
-        report = f"interrupted by {signal.Signals(stop.signum).name}; terminated the job"
+        report = f"interrupted by {signal.Signals(stop.signum).name}"
         last = True
     finally:
         again = status not in (0, 124) and not last and report is not None \
@@ -362,7 +362,7 @@ def _supervise(args, view: _JobView, supervisor: Supervisor, deadline):
                 return 0, None
         if deadline is not None and time.monotonic() > deadline:
             still = [f"{s['rank']}" for s in states if s["returncode"] is None]
-            return 124, (f"timeout after {args.timeout:g} s; terminated the job. "
+            return 124, (f"timeout after {args.timeout:g} s. "
                          f"Ranks still running: {', '.join(still) or 'none'}")
         time.sleep(0.05)
 

@@ -213,8 +213,7 @@ class Supervisor:
         waited = now - self._stall_since
         if self.stall_timeout is not None and waited >= self.stall_timeout:
             report = self._stall_report(states, low, lagging, ahead, waited)
-            return ("fail", 124, report + f"\nstall timeout ({self.stall_timeout:g} s); "
-                    "terminated the job.")
+            return ("fail", 124, report + f"\nstall timeout ({self.stall_timeout:g} s).")
         if self.stall_warning is not None and waited >= self.stall_warning \
                 and not self._stall_warned:
             self._stall_warned = True

@@ -1,0 +1,178 @@
+"""No hang is silent, and every failure names the rank that caused it.
+
+The fault matrix of issue 11: on every backend, rank 1 (and then rank 0) leaves in each
+way a script can leave, while the other rank waits in a collective it will never join.
+Each job must end within FAILURE_DEADLINE of the fault, exit non-zero, name the rank
+that left first with how and why it left, and leave no process behind.
+"""
+from __future__ import annotations
+
+import re
+import socket
+import time
+
+import pytest
+
+from conftest import DISTRIBUTED_BACKENDS, launch, worker_lines
+from test_launch import _marker_env, _report, assert_nothing_left
+
+FAILURE_DEADLINE = 10.0
+
+# argv: mode, faulty rank. Both ranks join two collectives ('connect' and 'warm'); then
+# the faulty rank leaves in its way while the other submits collective #3, 'never'.
+FAULT_WORKER = """
+import os
+import sys
+import time
+
+import mxnet as mx
+
+import dist_gluon as dg
+
+mode, faulty = sys.argv[1], int(sys.argv[2])
+kv = dg.create()
+warm = mx.nd.ones((4,))
+kv.pushpull("warm", warm)
+warm.wait_to_read()
+
+
+def load_next_batch():
+    time.sleep(300)          # a deadlocked data loader
+
+
+if kv.rank == faulty:
+    print(f"FAILING_AT {time.time()!r}", flush=True)
+    if mode == "raise":
+        raise RuntimeError(f"rank {faulty} fails on purpose")
+    if mode == "systemexit":
+        raise SystemExit("data directory missing")
+    if mode == "exit3":
+        sys.exit(3)
+    if mode == "exit":
+        exit()
+    if mode == "sigkill":
+        os.kill(os.getpid(), 9)
+    if mode == "sleep":
+        load_next_batch()
+    if mode == "early":
+        pass                 # returns: fewer steps than the other rank
+else:
+    never = mx.nd.ones((4,))
+    kv.pushpull("never", never)
+    never.wait_to_read()
+    print("the other rank should never get here", flush=True)
+"""
+
+HOW = {
+    "raise": "failed (RuntimeError: rank {r} fails on purpose)",
+    "systemexit": "exited (SystemExit: data directory missing)",
+    "exit3": "exited (SystemExit: 3)",
+    "exit": "finished its script (exit status 0)",
+    "early": "finished its script (exit status 0)",
+    "sigkill": "was killed by SIGKILL",
+}
+STATUS = {"raise": 1, "systemexit": 1, "exit3": 3, "exit": 1, "early": 1, "sigkill": 137}
+
+
+def _run_fault(tmp_path, backend, mode, faulty, launcher_args=()):
+    env = _marker_env()
+    proc = launch(FAULT_WORKER, tmp_path, backend, n=2, args=[mode, str(faulty)], env=env,
+                  launcher_args=launcher_args, timeout=120)
+    ended = time.time()
+    failing_at = [float(line.split()[1]) for line in worker_lines(proc.stdout, faulty)
+                  if line.startswith("FAILING_AT ")]
+    assert failing_at, f"rank {faulty} never reached its fault\n" + _report(proc)
+    assert "the other rank should never get here" not in proc.stdout
+    assert_nothing_left(env["DG_TEST_MARKER"])
+    return proc, ended - failing_at[0]
+
+
+@pytest.mark.parametrize("faulty", [1, 0])
+@pytest.mark.parametrize("mode", list(HOW))
+def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
+        tmp_path, backend, mode, faulty):
+    proc, took = _run_fault(tmp_path, backend, mode, faulty)
+    other = 1 - faulty
+    assert proc.returncode == STATUS[mode], _report(proc)
+    assert took < FAILURE_DEADLINE, f"took {took:.1f} s\n" + _report(proc)
+    host = socket.gethostname()
+    cause = (f"rank {faulty} ({host}) {HOW[mode].format(r=faulty)} after 2 collectives; "
+             f"rank {other} waits in collective #3 (key 'never').")
+    assert cause in proc.stderr, _report(proc)
+    # the cause comes first; what the other rank hit afterwards is only a consequence
+    assert f"rank {other} ({host}) failed" not in proc.stderr.split(cause)[0]
+    if mode in ("exit", "early"):
+        assert "tip: " in proc.stderr and "ShardSampler" in proc.stderr
+    if mode == "systemexit":
+        assert "data directory missing" in proc.stderr
+
+
+@pytest.mark.parametrize("faulty", [1, 0])
+def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
+        tmp_path, backend, faulty):
+    proc, took = _run_fault(tmp_path, backend, "sleep", faulty,
+                            launcher_args=["--stall-warning", "2", "--stall-timeout", "5"])
+    other = 1 - faulty
+    assert proc.returncode == 124, _report(proc)
+    assert took < 5 + FAILURE_DEADLINE, _report(proc)
+    warning = re.search(rf"stall: rank {other} has waited \d+ s in collective #3 "
+                        rf"\(key 'never'\) that rank {faulty} \(.*\) has not reached "
+                        rf"\(last submitted: #2, key 'warm'\)", proc.stderr)
+    assert warning, _report(proc)
+    stacks = proc.stderr[warning.end():]
+    assert f"Python stacks of rank {faulty} (every thread):" in stacks
+    assert "in load_next_batch" in stacks
+    assert "The job keeps running" in proc.stderr      # the warning came first
+    assert "stall timeout (5 s)" in proc.stderr
+
+
+def test_a_stall_only_warns_without_stall_timeout(tmp_path):
+    script = """
+    import time
+    import mxnet as mx
+    import dist_gluon as dg
+
+    kv = dg.create()
+    if kv.rank == 0:
+        time.sleep(4)        # rank 0 evaluates or saves while rank 1 waits
+    kv.barrier()
+    print("both passed the barrier", flush=True)
+    """
+    proc = launch(script, tmp_path, "horovod", n=2,
+                  launcher_args=["--stall-warning", "1.5"], timeout=120)
+    assert proc.returncode == 0, _report(proc)
+    assert "stall: rank 1 has waited" in proc.stderr
+    assert "in <module>" in proc.stderr
+    assert worker_lines(proc.stdout, 0) == ["both passed the barrier"]
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend):
+    proc, _ = _run_fault(tmp_path, backend, "systemexit", 1,
+                         launcher_args=["--max-restarts", "1"])
+    assert proc.returncode == 1, _report(proc)
+    cause = "rank 1 ({}) exited (SystemExit: data directory missing) after 2 collectives"
+    assert proc.stderr.count(cause.format(socket.gethostname())) == 2, _report(proc)
+    assert "restarting the job on every node (1 of 1)" in proc.stderr
+
+
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
+    script = """
+    import os
+    import sys
+    import dist_gluon as dg
+
+    if os.environ["DG_RANK"] == "1":
+        sys.exit(0)          # never joins the job
+    kv = dg.create()
+    print("rank 0 should never get here", flush=True)
+    """
+    env = _marker_env()
+    proc = launch(script, tmp_path, backend, n=2, env=env, timeout=120)
+    assert proc.returncode == 1, _report(proc)
+    assert (f"rank 1 ({socket.gethostname()}) exited with status 0 after 0 collectives; "
+            f"rank 0 waits in collective #1 (key 'connect ({backend})')") in proc.stderr, \
+        _report(proc)
+    assert "never created a dist_gluon backend" in proc.stderr
+    assert_nothing_left(env["DG_TEST_MARKER"])
