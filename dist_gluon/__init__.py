@@ -16,6 +16,8 @@ second. Importing dist_gluon after mxnet, or using any of its names, registers t
 import importlib
 import sys
 
+from ._version import __version__
+
 _PUBLIC = {
     "BACKEND_NAMES": ".backends", "Backend": ".backends", "create": ".backends",
     "ModelMismatchError": ".broadcast", "broadcast_parameters": ".broadcast",
@@ -23,7 +25,7 @@ _PUBLIC = {
     "ShardSampler": ".data", "reduce_metric": ".data", "shard_kwargs": ".data",
     "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",
 }
-__all__ = sorted(_PUBLIC)
+__all__ = sorted(_PUBLIC) + ["__version__"]
 
 
 def _load():

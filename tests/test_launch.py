@@ -10,6 +10,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -111,7 +112,8 @@ def test_exit_status_is_non_zero_when_one_worker_fails_after_the_others_succeede
     proc = launch(LATE_EXIT_WORKER, tmp_path, "horovod", n=2)
     assert worker_lines(proc.stdout, 0) == ["rank 0 done"]
     assert proc.returncode == 3, _report(proc)
-    assert "rank 1 failed (exit code 3)" in proc.stderr
+    assert f"rank 1 ({socket.gethostname()}) exited with status 3 after 0 collectives." \
+        in proc.stderr, _report(proc)
     assert "rank 1 gives up late" in proc.stderr
 
 
@@ -173,9 +175,11 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_is_named_with_its_stderr(
     assert ended - failing_at[0] < FAILURE_DEADLINE, _report(proc)
     assert "rank 0 should never get here" not in proc.stdout
 
-    how = {"sigkill": "killed by SIGKILL", "exit": "exit code 3"}.get(mode, "exit code 1")
-    assert f"rank 1 failed ({how})" in proc.stderr, _report(proc)
-    report = proc.stderr[proc.stderr.index("rank 1 failed"):]
+    how = {"sigkill": "was killed by SIGKILL", "exit": "exited (SystemExit: 3)"}.get(
+        mode, f"failed (RuntimeError: rank 1 fails on purpose ({mode}))")
+    cause = f"rank 1 ({socket.gethostname()}) {how} after 2 collectives"
+    assert cause in proc.stderr, _report(proc)
+    report = proc.stderr[proc.stderr.index(cause):]
     assert "last lines of rank 1's stderr" in report
     assert f"rank 1 is about to fail by {mode}" in report
     if mode not in ("sigkill", "exit"):
@@ -211,7 +215,7 @@ def test_timeout_terminates_the_job_and_names_the_ranks_still_running(tmp_path, 
                   env=env, timeout=60)
     elapsed = time.monotonic() - started
     assert proc.returncode != 0, _report(proc)
-    assert re.search(r"timeout after 5 s.*Ranks still running: 0, 1", proc.stderr), \
+    assert re.search(r"timeout after 5 s\. Ranks still running: 0, 1", proc.stderr), \
         _report(proc)
     assert elapsed < 5 + FAILURE_DEADLINE
     assert_nothing_left(env["DG_TEST_MARKER"])
@@ -303,3 +307,86 @@ def test_one_worker_job_runs(tmp_path, backend):
     proc = launch(SINGLE_WORKER, tmp_path, backend, n=1, timeout=60)
     assert proc.returncode == 0, _report(proc)
     assert worker_lines(proc.stdout, 0) == [f"{backend} 0 1 [1.0, 2.0]"]
+
+
+# ------------------------------------------------------------------ a fast supervisor
+def test_the_launcher_imports_neither_mxnet_nor_horovod_and_answers_at_once():
+    probe = ("import sys, dist_gluon.launch; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+             "('mxnet', 'horovod')))")
+    proc = subprocess.run([sys.executable, "-c", probe], env=_launcher_env({}),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.launch", "--help"],
+                          env=_launcher_env({}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--nnodes" in proc.stdout
+    assert time.monotonic() - started < 1.0
+
+
+def test_version_is_the_package_version():
+    from dist_gluon import __version__
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.launch", "--version"],
+                          env=_launcher_env({}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"dist_gluon {__version__}"
+
+
+@pytest.mark.parametrize("argv,complaint", [
+    (["--nnodes", "2", "-n", "1", "--", "python", "x.py"], "--nnodes > 1 needs --master-addr"),
+    (["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1", "-n", "1", "--",
+      "python", "x.py"], "--node-rank must be in [0, 2)"),
+    (["-H", "a:2,b:1", "--", "python", "x.py"], "same number of slots"),
+    (["-H", "a:2,a:2", "--", "python", "x.py"], "names a host twice"),
+    (["-H", "a:x", "--", "python", "x.py"], "slots must be a whole number"),
+    (["-H", "a:2", "--nnodes", "2", "--", "python", "x.py"], "do not add --nnodes"),
+    (["-n", "1", "--stall-timeout", "0", "--", "python", "x.py"],
+     "--stall-timeout must be positive"),
+])
+def test_bad_multi_node_arguments_are_usage_errors(argv, complaint, capsys):
+    with pytest.raises(SystemExit) as stop:
+        launch_module.main(argv)
+    assert stop.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_a_hostfile_lists_hosts_and_slots(tmp_path):
+    from dist_gluon.launch import ssh
+    path = tmp_path / "hosts"
+    path.write_text("# the cluster\nnode1 slots=2\nnode2   slots=2  # second\n\n")
+    assert ssh.read_hostfile(str(path)) == [("node1", 2), ("node2", 2)]
+    assert ssh.parse_hosts("h1:4,h2:4") == [("h1", 4), ("h2", 4)]
+    path.write_text("node1 cores=2\n")
+    with pytest.raises(ValueError, match="expected 'host slots=N'"):
+        ssh.read_hostfile(str(path))
+
+
+@pytest.mark.parametrize("nodelist,hosts", [
+    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+    ("gpu5", ["gpu5"]),
+    ("a[1-2],b[09-10],c", ["a1", "a2", "b09", "b10", "c"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+])
+def test_slurm_node_lists_expand_in_order(nodelist, hosts):
+    from dist_gluon.launch import slurm
+    assert slurm.expand_nodelist(nodelist) == hosts
+
+
+def test_under_srun_node_count_rank_and_master_default_from_slurm():
+    from dist_gluon.launch import slurm
+    env = {"SLURM_JOB_ID": "7", "SLURM_NODEID": "2", "SLURM_NNODES": "4",
+           "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "node[01-04]"}
+    assert slurm.defaults(env) == {"nnodes": 4, "node_rank": 2, "master_addr": "node01"}
+    assert slurm.defaults({}) is None
+    with pytest.raises(ValueError, match="one launcher per node"):
+        slurm.defaults(dict(env, SLURM_NTASKS="16"))
+
+
+def test_srun_variables_reach_the_parsed_arguments(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "cn[3-4]")
+    args = launch_module._parse_args(["-n", "2", "--", "python", "x.py"])
+    assert (args.nnodes, args.node_rank, args.master_addr) == (2, 1, "cn3")

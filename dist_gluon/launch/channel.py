@@ -92,7 +92,7 @@ def accept_nodes(port: int, nnodes: int, timeout: float, say) -> dict[int, tuple
             try:
                 sock, _ = server.accept()
                 pending.append(Link(sock))
-            except socket.timeout:
+            except TimeoutError:
                 pass
             for link in list(pending):
                 try:

@@ -52,7 +52,7 @@ class Node:
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
-        spec, args = self.spec, self.args
+        spec = self.spec
         nproc, nnodes = spec["nproc"], spec["nnodes"]
         base = dict(os.environ)
         base.setdefault("PYTHONUNBUFFERED", "1")

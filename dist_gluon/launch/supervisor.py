@@ -225,10 +225,11 @@ class Supervisor:
         n = low + 1
         key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
         by_rank = {s["rank"]: s for s in states}
+        hosts = ", ".join(by_rank[r]["host"] or "?" for r in sorted(lagging))
         lines = [f"stall: {_ranks(s['rank'] for s in ahead)} "
                  f"{'has' if len(ahead) == 1 else 'have'} waited {waited:.0f} s in collective "
                  f"#{n}" + (f" (key {key!r})" if key else "")
-                 + f" that {_ranks(lagging)} ({', '.join(by_rank[r]['host'] or '?' for r in sorted(lagging))}) "
+                 + f" that {_ranks(lagging)} ({hosts}) "
                  f"{'has' if len(lagging) == 1 else 'have'} not reached"
                  + (f" (last submitted: #{low}, key {by_rank[min(lagging)]['key_last']!r})"
                     if low else " (no collective submitted yet)") + "."]
