@@ -10,9 +10,31 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 	MAKEFLAGS=-j2
 PYTEST_ARGS ?=
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup system-packages test demo lint bench clean
 
-setup: $(STAMP)
+# Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
+# the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
+SYSTEM_PACKAGES := openssh-server openssh-client iproute2
+
+setup: system-packages $(STAMP)
+
+# Installs the SYSTEM_PACKAGES that dpkg does not list as installed, with apt-get, when
+# running as root; otherwise says so and goes on (those tests then skip with the reason).
+# Does nothing, quickly, once they are all installed.
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do \
+		dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'ok installed' || echo $$p; \
+	done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	missing=$$(echo $$missing); \
+	if [ "$$(id -u)" != 0 ]; then \
+		echo "==> not root: skipping apt-get install of $$missing (multi-host tests will skip)"; \
+	elif ! command -v apt-get >/dev/null; then \
+		echo "==> no apt-get: install $$missing by hand (multi-host tests will skip)"; \
+	else \
+		echo "==> installing system packages with apt-get: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	fi
 
 $(STAMP): setup.py constraints.txt
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
@@ -42,7 +64,7 @@ demo: setup
 		$(PY) examples/mnist/train_gluon.py --plot runs/mnist.png
 
 lint: setup
-	$(PY) -m ruff check dist_gluon tests examples benchmarks
+	$(PY) -m ruff check dist_gluon tests examples benchmarks tools
 
 bench: setup
 	$(PY) benchmarks/run.py
