@@ -35,7 +35,7 @@ from .. import jobenv
 from .._version import __version__
 from ..rendezvous import GlooRendezvous
 from . import slurm, ssh
-from .channel import JoinError, Link, accept_nodes, connect_to_master
+from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_to_master
 from .node import Node, free_port
 from .supervisor import Supervisor
 
@@ -341,13 +341,18 @@ def _run_once(args, spec, links, out, deadline, last: bool):
 
 
 def _supervise(args, view: _JobView, supervisor: Supervisor, deadline):
-    services_by = None
+    services_by, next_tick = None, 0.0
     while True:
         view.pump()
+        if time.monotonic() >= next_tick:
+            next_tick = time.monotonic() + HEARTBEAT
+            view.broadcast({"type": "tick"})
+        view.lost.extend(n for n, link in view.links.items()
+                         if link.silent_for() > SILENCE and n not in view.lost)
         if view.lost:
             lost = view.lost[0]
-            return 1, (f"the launcher of node {lost} disconnected (its machine or its "
-                       "launcher died); its ranks are lost")
+            return 1, (f"the launcher of node {lost} disconnected or went silent (its "
+                       "machine, its network or its launcher died); its ranks are lost")
         states = view.states()
         running = any(s["returncode"] is None for s in states)
         failure = view.service_failure(running)
@@ -446,8 +451,10 @@ def _agent_run_once(args, spec, link: Link, out: _Output):
             try:
                 message = link.receive(timeout=0.05)
             except queue.Empty:
-                continue
-            if message is None:
+                message = {"type": "silence"} if link.silent_for() > SILENCE else None
+                if message is None:
+                    continue
+            if message is None or message["type"] == "silence":
                 out.say(f"lost the master launcher at {args.master_addr}:{args.master_port}"
                         "; terminated this node's processes")
                 return 1, False
@@ -481,9 +488,9 @@ def _watch_stdin() -> None:
     ssh channel closes, which no signal reports)."""
     def watch():
         try:
-            while sys.stdin.buffer.read(1):
+            while os.read(0, 4096):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 

@@ -1,10 +1,14 @@
 """The channel between the launchers of one job: every node's launcher keeps one TCP
 connection to node 0's launcher (the master) and exchanges JSON messages, one per line.
 
+Both sides send at least every HEARTBEAT seconds (statuses, ticks); a side that hears
+nothing for SILENCE seconds treats the other as gone (a machine that loses power or its
+network closes no connection).
+
 node -> master: hello {node, host, nproc}, status {states, service_failure,
 services_ended}, stacks {found}, stopped
 master -> node: start {spec}, hint {low}, verdicts {verdicts}, stacks {ranks},
-end {status, report, again}
+end {status, report, again}, tick
 """
 from __future__ import annotations
 
@@ -13,6 +17,9 @@ import queue
 import socket
 import threading
 import time
+
+HEARTBEAT = 0.5
+SILENCE = 8.0
 
 
 class Link:
@@ -23,6 +30,7 @@ class Link:
         self._send_lock = threading.Lock()
         self.inbox: queue.Queue = queue.Queue()
         self.closed = False
+        self.last_heard = time.monotonic()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -30,6 +38,7 @@ class Link:
         try:
             with self._sock.makefile("rb") as stream:
                 for line in stream:
+                    self.last_heard = time.monotonic()
                     self.inbox.put(json.loads(line))
         except (OSError, ValueError):
             pass
@@ -57,6 +66,11 @@ class Link:
         except OSError:
             pass
         self._sock.close()
+
+
+    def silent_for(self) -> float:
+        """Seconds since the last message: a machine that vanished closes nothing."""
+        return time.monotonic() - self.last_heard
 
 
 class JoinError(RuntimeError):

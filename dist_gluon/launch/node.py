@@ -78,7 +78,7 @@ class Node:
         if nnodes == 1:
             addr, iface, label = "127.0.0.1", "lo", "localhost"
         else:
-            addr = spec["master_addr"]
+            addr = socket.gethostbyname(spec["master_addr"])
             iface = self.args.iface or jobenv.gloo_iface(addr)
             label = self.host
         for local_rank in range(nproc):
@@ -94,7 +94,8 @@ class Node:
         if nnodes == 1:
             root, node_host = "127.0.0.1", "127.0.0.1"
         else:
-            root = spec["master_addr"]
+            # ZeroMQ binds and connects numeric addresses only
+            root = socket.gethostbyname(spec["master_addr"])
             node_host = jobenv.route_source_addr(root)
         common = dict(base)
         common.update(jobenv.pslite_env(root, spec["scheduler_port"], nproc * nnodes,

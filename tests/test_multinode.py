@@ -1,0 +1,240 @@
+"""Many machines: one launcher per node, tested across emulated hosts (network namespaces
+on a bridge, each with its own address and host name; tools/emulated_cluster.py).
+
+Every job here crosses hosts for real: node 0 and node 1 are different namespaces with
+different addresses, so the Gloo rendezvous, the ps-lite scheduler and servers, the
+launchers' channel and ssh all travel over the emulated network, never loopback.
+"""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, run, worker_lines
+from test_faults import FAULT_WORKER
+from test_launch import _marker_env, assert_nothing_left
+
+sys.path.insert(0, str(REPO / "tools"))
+import emulated_cluster  # noqa: E402
+
+pytestmark = pytest.mark.skipif(emulated_cluster.skip_reason(sshd=True) is not None,
+                                reason=str(emulated_cluster.skip_reason(sshd=True)))
+
+WORKERS = REPO / "tests" / "workers"
+NODE_FAILURE_DEADLINE = 15.0
+_ports = itertools.count(29600)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with emulated_cluster.EmulatedCluster(num_hosts=2, sshd=True) as c:
+        yield c
+
+
+class NodeRun:
+    """The finished launchers of one job, one per node."""
+
+    def __init__(self, procs, outputs, ended_at):
+        self.returncodes = [p.returncode for p in procs]
+        self.stdout = [o[0] for o in outputs]
+        self.stderr = [o[1] for o in outputs]
+        self.ended_at = ended_at
+
+    def report(self) -> str:
+        return "\n".join(f"--- node {i} (exit {c})\n{o[-3000:]}\n{e[-3000:]}" for i, (c, o, e)
+                         in enumerate(zip(self.returncodes, self.stdout, self.stderr)))
+
+
+def run_nodes(cluster, argv, backend="horovod", nproc=1, nodes=(0, 1), nnodes=2,
+              launcher_args=(), cwd=None, env=None, timeout=240) -> NodeRun:
+    """Start ``dist-gluon-run --nnodes ... --node-rank I`` on each of ``nodes``, the
+    same command on every host, and wait for all of them."""
+    port = str(next(_ports))
+    full_env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+                "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = []
+    for i in nodes:
+        command = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", str(nnodes),
+                   "--node-rank", str(i), "--master-addr", cluster.hosts[0].address,
+                   "--master-port", port, "-n", str(nproc), "--backend", backend,
+                   *launcher_args, "--", sys.executable, *map(str, argv)]
+        procs.append(cluster.popen(i, command, cwd=cwd, env=full_env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs, ended = [], []
+    for p in procs:
+        outputs.append(p.communicate(timeout=timeout))
+        ended.append(time.time())
+    return NodeRun(procs, outputs, ended)
+
+
+def _params(directory: Path, case: str, rank: int):
+    data = np.load(directory / f"{case}_rank{rank}.npz")
+    return [data[str(i)] for i in range(len(data.files))]
+
+
+def _max_error(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Single-process runs of tests/workers/cluster_train.py for 2 and 4 workers."""
+    refs = {}
+    for world in (2, 4):
+        out = tmp_path_factory.mktemp(f"reference{world}")
+        assert_ok(run([sys.executable, str(WORKERS / "cluster_train.py"), str(out),
+                       str(world)], out))
+        refs[world] = out
+    return refs
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+def test_nodes_train_exactly_like_one_process(cluster, references, tmp_path, backend, nproc):
+    launcher_args = ["--servers", "2"] if backend != "horovod" and nproc == 2 else []
+    result = run_nodes(cluster, [WORKERS / "cluster_train.py", tmp_path, 2 * nproc],
+                       backend=backend, nproc=nproc, launcher_args=launcher_args,
+                       cwd=tmp_path)
+    assert result.returncodes == [0, 0], result.report()
+    for node in (0, 1):
+        for local in range(nproc):
+            rank = node * nproc + local
+            assert f"[{rank}] " in result.stdout[node] + result.stderr[node], result.report()
+    reference = references[2 * nproc]
+    for case in ("sgd", "adam"):
+        expected = _params(reference, case, 0)
+        for rank in range(2 * nproc):
+            assert _max_error(_params(tmp_path, case, rank), expected) < 1e-5, (case, rank)
+
+
+def test_a_worker_killed_on_node_1_ends_node_0_naming_its_rank_and_host(
+        cluster, tmp_path, backend):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_WORKER)
+    marker = _marker_env()
+    result = run_nodes(cluster, [script, "sigkill", "1"], backend=backend, cwd=tmp_path,
+                       env=marker)
+    failing_at = [float(line.split()[1]) for line in
+                  worker_lines(result.stdout[1], 1) if line.startswith("FAILING_AT ")]
+    assert failing_at, result.report()
+    assert result.ended_at[0] - failing_at[0] < NODE_FAILURE_DEADLINE, result.report()
+    host1 = cluster.hosts[1].name
+    cause = f"rank 1 ({host1}) was killed by SIGKILL after 2 collectives"
+    for node in (0, 1):
+        assert result.returncodes[node] != 0, result.report()
+        assert cause in result.stderr[node], result.report()
+    assert_nothing_left(marker["DG_TEST_MARKER"])
+
+
+def test_a_stall_on_node_1_is_reported_by_node_0_with_its_stack(cluster, tmp_path):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_WORKER)
+    result = run_nodes(cluster, [script, "sleep", "1"], backend="dist_sync", cwd=tmp_path,
+                       launcher_args=["--stall-warning", "2", "--stall-timeout", "5"])
+    assert result.returncodes[0] == 124, result.report()
+    assert f"rank 1 ({cluster.hosts[1].name}) has not reached" in result.stderr[0]
+    assert "in load_next_batch" in result.stderr[0], result.report()
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_a_restarted_job_resumes_exactly_across_nodes(cluster, tmp_path, backend):
+    plain, killed = tmp_path / "uninterrupted", tmp_path / "killed"
+    plain.mkdir()
+    killed.mkdir()
+    train = WORKERS / "checkpoint_train.py"
+    first = run_nodes(cluster, [train, plain, plain / "ckpt"], backend=backend, cwd=plain)
+    assert first.returncodes == [0, 0], first.report()
+    result = run_nodes(cluster, [train, killed, killed / "ckpt", "--kill-rank", "1",
+                                 "--kill-at", "1:3"], backend=backend, cwd=killed,
+                       launcher_args=["--max-restarts", "1"])
+    assert result.returncodes == [0, 0], result.report()
+    assert "restarting the job on every node (1 of 1)" in result.stderr[0]
+    assert worker_lines(result.stdout[0], 0)[:2] == [
+        "starting at epoch 0 step 0 (run 0)", "starting at epoch 1 step 2 (run 1)"]
+    expected = np.load(plain / "final_rank0.npz")
+    for rank in (0, 1):
+        got = np.load(killed / f"final_rank{rank}.npz")
+        assert max(float(np.abs(got[k] - expected[k]).max()) for k in expected.files) < 1e-6
+
+
+def test_a_node_that_never_joins_is_named_after_the_join_timeout(cluster, tmp_path):
+    started = time.monotonic()
+    result = run_nodes(cluster, ["-c", "print('never runs')"], nodes=(0,), nnodes=3,
+                       launcher_args=["--join-timeout", "3"], cwd=tmp_path)
+    assert result.returncodes == [1], result.report()
+    assert "node ranks 1, 2 never joined within --join-timeout 3 s" in result.stderr[0]
+    assert time.monotonic() - started < 15
+
+
+def test_a_node_that_cannot_reach_the_master_says_where_it_tried(cluster, tmp_path):
+    result = run_nodes(cluster, ["-c", "print('never runs')"], nodes=(1,),
+                       launcher_args=["--join-timeout", "3"], cwd=tmp_path)
+    assert result.returncodes == [1], result.report()
+    assert f"cannot reach the master launcher at {cluster.hosts[0].address}:" \
+        in result.stderr[0], result.report()
+
+
+SUM_WORKER = """
+import mxnet as mx
+import dist_gluon as dg
+
+kv = dg.create()
+value = mx.nd.ones((3,)) * (kv.rank + 1)
+kv.pushpull("x", value)
+print(f"rank {kv.rank} of {kv.num_workers} sum {value.asnumpy().tolist()}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["horovod", "p3"])
+def test_one_command_starts_every_node_over_ssh_from_a_hostfile(cluster, tmp_path, backend):
+    script = tmp_path / "sum.py"
+    script.write_text(SUM_WORKER)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("".join(f"{h.name} slots=1\n" for h in cluster.hosts))
+    argv = [sys.executable, "-m", "dist_gluon.launch", "--hostfile", str(hostfile),
+            "--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
+            cluster.identity_file, "--master-port", str(next(_ports)), "--backend", backend,
+            "--", sys.executable, str(script)]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert worker_lines(proc.stdout, rank) == [f"rank {rank} of 2 sum [3.0, 3.0, 3.0]"]
+
+
+def test_a_failure_over_ssh_names_the_rank_and_host(cluster, tmp_path):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_WORKER)
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-H",
+            ",".join(f"{h.name}:1" for h in cluster.hosts), "--ssh-port",
+            str(cluster.ssh_port), "--ssh-identity-file", cluster.identity_file,
+            "--master-port", str(next(_ports)), "--backend", "dist_sync", "--",
+            sys.executable, str(script), "systemexit", "1"]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (f"rank 1 ({cluster.hosts[1].name}) exited (SystemExit: data directory missing)"
+            f" after 2 collectives; rank 0 waits in collective #3 (key 'never')") \
+        in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS[:1])
+def test_timeout_ends_every_node(cluster, tmp_path, backend):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(300)\n")
+    marker = _marker_env()
+    result = run_nodes(cluster, [script], backend=backend, cwd=tmp_path, env=marker,
+                       launcher_args=["--timeout", "4"])
+    assert result.returncodes[0] == 124, result.report()
+    assert result.returncodes[1] != 0, result.report()
+    assert "timeout after 4 s. Ranks still running: 0, 1" in result.stderr[1]
+    assert_nothing_left(marker["DG_TEST_MARKER"])
