@@ -8,19 +8,18 @@ and scheduler, lr/wd multipliers, states, multi_precision) is the wrapped optimi
 """
 from __future__ import annotations
 
-import itertools
 import sys
 
 import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
+from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
 
 _MODULE_INIT_OPTIMIZER = mx.mod.Module.init_optimizer.__code__
 # How far up the stack an installer (Module.init_optimizer, KVStore.set_optimizer) is
 # looked for: pickling and mx.optimizer.get_updater put two or three frames in between.
 _INSTALLER_DEPTH = 5
-_auto_prefixes = (f"opt{n}" for n in itertools.count())
 # What Module.init_optimizer passes to mx.optimizer.create for optimizer=<name>.
 _MODULE_DEFAULTS = frozenset({"rescale_grad", "sym", "param_idx2name"})
 _KVSTORE_HELP = (
@@ -37,10 +36,16 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     Install it with ``kvstore=None``: ``mod.fit(train_iter, kvstore=None,
     optimizer=opt)`` or ``mod.init_optimizer(kvstore=None, optimizer=opt)``. Each
-    ``update`` sums the gradients over the workers and divides them by the number of
-    workers, then runs the wrapped optimizer. With ``rescale_grad = 1 / batch_size``
-    (``batch_size`` per worker, what Module uses for a single process), N workers on B
-    samples each train exactly like one process on the N*B concatenated samples.
+    ``update`` sums the gradients over the workers, then runs the wrapped optimizer.
+    Every worker weighs in with ``1 / rescale_grad`` of its wrapped optimizer, i.e. its
+    batch size (Module sets ``rescale_grad = 1 / batch_size``): the gradient the
+    wrapped optimizer applies is the sum of every worker's gradients divided by the sum
+    of their batch sizes (its ``rescale_grad`` is set to 1 for the update itself). So
+    the workers train exactly like one process on the concatenation of their samples,
+    also when their batch sizes differ (Modules bound with different batch sizes): N
+    workers on B samples each are one process on N*B. The batch sizes travel with the
+    first gradients of each step and the division runs on MXNet's engine, so no update
+    waits for them in Python.
 
     Everything else is the wrapped optimizer's: reading or setting an attribute (``lr``,
     ``wd``, ``lr_scheduler``, ``rescale_grad``, ``idx2name``, ``param_dict``,
@@ -53,8 +58,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     can be pickled (MXNet does so when it saves an Updater with its optimizer); the copy
     finds its backend again when it is first used.
 
-    Gradients are keyed by the optimizer's index of the parameter (its position in the
-    Module's parameter list, the same on every rank), as ``'<prefix>.<index>'``.
+    Gradients are averaged by the same code as DistributedTrainer's, keyed by the
+    optimizer's index of the parameter (its position in the Module's parameter list,
+    the same on every rank), as ``'<prefix>.<index>'``.
     Aggregated updates (lists of indices, as MXNet's Updater passes them when
     ``MXNET_OPTIMIZER_AGGREGATION_SIZE`` > 0) are reduced in one call. On one process no
     collective is issued.
@@ -73,13 +79,16 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         what ``optimizer_params`` gives. An instance is used as it is, as Module does.
     kv : backend, backend name, or None
         None picks the backend from the environment (``dist_gluon.create()``).
+    compression : {None, 'fp16'}
+        'fp16': gradients travel as float16 and come back in their own dtype.
     gradient_predivide_factor : float
         As in Horovod: gradients are divided by this factor before the sum and
-        multiplied by ``factor / num_workers`` after it.
+        multiplied back after it, which keeps fp16 sums in range on many workers.
     prefix : str, optional
         Names this optimizer's communication keys. By default optimizers are numbered in
         construction order (which must be the same on every rank), so several models
-        trained in one program never share keys.
+        trained in one program never share keys; a prefix already used in this process
+        is a ValueError.
     **optimizer_params
         Arguments of ``mx.optimizer.create`` when ``optimizer`` is a name.
 
@@ -100,8 +109,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     --------
     >>> kv = dg.create()
     >>> batch_size = 32                               # per worker
-    >>> train_iter = mx.io.NDArrayIter(x[kv.rank::kv.num_workers],
-    ...                                y[kv.rank::kv.num_workers], batch_size)
+    >>> # equal shares (padded), so that every worker runs the same number of batches
+    >>> shard = np.array(list(dg.ShardSampler(len(x), shuffle=False)))
+    >>> train_iter = mx.io.NDArrayIter(x[shard], y[shard], batch_size)
     >>> mod = mx.mod.Module(symbol, context=mx.cpu())
     >>> mod.bind(data_shapes=train_iter.provide_data,
     ...          label_shapes=train_iter.provide_label)
@@ -115,8 +125,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     >>> mod.fit(train_iter, kvstore=None, optimizer=opt, num_epoch=10)
     """
 
-    def __init__(self, optimizer, kv=None, gradient_predivide_factor: float = 1.0,
-                 prefix: str | None = None, **optimizer_params):
+    def __init__(self, optimizer, kv=None, compression=None,
+                 gradient_predivide_factor: float = 1.0, prefix: str | None = None,
+                 **optimizer_params):
         # Optimizer.__init__ is not called on purpose: every attribute it would set
         # belongs to the wrapped optimizer and is reached through __getattr__.
         if isinstance(optimizer, DistributedOptimizer):
@@ -135,19 +146,16 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         else:
             raise TypeError("optimizer must be an mx.optimizer.Optimizer or the name of "
                             f"one, got {type(optimizer).__name__}")
-        if not gradient_predivide_factor > 0:
-            raise ValueError("gradient_predivide_factor must be positive, got "
-                             f"{gradient_predivide_factor}")
-        if prefix is None:
-            prefix = next(_auto_prefixes)
-        elif not isinstance(prefix, str) or not prefix:
-            raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+        compression = check_compression(compression)
+        predivide = check_predivide(gradient_predivide_factor)
         kv = resolve(kv)
         self._dg_wrapped_optimizer = optimizer
         self._dg_kv = kv
         self._dg_kv_name = kv.type
-        self._dg_predivide = float(gradient_predivide_factor)
-        self._dg_prefix = prefix
+        self._dg_compression = compression
+        self._dg_predivide = predivide
+        self._dg_prefix = claim_prefix(prefix, "opt", "optimizer")
+        self._dg_averager = None
         self._dg_module_defaults = module_defaults
 
     # ------------------------------------------------------------ attribute forwarding
@@ -195,33 +203,40 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     # ------------------------------------------------------------ the update
     def update(self, index, weight, grad, state) -> None:
-        self._average(index, grad)
-        self._dg_wrapped_optimizer.update(index, weight, grad, state)
+        self._update(self._dg_wrapped_optimizer.update, index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state) -> None:
-        self._average(index, grad)
-        self._dg_wrapped_optimizer.update_multi_precision(index, weight, grad, state)
+        self._update(self._dg_wrapped_optimizer.update_multi_precision, index, weight, grad,
+                     state)
 
-    def _average(self, index, grad) -> None:
+    def _update(self, update, index, weight, grad, state) -> None:
         """Average ``grad`` (one NDArray, or a list for a list of indices) over the
-        workers, in place."""
-        kv = self.kv
-        if kv.num_workers == 1:
+        workers in place, then run the wrapped optimizer's ``update``."""
+        inner = self._dg_wrapped_optimizer
+        averager = self._dg_averager
+        if averager is None:
+            averager = self._dg_averager = _GradientAverager(
+                self.kv, self._dg_prefix, self._dg_compression, self._dg_predivide,
+                owner="DistributedOptimizer")
+        if not averager.distributed:
+            update(index, weight, grad, state)
             return
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
-        for i, g in zip(indices, grads):
-            if g.stype != "default":
-                raise TypeError(f"DistributedOptimizer averages dense gradients only; "
-                                f"parameter #{i} has a {g.stype} gradient")
-        if self._dg_predivide != 1.0:
-            for g in grads:
-                g *= 1.0 / self._dg_predivide
-        first = indices[0]
-        kv.pushpull([f"{self._dg_prefix}.{i}" for i in indices], grads,
-                    priority=-first if isinstance(first, int) else 0)
-        for g in grads:
-            g *= self._dg_predivide / kv.num_workers
+        rescale_grad = inner.rescale_grad
+        # the averaged gradient is already divided by the sum of the batch sizes: the
+        # update must not rescale it by this rank's own batch size again (rescaling by
+        # 1 keeps every rank's update identical, bit for bit)
+        averager.reduce(indices, grads, weight=1.0 / rescale_grad, describe=self._describe)
+        inner.rescale_grad = 1.0
+        try:
+            update(index, weight, grad, state)
+        finally:
+            inner.rescale_grad = rescale_grad
+
+    def _describe(self, index) -> str:
+        name = self._dg_wrapped_optimizer.idx2name.get(index)
+        return f"parameter #{index}" + (f" ({name!r})" if name else "")
 
     # ------------------------------------------------------------ forwarded methods
     # Optimizer's own implementations would run on this wrapper; forwarding keeps the
@@ -265,6 +280,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._check_installer()
         state = {k: v for k, v in self.__dict__.items() if k.startswith("_dg_")}
         state["_dg_kv"] = None          # the copy finds its backend when first used
+        state["_dg_averager"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:

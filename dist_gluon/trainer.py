@@ -7,35 +7,37 @@ import warnings
 
 from mxnet import gluon
 
+from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 
-_COMPRESSIONS = (None, "none", "fp16")
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
 # are aggregated (see _SizeGroupedUpdater).
 _AGGREGATE_BELOW = 1 << 16
-_prefixes_in_use: set[str] = set()
-_auto_prefix_count = 0
-
-
-def _next_auto_prefix() -> str:
-    global _auto_prefix_count
-    _auto_prefix_count += 1
-    return f"t{_auto_prefix_count}"
 
 
 class DistributedTrainer(gluon.Trainer):
     """A ``gluon.Trainer`` for data-parallel training on any dist_gluon backend.
 
-    Each worker calls ``step(batch_size)`` with its own per-worker batch size; gradients
-    are summed over workers and the optimizer rescales by ``1 / (num_workers *
-    batch_size)``, so N workers on B samples each train exactly like one process on the
-    N*B concatenated samples. Rank 0's weights reach every rank: at construction for
-    initialised parameters and at the first forward for deferred ones. The model is
-    checked across ranks first: a different parameter count, shape, dtype or grad_req
-    raises a :class:`~dist_gluon.broadcast.ModelMismatchError` on every rank.
-    Updates run on the workers (never on a parameter server). On one process no
-    collective is issued.
+    Each worker calls ``step(batch_size)`` with its own batch size: the number of
+    samples its loss was summed over. The gradients are summed over the workers, and so
+    are the batch sizes (one tiny extra value that travels with the gradients, in the
+    same round trip); the optimizer then rescales the summed gradients by ``1 / (sum of
+    the batch sizes)``. So the workers train exactly like one process on the
+    concatenation of their samples, also when their batch sizes differ (the last,
+    partial batch of an epoch): N workers on B samples each are one process on N*B.
+
+    ``allreduce_grads()`` followed by ``update(batch_size)`` (to clip the gradients in
+    between, for instance) gives the same result: after ``allreduce_grads()`` every
+    rank holds the sum of every worker's gradients, which is one process's gradient of
+    the whole global batch, and ``update`` sums the batch sizes (one small collective)
+    before it rescales.
+
+    Rank 0's weights reach every rank: at construction for initialised parameters and
+    at the first forward for deferred ones. The model is checked across ranks first: a
+    different parameter count, shape, dtype or grad_req raises a
+    :class:`~dist_gluon.broadcast.ModelMismatchError` on every rank. Updates run on the
+    workers (never on a parameter server). On one process no collective is issued.
 
     Parameters
     ----------
@@ -52,9 +54,10 @@ class DistributedTrainer(gluon.Trainer):
         As in Horovod: gradients are divided by this factor before the sum and multiplied
         back after, which keeps fp16 sums in range on many workers.
     prefix : str, optional
-        Names this trainer's communication keys, so two trainers in one program stay
-        apart. By default trainers are numbered in construction order (which must be
-        the same on every rank).
+        Names this trainer's communication keys (``'<prefix>.<index>'``), so two
+        trainers in one program stay apart; a prefix already used in this process is a
+        ValueError. By default trainers are numbered in construction order (which must
+        be the same on every rank).
 
     Examples
     --------
@@ -63,27 +66,24 @@ class DistributedTrainer(gluon.Trainer):
     >>> with autograd.record():
     ...     loss = loss_fn(net(data), label)
     >>> loss.backward()
-    >>> trainer.step(data.shape[0])          # per-worker batch size
+    >>> trainer.step(data.shape[0])      # this worker's batch size, may differ per rank
+
+    With gradient clipping:
+
+    >>> trainer.allreduce_grads()          # every rank: the sum of all gradients
+    >>> gluon.utils.clip_global_norm([p.grad() for p in params], max_norm)
+    >>> trainer.update(data.shape[0])
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kv=None, compression=None,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None):
-        if compression not in _COMPRESSIONS:
-            raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
-        if not gradient_predivide_factor > 0:
-            raise ValueError("gradient_predivide_factor must be positive, got "
-                             f"{gradient_predivide_factor}")
+        compression = check_compression(compression)
+        predivide = check_predivide(gradient_predivide_factor)
         optimizer = _unwrap_distributed_optimizer(optimizer)
         self._kv = resolve(kv)
-        self._compression = None if compression == "none" else compression
-        self._predivide = float(gradient_predivide_factor)
-        if prefix is None:
-            prefix = _next_auto_prefix()
-        if prefix in _prefixes_in_use:
-            raise ValueError(f"prefix {prefix!r} is already used by another "
-                             "DistributedTrainer in this process; give each trainer its own")
-        _prefixes_in_use.add(prefix)
-        self._prefix = prefix
+        self._prefix = claim_prefix(prefix, "t", "trainer")
+        self._averager = _GradientAverager(self._kv, self._prefix, compression, predivide,
+                                           owner="DistributedTrainer")
 
         ordered = parameter_list(params)
         super().__init__(ordered, optimizer, optimizer_params, kvstore=None,
@@ -92,17 +92,13 @@ class DistributedTrainer(gluon.Trainer):
             raise ValueError(
                 f"DistributedTrainer uses one device per process, but the parameters live "
                 f"on {self._contexts}; start one worker per device instead")
-        self._scale /= self._kv.num_workers
-        ParameterSync(self._params, self._kv, key=self._key,
+        ParameterSync(self._params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
 
     @property
     def kv(self):
         """The backend this trainer communicates through."""
         return self._kv
-
-    def _key(self, index: int) -> str:
-        return f"{self._prefix}.{index}"
 
     def _init_kvstore(self):
         # Communication goes through self._kv, never through an MXNet kvstore; gluon's
@@ -113,23 +109,55 @@ class DistributedTrainer(gluon.Trainer):
         self._distributed = False
         self._kv_initialized = True
 
+    def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
+        """Sum the gradients and the batch sizes over the workers, then update every
+        parameter with the gradients rescaled by ``1 / (sum of the batch sizes)``.
+
+        Parameters
+        ----------
+        batch_size : int or float
+            The number of samples this worker's gradients were summed over (may differ
+            between workers); 1 if the loss was already averaged per worker.
+        ignore_stale_grad : bool
+            As in ``gluon.Trainer.step``.
+        """
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        total = None
+        if self._averager.distributed:
+            total = self._averager.submit_batch_size(batch_size)
+        self._allreduce_grads()
+        if total is not None:
+            # the gradients are in flight; only this one value is waited for
+            batch_size = float(total.asscalar())
+        self._check_and_rescale_grad(self._scale / batch_size)
+        self._update(ignore_stale_grad)
+
+    def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
+        """Update every parameter after ``allreduce_grads()``, with the gradients
+        rescaled by ``1 / (sum of every worker's batch_size)`` (one small collective).
+
+        Parameters
+        ----------
+        batch_size : int or float
+            As in :meth:`step`: this worker's number of samples.
+        ignore_stale_grad : bool
+            As in ``gluon.Trainer.update``.
+        """
+        super().update(self._averager.total_batch_size(batch_size), ignore_stale_grad)
+
     def _allreduce_grads(self):
-        if self._kv.num_workers == 1:
+        averager = self._averager
+        if not averager.distributed:
             return
         for i, param in enumerate(self._params):
-            if param.grad_req == "null":
-                continue
-            grad = param.list_grad()[0]
-            if self._predivide != 1.0:
-                grad *= 1.0 / self._predivide
-            if self._compression == "fp16" and grad.dtype != "float16":
-                wire = grad.astype("float16")
-                self._kv.pushpull(self._key(i) + ".fp16", wire, priority=-i)
-                wire.astype(grad.dtype).copyto(grad)
-            else:
-                self._kv.pushpull(self._key(i), grad, priority=-i)
-            if self._predivide != 1.0:
-                grad *= self._predivide
+            if param.grad_req != "null":
+                averager.reduce_one(i, param.list_grad()[0], describe=self._describe)
+
+    def _describe(self, index: int) -> str:
+        return f"parameter #{index} ({self._params[index].name!r})"
 
     def _update(self, ignore_stale_grad=False):
         updaters = self._updaters

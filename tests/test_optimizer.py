@@ -5,6 +5,7 @@ import json
 import logging
 import pickle
 import sys
+import textwrap
 import warnings
 
 import mxnet as mx
@@ -13,11 +14,13 @@ import pytest
 from mxnet import gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run, worker_lines
 from dist_gluon.optimizer import DistributedOptimizer
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "aggregated", "adam", "full", "part", "resumed"]
+# rank 0's Module is bound with batch size 5, rank 1's with 3
+UNEVEN_CASES = ["uneven", "uneven_aggregated"]
 
 
 
@@ -61,6 +64,16 @@ def test_two_workers_train_like_one_process_on_the_concatenated_batch(
         assert _max_error(_params(out, case, rank), expected) < 1e-5, (case, rank)
 
 
+@pytest.mark.parametrize("case", UNEVEN_CASES)
+def test_modules_with_different_batch_sizes_train_like_one_process_on_the_concatenation(
+        distributed, reference, case):
+    out, _ = distributed
+    expected = _params(reference, case, 0)
+    rank0 = _params(out, case, 0)
+    assert _max_error(rank0, expected) < 1e-5
+    assert _max_error(_params(out, case, 1), rank0) == 0.0       # ranks stay identical
+
+
 def test_every_rank_starts_from_rank_0_arg_and_aux_params(distributed, reference):
     out, _ = distributed
     rank0 = _params(out, "sgd_init", 0)
@@ -82,6 +95,14 @@ def test_updates_are_aggregated_or_not_as_mxnet_optimizer_aggregation_size_says(
     assert _record(out, "aggregated", 0)["learning_rate"] == pytest.approx(0.1 * 0.5 ** 3)
 
 
+def test_fp16_compression_keeps_ranks_identical_and_close_to_fp32(distributed, reference):
+    out, _ = distributed
+    rank0 = _params(out, "fp16", 0)
+    assert _max_error(_params(out, "fp16", 1), rank0) == 0.0
+    assert all(v.dtype == np.float32 for v in rank0.values())
+    assert _max_error(rank0, _params(reference, "fp16", 0)) < 1e-3
+
+
 def test_a_run_resumed_from_a_rank_0_checkpoint_ends_like_an_uninterruptedrun(
         distributed):
     out, _ = distributed
@@ -98,6 +119,32 @@ def test_a_kvstore_besides_the_optimizer_is_refused_on_every_rank(distributed):
         caught = [line for line in worker_lines(stdout, rank) if line.startswith("caught")]
         assert caught and "kvstore=None" in caught[0], stdout
         assert worker_lines(stdout, rank)[-1] == "cases done"
+
+
+def test_the_readme_module_recipe_gives_every_worker_the_same_number_of_batches(tmp_path):
+    # 65 samples: split with x[rank::2], rank 0 would run one batch more than rank 1
+    # and wait for it forever on ps-lite
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("## The Module API"):]
+    recipe = section[section.index("```python") + len("```python"):section.index("```\n\n")]
+    script = textwrap.dedent("""
+        import mxnet as mx
+        import numpy as np
+        rng = np.random.RandomState(0)
+        x = rng.randn(65, 6).astype("float32")
+        y = rng.randint(0, 3, 65).astype("float32")
+        symbol = mx.sym.SoftmaxOutput(mx.sym.FullyConnected(
+            mx.sym.Variable("data"), num_hidden=3, name="fc"), name="softmax")
+        """) + recipe + textwrap.dedent("""
+        import json
+        print(json.dumps({k: v.asnumpy().ravel().tolist()
+                          for k, v in mod.get_params()[0].items()}))
+        """)
+    proc = launch(script, tmp_path, "dist_sync", launcher_args=["--timeout", "90"],
+                  timeout=120)
+    assert_ok(proc)
+    rank0, rank1 = (json.loads(worker_lines(proc.stdout, r)[-1]) for r in (0, 1))
+    assert rank0 == rank1 and set(rank0) == {"fc_weight", "fc_bias"}
 
 
 # ---------------------------------------------------------------- one process
@@ -255,6 +302,16 @@ def test_a_pickled_copy_is_a_working_distributed_optimizer(no_collectives):
     assert pickle.loads(pickle.dumps(opt)).rescale_grad == opt.rescale_grad
 
 
+def test_a_key_prefix_is_used_by_one_trainer_or_optimizer_only():
+    DistributedOptimizer("sgd", kv="local", prefix="shared.prefix")
+    with pytest.raises(ValueError, match="'shared.prefix' is already used"):
+        DistributedOptimizer("sgd", kv="local", prefix="shared.prefix")
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    with pytest.raises(ValueError, match="'shared.prefix' is already used"):
+        dg.DistributedTrainer(net.collect_params(), "sgd", kv="local", prefix="shared.prefix")
+
+
 def test_two_optimizers_get_their_own_keys_in_construction_order():
     first, second = (DistributedOptimizer("sgd", kv="local") for _ in range(2))
     assert int(second._dg_prefix[3:]) == int(first._dg_prefix[3:]) + 1
@@ -292,6 +349,7 @@ def test_a_module_with_several_devices_raises_a_clear_error():
     ((mx.optimizer.SGD(),), {"learning_rate": 0.1}, TypeError, "go with an optimizer name"),
     (("sgd",), {"gradient_predivide_factor": 0}, ValueError, "must be positive"),
     (("sgd",), {"prefix": ""}, ValueError, "non-empty string"),
+    (("sgd",), {"compression": "int8"}, ValueError, "compression must be None or 'fp16'"),
     (("nosuch",), {}, ValueError, "Cannot find optimizer nosuch"),
     (("sgd",), {"kv": "nosuch"}, ValueError, "unknown backend 'nosuch'"),
 ])

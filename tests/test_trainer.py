@@ -11,6 +11,8 @@ from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run, worke
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "adam", "two_a", "two_b", "accum", "clip", "predivide"]
+# rank 0 and rank 1 have different batch sizes (5 + 3 samples...) in these
+UNEVEN_CASES = ["uneven_step", "uneven_update"]
 
 
 
@@ -47,6 +49,15 @@ def test_two_workers_train_like_one_process_on_the_concatenated_batch(
         got = _params(distributed, case, rank)
         assert [g.shape for g in got] == [e.shape for e in expected]
         assert _max_error(got, expected) < 1e-5, (case, rank)
+
+
+@pytest.mark.parametrize("case", UNEVEN_CASES)
+def test_ranks_with_different_batch_sizes_train_like_one_process_on_the_concatenation(
+        distributed, reference, case):
+    expected = _params(reference, case, 0)
+    rank0 = _params(distributed, case, 0)
+    assert _max_error(rank0, expected) < 1e-5
+    assert _max_error(_params(distributed, case, 1), rank0) == 0.0    # ranks stay identical
 
 
 def test_every_rank_starts_from_rank_0_weights_whatever_its_seed(distributed, reference):

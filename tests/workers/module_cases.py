@@ -110,6 +110,9 @@ fit("adam", DistributedOptimizer(mx.optimizer.Adam(learning_rate=0.01,
                                                    rescale_grad=1.0 / SHARE),
                                  gradient_predivide_factor=4.0))
 
+# 3b. gradients travel as float16, as with DistributedTrainer(compression='fp16')
+fit("fp16", DistributedOptimizer(sgd(aggregation=4), compression="fp16"))
+
 # 4. checkpoint and resume: 2 epochs, rank 0 saves parameters and optimizer states,
 #    every rank loads them into a new Module and continues to epoch 4; it must end
 #    where an uninterrupted 4-epoch run ends
@@ -129,7 +132,29 @@ opt = DistributedOptimizer(sgd(4, begin_num_update=2 * STEPS,
 resumed.fit(it, kvstore=None, optimizer=opt, begin_epoch=2, num_epoch=4)
 save("resumed", resumed)
 
-# 5. misuse: a kvstore as well as the DistributedOptimizer
+# 5. uneven batch sizes: Modules bound with different batch sizes, rank 0 takes the first
+#    5 samples of each step's 8 and rank 1 the other 3 (one process: all 8); an SGD
+#    instance with rescale_grad = 1 / its batch size, and one created from a name with
+#    aggregated updates (Module sets rescale_grad)
+if N == 1:
+    lo, hi = 0, 8
+else:
+    assert N == 2, "the uneven cases are written for 2 workers"
+    lo, hi = (0, 5) if rank == 0 else (5, 8)
+rows = np.concatenate([np.arange(s * 8 + lo, s * 8 + hi) for s in range(STEPS)])
+for case, aggregation in (("uneven", 0), ("uneven_aggregated", 4)):
+    os.environ["MXNET_OPTIMIZER_AGGREGATION_SIZE"] = str(aggregation)
+    it = mx.io.NDArrayIter(X[rows], Y[rows], hi - lo, shuffle=False)
+    if aggregation:
+        opt = DistributedOptimizer("sgd", learning_rate=0.1, momentum=0.9, wd=1e-3)
+    else:
+        opt = DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9, wd=1e-3,
+                                                    rescale_grad=1.0 / (hi - lo)))
+    mod = module(it)
+    mod.fit(it, kvstore=None, optimizer=opt, num_epoch=3)
+    save(case, mod)
+
+# 6. misuse: a kvstore as well as the DistributedOptimizer
 it = train_iter()
 mod = mx.mod.Module(symbol(), context=mx.cpu())
 try:

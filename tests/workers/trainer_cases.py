@@ -142,4 +142,33 @@ save("clip", net)
 # 7. fp16 compression and a gradient predivide factor
 train("fp16", "sgd", SGD, compression="fp16", gradient_predivide_factor=2.0)
 train("predivide", "sgd", SGD, gradient_predivide_factor=4.0)
+
+
+# 8. uneven batch sizes: of each step's 8 samples rank 0 gets the first UNEVEN[step]
+#    and rank 1 the rest (5 + 3, 4 + 4, 2 + 6, 7 + 1); one process gets all 8
+UNEVEN = [5, 4, 2, 7]
+
+
+def uneven_batch(step):
+    lo, hi = 0, 8
+    if N > 1:
+        assert N == 2, "the uneven cases are written for 2 workers"
+        lo, hi = (0, UNEVEN[step]) if rank == 0 else (UNEVEN[step], 8)
+    return mx.nd.array(X[step, 0, lo:hi]), mx.nd.array(Y[step, 0, lo:hi])
+
+
+for case in ("uneven_step", "uneven_update"):
+    net = make_net()
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", SGD)
+    for step in range(STEPS):
+        x, y = uneven_batch(step)
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        if case == "uneven_step":
+            trainer.step(x.shape[0])
+        else:
+            trainer.allreduce_grads()
+            trainer.update(x.shape[0])
+    save(case, net)
 print("cases done", flush=True)

@@ -1,0 +1,193 @@
+"""Gradient averaging shared by DistributedTrainer (Gluon) and DistributedOptimizer
+(Module): one code path, so a fix or a feature reaches both.
+
+Gradients are summed over the workers under keys ``'<prefix>.<index>'`` (the index is
+the parameter's position, the same on every rank), with priority ``-index`` so that the
+first layers, needed first by the next forward, travel first. Each step also sums one
+tiny value over the workers, under ``'<prefix>.batch'`` and with the highest priority:
+the batch sizes, so that ranks with different batch sizes (the last, partial batch of
+an epoch) still train exactly like one process on the concatenated samples. Nothing is
+sent on one process.
+"""
+from __future__ import annotations
+
+import itertools
+
+import mxnet as mx
+import numpy as np
+
+from .backends import Backend
+
+COMPRESSIONS = (None, "none", "fp16")
+# Above every gradient's priority (-index <= 0): the batch sizes are needed first.
+_BATCH_PRIORITY = 1
+
+_prefixes_in_use: set[str] = set()
+_auto_numbers = itertools.count(1)
+
+
+def claim_prefix(prefix: str | None, kind: str, owner: str) -> str:
+    """Reserve the key prefix of a new trainer or optimizer. None numbers it
+    ``<kind><n>`` in construction order (the same on every rank); a prefix already used
+    in this process is a ValueError, since two owners would mix their gradients."""
+    if prefix is None:
+        prefix = f"{kind}{next(_auto_numbers)}"
+        while prefix in _prefixes_in_use:
+            prefix = f"{kind}{next(_auto_numbers)}"
+    elif not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty string, got {prefix!r}")
+    elif prefix in _prefixes_in_use:
+        raise ValueError(f"prefix {prefix!r} is already used by another DistributedTrainer "
+                         f"or DistributedOptimizer in this process; give each {owner} "
+                         "its own")
+    _prefixes_in_use.add(prefix)
+    return prefix
+
+
+def check_compression(compression) -> str | None:
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
+    return None if compression == "none" else compression
+
+
+def check_predivide(factor) -> float:
+    if not factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be positive, got {factor}")
+    return float(factor)
+
+
+class _GradientAverager:
+    """Sums gradients over workers in place, and the batch sizes that go with them.
+
+    Parameters
+    ----------
+    kv : Backend
+    prefix : str
+        From :func:`claim_prefix`.
+    compression : {None, 'fp16'}
+        'fp16': gradients travel as float16 (under ``'<prefix>.<index>.fp16'``: on
+        ps-lite a key keeps its first dtype) and come back in their own dtype.
+    predivide : float
+        Gradients are divided by it before the sum and multiplied back after (keeps fp16
+        sums in range on many workers, as in Horovod).
+    owner : str
+        Named in error messages.
+    """
+
+    def __init__(self, kv: Backend, prefix: str, compression: str | None = None,
+                 predivide: float = 1.0, owner: str = "DistributedTrainer"):
+        self.kv = kv
+        self.prefix = prefix
+        self._compression = compression
+        self._predivide = predivide
+        self._owner = owner
+        self._plain = compression is None and predivide == 1.0
+        self._grad_keys: dict[int, str] = {}    # of dense gradients, checked once
+        self._batch_key = f"{prefix}.batch"
+        self._step_indices: set[int] = set()
+        self._factors: dict[np.dtype, mx.nd.NDArray] = {}
+
+    @property
+    def distributed(self) -> bool:
+        return self.kv.num_workers > 1
+
+    # ------------------------------------------------------------ batch sizes
+    def submit_batch_size(self, batch_size: float) -> mx.nd.NDArray:
+        """Start summing ``batch_size`` over the workers; returns the (1,) float64 array
+        that holds the total once the engine has run. Call it on every rank, once per
+        step, before the step's gradients."""
+        total = mx.nd.array([batch_size], dtype="float64")
+        self.kv.pushpull(self._batch_key, total, priority=_BATCH_PRIORITY)
+        return total
+
+    def total_batch_size(self, batch_size: float) -> float:
+        """The sum of every worker's ``batch_size`` (``batch_size`` on one process)."""
+        if not self.distributed:
+            return batch_size
+        return float(self.submit_batch_size(batch_size).asscalar())
+
+    # ------------------------------------------------------------ gradients
+    def reduce(self, indices: list[int], grads: list[mx.nd.NDArray], weight=None,
+               describe=None) -> None:
+        """Sum ``grads`` (of parameters ``indices``) over the workers, in place. Call it
+        on every rank with the same indices in the same order; nothing is sent on one
+        process.
+
+        Parameters
+        ----------
+        weight : float, optional
+            This rank's weight (its batch size): the sums are divided by the sum of
+            every rank's weight. The weights travel with the first call of each step (a
+            step ends when an index comes again), and the division runs on the engine,
+            as the multiplication that undoes the predivision: the Python thread never
+            waits for the weights and no kernel is added. Every rank computes the same
+            result, bit for bit.
+        describe : callable, optional
+            ``describe(index)`` names a parameter in errors.
+        """
+        if not self.distributed:
+            return
+        keys = [self._grad_key(i, g, describe) for i, g in zip(indices, grads)]
+        # optimizer indices are ints for Module and Gluon; an Updater takes any key
+        priority = -indices[0] if isinstance(indices[0], int) else 0
+        if weight is not None:
+            self._track_step(indices, weight)
+        if self._predivide != 1.0:
+            for g in grads:
+                g *= 1.0 / self._predivide
+        wires = grads
+        if self._compression == "fp16":
+            wires = [g if g.dtype == np.float16 else g.astype("float16") for g in grads]
+            # on ps-lite a key keeps its first dtype
+            keys = [k + ".fp16" if w is not g else k for k, g, w in zip(keys, grads, wires)]
+        if len(keys) == 1:
+            self.kv.pushpull(keys[0], wires[0], priority=priority)
+        else:
+            self.kv.pushpull(keys, wires, priority=priority)
+        for g, w in zip(grads, wires):
+            if w is not g:
+                mx.nd.Cast(w, dtype=g.dtype, out=g)
+        if weight is not None:
+            for g in grads:
+                g *= self._factor(g.dtype)
+        elif self._predivide != 1.0:
+            for g in grads:
+                g *= self._predivide
+
+    def reduce_one(self, index: int, grad: mx.nd.NDArray, describe=None) -> None:
+        """``reduce([index], [grad])``, DistributedTrainer's call for each parameter,
+        with a short path for the common case (no compression, no predivision)."""
+        if self._plain and self.distributed:
+            key = self._grad_keys.get(index) or self._grad_key(index, grad, describe)
+            self.kv.pushpull(key, grad, priority=-index)
+        else:
+            self.reduce([index], [grad], describe=describe)
+
+    def _track_step(self, indices: list[int], weight: float) -> None:
+        if self._step_indices and self._step_indices.isdisjoint(indices):
+            self._step_indices.update(indices)
+            return
+        self._step_indices = set(indices)
+        total = self.submit_batch_size(weight)
+        self._factors = {np.dtype("float64"): self._predivide / total}
+
+    def _factor(self, dtype) -> mx.nd.NDArray:
+        dtype = np.dtype(dtype)
+        factor = self._factors.get(dtype)
+        if factor is None:
+            factor = self._factors[dtype] = self._factors[np.dtype("float64")].astype(dtype)
+        return factor
+
+    def key(self, index: int) -> str:
+        """The communication key of parameter ``index``: ``'<prefix>.<index>'``."""
+        return f"{self.prefix}.{index}"
+
+    def _grad_key(self, index: int, grad: mx.nd.NDArray, describe) -> str:
+        key = self._grad_keys.get(index)
+        if key is None:
+            if grad.stype != "default":
+                what = describe(index) if describe else f"parameter #{index}"
+                raise TypeError(f"{self._owner} averages dense gradients only; {what} has a "
+                                f"{grad.stype} gradient")
+            key = self._grad_keys[index] = self.key(index)
+        return key
