@@ -70,13 +70,20 @@ def resolve(kv) -> Backend:
                     f"pass the name instead (e.g. kv='dist_sync')")
 
 
+def _shared_horovod() -> Backend:
+    """What ``mx.kv.create('horovod')`` calls: the process's one horovod backend, the
+    same object as ``dist_gluon.create('horovod')``."""
+    return create("horovod")
+
+
 def register() -> None:
-    """Make ``mx.kv.create('horovod')`` return our backend. Assigned directly: MXNet's
-    register() would warn about replacing nothing, and MXNet's own names ('local',
+    """Make ``mx.kv.create('horovod')`` return our backend (MXNet calls the registry
+    entry with no arguments, so it may be a function as well as a class). Assigned
+    directly: MXNet's register() takes classes only, and MXNet's own names ('local',
     'dist_sync', ...) must stay MXNet's. ``mx.kv.create`` still returns MXNet's own
     stores for those, but a second ps-lite store in one process raises instead of
     blocking forever."""
-    KVStoreBase.kv_registry["horovod"] = Horovod
+    KVStoreBase.kv_registry["horovod"] = _shared_horovod
     if getattr(mx.kvstore.create, "_dg_guard", False):
         return
     mxnet_create = pslite._MXNET_CREATE

@@ -127,18 +127,15 @@ class Backend(KVStoreBase):
 
     def _broadcast_root(self, key, value, out, root_rank: int, priority: int) -> None:
         names, values, outs = self._normalise(key, value, out, "broadcast")
-        targets = []
-        for vals, dsts in zip(values, outs):
-            if dsts[0] is not vals[0]:
-                vals[0].copyto(dsts[0])
-            targets.append(dsts[0])
+        targets = self._targets(values, outs)
+        for vals, target in zip(values, targets):
+            if target is not vals[0]:
+                vals[0].copyto(target)
         if self.num_workers > 1:
             self._progress(names[0])
             self._one_at_a_time(names, targets)
             self._broadcast_(names, targets, root_rank, priority)
-        for dsts in outs:
-            for extra in dsts[1:]:
-                dsts[0].copyto(extra)
+        self._write_outputs(targets, outs)
 
     def pushpull(self, key, value, out=None, priority: int = 0) -> None:
         """Sum ``value`` over all workers and write the result to ``out``.
@@ -164,22 +161,44 @@ class Backend(KVStoreBase):
                 self._allreduce_(names, [value], priority)
             return
         names, values, outs = self._normalise(key, value, out, "pushpull")
-        targets = []
-        for vals, dsts in zip(values, outs):
-            target = dsts[0]
+        targets = self._targets(values, outs)
+        for vals, target in zip(values, targets):
             if len(vals) == 1:
                 if target is not vals[0]:
                     vals[0].copyto(target)
             else:
                 mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
-            targets.append(target)
         if self.num_workers > 1:
             self._progress(names[0])
             self._one_at_a_time(names, targets)
             self._allreduce_(names, targets, priority)
-        for dsts in outs:
-            for extra in dsts[1:]:
-                dsts[0].copyto(extra)
+        self._write_outputs(targets, outs)
+
+    @staticmethod
+    def _targets(values: list[list], outs: list[list]) -> list[mx.nd.NDArray]:
+        """Per key, the array its collective runs on: its first output, or a scratch
+        array when an array is given for several keys (one output for several keys, an
+        output that is another key's value). As in MXNet's kvstore, every key's result
+        is computed from the values as they were at the call before any output is
+        written, and an output given for several keys ends with the last key's."""
+        shared = False
+        if len(values) > 1:
+            owner: dict[int, int] = {}
+            for k, (vals, dsts) in enumerate(zip(values, outs)):
+                for arr in vals + dsts:
+                    if owner.setdefault(id(arr), k) != k:
+                        shared = True
+        if not shared:
+            return [dsts[0] for dsts in outs]
+        return [mx.nd.empty(dsts[0].shape, ctx=dsts[0].context, dtype=dsts[0].dtype)
+                for dsts in outs]
+
+    @staticmethod
+    def _write_outputs(targets: list[mx.nd.NDArray], outs: list[list]) -> None:
+        for target, dsts in zip(targets, outs):
+            for dst in dsts:
+                if dst is not target:
+                    target.copyto(dst)
 
     def _one_at_a_time(self, names, arrays) -> None:
         """Let at most one array per key be in flight. MXNet's engine orders operations

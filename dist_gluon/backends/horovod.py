@@ -34,9 +34,9 @@ def started_by_horovod(environ=os.environ) -> bool:
 class Horovod(Backend):
     """Collectives of ``horovod.mxnet``; ``hvd.init()`` is called once per process.
 
-    The class name makes ``mx.kv.create('horovod')`` return it once ``dist_gluon`` is
-    imported, so a plain ``gluon.Trainer(..., kvstore=mx.kv.create('horovod'),
-    update_on_kvstore=False)`` works (MXNet RFC #16795).
+    Once ``dist_gluon`` is imported, ``mx.kv.create('horovod')`` returns the process's
+    one instance (``dist_gluon.create('horovod')``), so a plain ``gluon.Trainer(...,
+    kvstore=mx.kv.create('horovod'), update_on_kvstore=False)`` works (MXNet RFC #16795).
     """
 
     _type = "horovod"
