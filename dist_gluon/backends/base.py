@@ -277,11 +277,16 @@ class Backend(KVStoreBase):
         """Return the list of every rank's ``obj``, indexed by rank."""
         if self.num_workers == 1:
             return [obj]
+        self._progress("allgather_object")
+        return self._allgather_object(obj)
+
+    def _allgather_object(self, obj: Any) -> list:
+        """allgather_object without a progress report, for a collective that is part of
+        another one (joining the job)."""
         payload = pickle.dumps(obj)
         sizes = np.zeros((self.num_workers,), dtype="float64")
         sizes[self.rank] = len(payload)
         sizes_nd = mx.nd.array(sizes, dtype="float64")
-        self._progress("allgather_object")
         self._allreduce_([f"__dg_gather_sizes_{self.num_workers}"], [sizes_nd], 0)
         lengths = [int(n) for n in sizes_nd.asnumpy()]
         buf = self._object_buffer(self.num_workers, max(lengths))

@@ -9,9 +9,13 @@ nothing outside this package reads or writes ``DMLC_*`` variables.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import os
+import socket
+import sys
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -27,6 +31,9 @@ _SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
 # elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes a
 # third of the time on loopback. The P3 van slices by itself.
 _SLICE_ELEMENTS = 1 << 18
+
+CONNECT_TIMEOUT_VARIABLE = "DG_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT = 60.0
 
 _LAUNCH_HELP = (
     "start every process of the job with the launcher, e.g.\n"
@@ -76,6 +83,90 @@ def claim_native_store(owner: str) -> None:
     _native_owner = owner
 
 
+def connect_timeout(environ=os.environ) -> float:
+    """Seconds a worker waits to join its ps-lite job: ``DG_CONNECT_TIMEOUT``, default
+    60."""
+    text = environ.get(CONNECT_TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_CONNECT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{CONNECT_TIMEOUT_VARIABLE} must be a positive number of seconds, "
+                         f"got {text!r}")
+    return value
+
+
+def _connect():
+    """``mx.kv.create('dist_sync')``, which blocks in C++ until the scheduler has
+    registered every worker and server of the job. A watchdog thread ends the process
+    (status 1, the reason on stderr) if that takes longer than ``connect_timeout()``:
+    a wrong scheduler address would otherwise hang the worker forever, silently."""
+    timeout = connect_timeout()
+    connected = threading.Event()
+
+    def watchdog():
+        if not connected.wait(timeout):
+            sys.stderr.write(f"dist_gluon: {_not_connected(timeout)}\n")
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=watchdog, name="dist_gluon-connect-watchdog", daemon=True).start()
+    try:
+        return _MXNET_CREATE("dist_sync")
+    finally:
+        connected.set()
+
+
+def _not_connected(timeout: float) -> str:
+    host = os.environ.get("DMLC_PS_ROOT_URI", "")
+    port = os.environ.get("DMLC_PS_ROOT_PORT", "")
+    address = f"{host}:{port} (DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT)"
+    advice = (f"{CONNECT_TIMEOUT_VARIABLE} sets how long a worker waits (seconds, default "
+              f"{DEFAULT_CONNECT_TIMEOUT:g})")
+    try:
+        with socket.create_connection((host, int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as err:
+        return (f"this ps-lite worker could not reach the scheduler at {address} within "
+                f"{timeout:g} s ({err}). Check that the scheduler runs and that this "
+                f"address is reachable from this host; {advice}")
+    return (f"this ps-lite worker reached the scheduler at {address}, but the job did not "
+            f"start within {timeout:g} s: not all of its DMLC_NUM_WORKER="
+            f"{os.environ.get('DMLC_NUM_WORKER')} workers and DMLC_NUM_SERVER="
+            f"{os.environ.get('DMLC_NUM_SERVER')} servers joined. Check that every process "
+            f"of the job was started with the same scheduler address; {advice}")
+
+
+def _rank_problems(values: list[str | None]) -> list[str]:
+    """What is wrong with the DG_RANK values of a job's workers (one per worker)."""
+    n = len(values)
+    problems = []
+    unset = sum(value is None for value in values)
+    if unset:
+        problems.append(f"DG_RANK is unset on {unset} of them")
+    ranks = []
+    for value in values:
+        if value is None:
+            continue
+        try:
+            ranks.append(int(value))
+        except ValueError:
+            problems.append(f"DG_RANK={value!r} is not an integer")
+    counts = collections.Counter(ranks)
+    for rank, count in sorted(counts.items()):
+        if not 0 <= rank < n:
+            problems.append(f"DG_RANK={rank} is out of range")
+        elif count > 1:
+            problems.append(f"DG_RANK={rank} is given to {count} workers")
+    missing = [r for r in range(n) if r not in counts]
+    if missing:
+        problems.append("no worker has DG_RANK=" + ", ".join(map(str, missing)))
+    return problems
+
+
 def role_env(role: str) -> dict[str, str]:
     """``role`` is 'scheduler', 'server' or 'worker'."""
     return {"DMLC_ROLE": role}
@@ -88,6 +179,14 @@ class DistSync(Backend):
     worker must use keys in the same order, as with any collective). A key keeps the
     shape and dtype of its first use. Integer arrays travel as float64, because the
     servers only sum floating point values (exact below 2**53).
+
+    Creating it joins the job: a worker that has not joined after ``DG_CONNECT_TIMEOUT``
+    seconds (default 60), e.g. because the scheduler address is wrong, prints why,
+    naming the address it tried (``DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT``), and exits with
+    status 1. Then the workers' ``DG_RANK`` values (set by the launcher) are checked to
+    be 0..N-1, each once: duplicated, missing or out-of-range values raise a
+    RuntimeError on every worker. Without ``DG_RANK`` on any worker, ranks follow the
+    order in which the workers connected.
     """
 
     _type = "dist_sync"
@@ -112,14 +211,15 @@ class DistSync(Backend):
                                "environment")
         claim_native_store(f"dist_gluon's {self._type!r} backend")
         report_connect(self._type)
-        self._kv = _MXNET_CREATE("dist_sync")
+        self._kv = _connect()
         # ps-lite numbers workers in the order they connect; the launcher's rank is
-        # stable and matches its output prefixes, so it wins when present.
-        self._rank = int(os.environ.get("DG_RANK", self._kv.rank))
+        # stable and matches its output prefixes, so it wins once it is checked.
+        self._rank = self._kv.rank
         self._local_rank = int(os.environ.get("DG_LOCAL_RANK", 0))
         self._num_workers = self._kv.num_workers
         self._keys: dict[str, tuple] = {}
         super().__init__()
+        self._rank = self._launcher_rank()
 
     @property
     def rank(self) -> int:
@@ -132,6 +232,32 @@ class DistSync(Backend):
     @property
     def local_rank(self) -> int:
         return self._local_rank
+
+    def _launcher_rank(self) -> int:
+        """This worker's DG_RANK, checked on every rank to number the workers 0..N-1
+        once each, or ps-lite's connection-order rank when no worker has one.
+
+        A duplicated rank would silently double one rank's share of broadcasts and
+        samples and drop another's; so every worker places its DG_RANK at its unique
+        ps-lite rank in an allgather, and every worker raises the same error."""
+        given = os.environ.get("DG_RANK")
+        if self._num_workers > 1:
+            # part of joining the job: the launcher counts it in the 'connect' collective
+            values = self._allgather_object(given)
+        else:
+            values = [given]
+        if all(value is None for value in values):
+            return self._rank
+        problems = _rank_problems(values)
+        if problems:
+            n = len(values)
+            raise RuntimeError(
+                f"the DG_RANK values of this job's {n} workers must be 0..{n - 1}, each "
+                f"once, but " + "; ".join(problems) + ". The launcher (python -m "
+                "dist_gluon.launch) sets DG_RANK for every worker; when you start the "
+                f"workers yourself, give each its own DG_RANK in 0..{n - 1}, or unset it "
+                "on all of them to number them in the order they connect")
+        return int(given)
 
     def _allreduce_(self, names, arrays, priority):
         transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
