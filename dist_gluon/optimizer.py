@@ -110,7 +110,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     >>> kv = dg.create()
     >>> batch_size = 32                               # per worker
     >>> # equal shares (padded), so that every worker runs the same number of batches
-    >>> shard = np.array(list(dg.ShardSampler(len(x), shuffle=False)))
+    >>> shard = dg.ShardSampler(len(x), shuffle=False).indices()
     >>> train_iter = mx.io.NDArrayIter(x[shard], y[shard], batch_size)
     >>> mod = mx.mod.Module(symbol, context=mx.cpu())
     >>> mod.bind(data_shapes=train_iter.provide_data,
