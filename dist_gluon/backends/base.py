@@ -119,7 +119,8 @@ class Backend(KVStoreBase):
             ignored.
         out : NDArray, list of NDArray, or list of lists of NDArray
             Where the result is written on every rank; several arrays per key are all
-            filled (one per device).
+            filled (one per device). As in MXNet's kvstore, every value is read before
+            any output is written (an output may be another key's value).
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
@@ -148,6 +149,9 @@ class Backend(KVStoreBase):
             locally first.
         out : same structure as ``value``, optional
             Where to write the sum. Without it the sum is written back into ``value``.
+            As in MXNet's kvstore, every key's sum is computed from the values as they
+            were at the call before any output is written: an output may be another
+            key's value, and an output given for several keys ends with the last one's.
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
