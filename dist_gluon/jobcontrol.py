@@ -187,6 +187,11 @@ class Reporter:
                 return verdict
             time.sleep(poll)
 
+    def failed(self, text: str) -> None:
+        """Record why this process is about to end abnormally (e.g. a watchdog that
+        ends it with os._exit), so that the launcher can name the reason."""
+        self._record._set_exception(text, time.time())
+
     def _excepthook(self, exc_type, exc, tb):
         text = exc_type.__name__
         message = str(exc).strip()

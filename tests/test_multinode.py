@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_faults import FAULT_WORKER
 
 from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, run, worker_lines
-from test_faults import FAULT_WORKER
 from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))

@@ -20,6 +20,7 @@ import threading
 import mxnet as mx
 import numpy as np
 
+from .. import jobcontrol
 from .base import Backend, report_connect
 
 _MXNET_CREATE = mx.kvstore.create
@@ -109,7 +110,11 @@ def _connect():
 
     def watchdog():
         if not connected.wait(timeout):
-            sys.stderr.write(f"dist_gluon: {_not_connected(timeout)}\n")
+            reason = _not_connected(timeout)
+            reporter = jobcontrol.reporter()
+            if reporter is not None:
+                reporter.failed(f"ConnectTimeout: {reason}")
+            sys.stderr.write(f"dist_gluon: {reason}\n")
             sys.stderr.flush()
             os._exit(1)
 
