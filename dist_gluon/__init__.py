@@ -16,7 +16,12 @@ second. Importing dist_gluon after mxnet, or using any of its names, registers t
 import importlib
 import sys
 
+from . import _requirements
 from ._version import __version__
+
+# A missing or unsupported MXNet (or numpy) is an ImportError here, naming the versions
+# that work; the check reads installed files and imports neither (see _requirements.py).
+_requirements.check_mxnet()
 
 _PUBLIC = {
     "BACKEND_NAMES": ".backends", "Backend": ".backends", "create": ".backends",

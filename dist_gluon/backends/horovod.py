@@ -9,21 +9,10 @@ import os
 
 import mxnet as mx
 
+from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-
-
-def _import_horovod():
-    try:
-        import horovod.mxnet as hvd
-    except ImportError as err:
-        raise ImportError(
-            "the 'horovod' backend needs horovod built with MXNet support, which could not "
-            f"be imported ({err}). Run `make setup` (it builds horovod 0.28.1 with "
-            "HOROVOD_WITH_MXNET=1 and Gloo), or pick another backend: 'local', "
-            "'dist_sync' or 'p3'.") from err
-    return hvd
 
 
 def started_by_horovod(environ=os.environ) -> bool:
