@@ -43,6 +43,7 @@ import numpy as np
 from mxnet import gluon
 from mxnet.gluon.parameter import Parameter
 
+from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
 
@@ -583,7 +584,7 @@ def _versions(backend: str) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    found = {"dist_gluon": version("dist_gluon"), "mxnet": mx.__version__,
+    found = {"dist_gluon": __version__, "mxnet": mx.__version__,
              "numpy": np.__version__, "python": platform.python_version()}
     if backend == "horovod":
         found["horovod"] = version("horovod")

@@ -97,6 +97,7 @@ def test_save_writes_the_documented_files_with_metadata_and_checksums(tmp_path):
     assert (meta["format"], meta["version"]) == (FORMAT, FORMAT_VERSION)
     assert (meta["epoch"], meta["step"], meta["num_workers"], meta["backend"]) == \
         (0, 0, 1, "local")
+    assert meta["versions"]["dist_gluon"] == dg.__version__
     assert meta["versions"]["mxnet"] == mx.__version__
     assert meta["versions"]["numpy"] == np.__version__
     assert [p["shape"] for p in meta["parameters"]] == [[8, 5], [8], [3, 8], [3]]
