@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import REPO
+from dist_gluon import jobenv
 from dist_gluon.backends import pslite
 
 WORKER = """
@@ -42,7 +43,7 @@ def _environment(extra: dict[str, str]) -> dict[str, str]:
 
 
 def _start(role: str, job: dict[str, str], argv: list[str], **extra) -> subprocess.Popen:
-    env = _environment({**job, **pslite.role_env(role), **extra})
+    env = _environment({**job, **jobenv.pslite_role_env(role), **extra})
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -59,7 +60,8 @@ def _stop(processes: list[subprocess.Popen]) -> None:
     (("0", "2"), ["DG_RANK=2 is out of range", "no worker has DG_RANK=1"]),
 ])
 def test_wrong_dg_ranks_are_a_clear_error_on_every_worker(tmp_path, dg_ranks, problems):
-    job = pslite.job_env(num_workers=2, num_servers=1, port=_free_port(), p3=False)
+    job = jobenv.pslite_env("127.0.0.1", _free_port(), num_workers=2, num_servers=1,
+                             node_host="127.0.0.1", p3=False)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     infrastructure = [_start(role, job, [sys.executable, "-c", "import mxnet"])
@@ -86,7 +88,8 @@ def test_wrong_dg_ranks_are_a_clear_error_on_every_worker(tmp_path, dg_ranks, pr
 def test_a_worker_that_cannot_reach_the_scheduler_fails_in_time_naming_the_address(
         tmp_path):
     port = _free_port()                   # nobody listens there
-    job = pslite.job_env(num_workers=1, num_servers=1, port=port, p3=False)
+    job = jobenv.pslite_env("127.0.0.1", port, num_workers=1, num_servers=1,
+                             node_host="127.0.0.1", p3=False)
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     start = time.monotonic()

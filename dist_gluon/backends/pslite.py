@@ -4,8 +4,8 @@ P3 (priority-based parameter propagation, MXNet PR #15124) is the same job with 
 van (``DMLC_PS_VAN_TYPE=p3``) in every process: large tensors are sliced and sent in
 priority order. Updates always run on the workers; the servers only sum.
 
-This module also builds the environment of a ps-lite job for the launcher, so that
-nothing outside this package reads or writes ``DMLC_*`` variables.
+The launcher's side of a ps-lite job, its environment, is in dist_gluon/jobenv.py
+(which imports neither mxnet nor horovod); only this module reads ``DMLC_*`` variables.
 """
 from __future__ import annotations
 
@@ -49,20 +49,6 @@ def started_by_pslite(environ=os.environ) -> bool:
 
 def uses_p3_van(environ=os.environ) -> bool:
     return environ.get("DMLC_PS_VAN_TYPE", "") == "p3"
-
-
-def job_env(num_workers: int, num_servers: int, port: int, p3: bool) -> dict[str, str]:
-    """Environment shared by the scheduler, the servers and the workers of a local job."""
-    env = {
-        "DMLC_PS_ROOT_URI": "127.0.0.1",
-        "DMLC_PS_ROOT_PORT": str(port),
-        "DMLC_NODE_HOST": "127.0.0.1",
-        "DMLC_NUM_SERVER": str(num_servers),
-        "DMLC_NUM_WORKER": str(num_workers),
-    }
-    if p3:
-        env.update({"DMLC_PS_VAN_TYPE": "p3", "MXNET_UPDATE_ON_KVSTORE": "0"})
-    return env
 
 
 # ps-lite starts once per process: a second dist kvstore in the same process blocks
@@ -170,11 +156,6 @@ def _rank_problems(values: list[str | None]) -> list[str]:
     if missing:
         problems.append("no worker has DG_RANK=" + ", ".join(map(str, missing)))
     return problems
-
-
-def role_env(role: str) -> dict[str, str]:
-    """``role`` is 'scheduler', 'server' or 'worker'."""
-    return {"DMLC_ROLE": role}
 
 
 class DistSync(Backend):
