@@ -71,3 +71,11 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# The pinned mxnet and numpy wheels (and their dependencies), which
+# tests/test_packaging.py installs into a fresh environment without network.
+WHEELHOUSE := $(VENV)/wheelhouse
+setup: $(WHEELHOUSE)/.complete
+$(WHEELHOUSE)/.complete: constraints.txt | $(STAMP)
+	$(PIP) download -q -d $(WHEELHOUSE) -c constraints.txt mxnet==1.9.1 numpy==1.23.5
+	@touch $@

@@ -1,7 +1,7 @@
 """Horovod backend: horovod.mxnet collectives over Gloo (or MPI where built with it).
 
-Also builds the environment of a local Gloo job for the launcher, so that nothing
-outside this package needs to import horovod.
+The launcher's side of a Gloo job (rendezvous, worker environment) is in
+dist_gluon/rendezvous.py and dist_gluon/jobenv.py, which import neither mxnet nor horovod.
 """
 from __future__ import annotations
 
