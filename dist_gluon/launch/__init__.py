@@ -46,8 +46,9 @@ DEFAULT_MASTER_PORT = 29500
 
 
 def _parse_args(argv):
+    script = os.path.basename(sys.argv[0]) if sys.argv else ""
     parser = argparse.ArgumentParser(
-        prog="python -m dist_gluon.launch",
+        prog=script if script.startswith("dist-gluon-run") else "python -m dist_gluon.launch",
         description="Run COMMAND as data-parallel workers of a dist_gluon job, on this "
                     "machine or on several.",
         epilog="examples:\n"
