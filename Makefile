@@ -5,18 +5,27 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 STAMP := $(VENV)/.dist_gluon-setup
+# Horovod is built with Gloo always and with MPI when `mpicc` is found (Debian's OpenMPI,
+# installed by system-packages as root); HOROVOD_WITH/WITHOUT_MPI is added at build time.
 HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
-	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-	MAKEFLAGS=-j2
+	HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITH_GLOO=1 MAKEFLAGS=-j2
+# Built wheels, one directory per flavour: pip's own wheel cache ignores the build
+# variables, so it would hand a Gloo-only wheel to an MPI build (and back).
+HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup system-packages test demo lint bench clean
+.PHONY: setup system-packages horovod test demo lint bench clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
 SYSTEM_PACKAGES := openssh-server openssh-client iproute2
+# OpenMPI for horovod over MPI (--transport mpi, jobs started by mpirun), unless an MPI
+# is already installed (a cluster's own, found through `mpicc`).
+ifeq ($(shell command -v mpicc),)
+SYSTEM_PACKAGES += openmpi-bin libopenmpi-dev
+endif
 
-setup: system-packages $(STAMP)
+setup: system-packages $(STAMP) horovod
 
 # Installs the SYSTEM_PACKAGES that dpkg does not list as installed, with apt-get, when
 # running as root; otherwise says so and goes on (those tests then skip with the reason).
@@ -28,31 +37,54 @@ system-packages:
 	if [ -z "$$missing" ]; then exit 0; fi; \
 	missing=$$(echo $$missing); \
 	if [ "$$(id -u)" != 0 ]; then \
-		echo "==> not root: skipping apt-get install of $$missing (multi-host tests will skip)"; \
+		echo "==> not root: skipping apt-get install of $$missing (multi-host tests will skip;"; \
+		echo "    without OpenMPI horovod is built with Gloo only: see the horovod target)"; \
 	elif ! command -v apt-get >/dev/null; then \
-		echo "==> no apt-get: install $$missing by hand (multi-host tests will skip)"; \
+		echo "==> no apt-get: install $$missing by hand (multi-host tests will skip;"; \
+		echo "    without OpenMPI horovod is built with Gloo only: see the horovod target)"; \
 	else \
 		echo "==> installing system packages with apt-get: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	fi
 
-$(STAMP): setup.py constraints.txt
+$(STAMP): setup.py constraints.txt | system-packages
 	@test -x $(PY) || { echo "==> creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "==> installing mxnet, numpy, gluoncv and tools (pinned by constraints.txt)"
 	$(PIP) install -q --upgrade pip wheel setuptools
 	$(PIP) install -q -c constraints.txt numpy==1.23.5 mxnet==1.9.1
 	$(PIP) install -q -c constraints.txt -e '.[examples,test]'
-	@if $(PY) -c 'import horovod.mxnet' 2>/dev/null; then \
-		echo "==> horovod.mxnet already importable"; \
-	else \
-		echo "==> building horovod 0.28.1 with MXNet and Gloo (about 10 minutes the first time;"; \
-		echo "    pip's wheel cache makes later builds fast)"; \
-		$(HOROVOD_BUILD_ENV) $(PIP) install -c constraints.txt --no-build-isolation \
-			horovod==0.28.1 || exit 1; \
-	fi
-	$(PY) -c 'import mxnet, numpy, horovod.mxnet, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
+	$(PY) -c 'import mxnet, numpy, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
 	@touch $(STAMP)
-	@echo "==> environment ready in $(VENV)"
+
+# horovod 0.28.1 with MXNet, Gloo and, when `mpicc` is found, MPI. Quick when the
+# installed build already has what it can have (hvd.mpi_built()); an environment built
+# with Gloo only is rebuilt once after OpenMPI appears. A build takes about 2 minutes;
+# the wheel is kept in $(HOROVOD_WHEELS)-<flavour> for the next fresh environment.
+# Without root, add MPI with `sudo apt-get install openmpi-bin libopenmpi-dev` (or put
+# your cluster's mpicc on PATH) and run `make setup` again.
+horovod: $(STAMP)
+	@if command -v mpicc >/dev/null; then want=1; flavour=mpi-gloo; mpi=HOROVOD_WITH_MPI=1; \
+	else want=0; flavour=gloo; mpi=HOROVOD_WITHOUT_MPI=1; fi; \
+	have=$$($(PY) -c 'import horovod.mxnet as h; print(int(h.mpi_built()))' 2>/dev/null); \
+	if [ -n "$$have" ] && [ "$$have" -ge "$$want" ]; then \
+		[ "$$have" = 1 ] && exit 0; \
+		echo "==> horovod built with Gloo only (no mpicc). To add MPI: apt-get install"; \
+		echo "    openmpi-bin libopenmpi-dev (make setup does it as root), then make setup"; \
+		exit 0; \
+	fi; \
+	wheels=$(HOROVOD_WHEELS)-$$flavour; \
+	if ! ls $$wheels/horovod-0.28.1-*.whl >/dev/null 2>&1; then \
+		echo "==> building horovod 0.28.1 with MXNet, $$flavour (about 2 minutes)"; \
+		[ -n "$$have" ] && echo "    (the installed horovod has no MPI: rebuilding it once)"; \
+		env $(HOROVOD_BUILD_ENV) $$mpi $(PIP) wheel -q --no-cache-dir --no-deps \
+			--no-build-isolation -w $$wheels horovod==0.28.1 || exit 1; \
+	fi; \
+	echo "==> installing horovod ($$flavour) from $$wheels"; \
+	$(PIP) uninstall -q -y horovod 2>/dev/null; \
+	$(PIP) install -q -c constraints.txt $$wheels/horovod-0.28.1-*.whl || exit 1; \
+	$(PY) -c "import horovod.mxnet as h; assert h.gloo_built() and h.mpi_built() >= $$want" \
+		|| { echo "==> the horovod build lacks Gloo or MPI"; exit 1; }; \
+	echo "==> environment ready in $(VENV) (horovod: $$flavour)"
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
