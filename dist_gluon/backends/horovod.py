@@ -1,7 +1,11 @@
-"""Horovod backend: horovod.mxnet collectives over Gloo (or MPI where built with it).
+"""Horovod backend: horovod.mxnet collectives over Gloo or MPI.
 
-The launcher's side of a Gloo job (rendezvous, worker environment) is in
-dist_gluon/rendezvous.py and dist_gluon/jobenv.py, which import neither mxnet nor horovod.
+Which one is horovod's choice at ``hvd.init()``: Gloo when the launcher gave the worker
+a Gloo rendezvous (``--transport gloo``), MPI when mpirun started it (``dist_gluon.launch
+--transport mpi``, or a plain ``mpirun -np N python train.py``, or ``srun --mpi=pmix``);
+rank, size and local rank then come from MPI. The launcher's side of a Gloo job
+(rendezvous, worker environment) is in dist_gluon/rendezvous.py and dist_gluon/jobenv.py,
+of an MPI job in dist_gluon/launch/mpi.py; none imports mxnet or horovod.
 """
 from __future__ import annotations
 
@@ -12,11 +16,19 @@ import mxnet as mx
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
-_HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# horovodrun's Gloo mode, OpenMPI's mpirun, srun --mpi=pmix (and MPICH's PMI)
+_HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
 def started_by_horovod(environ=os.environ) -> bool:
-    """True when this process was started by horovodrun (or our launcher's horovod mode)."""
+    """True when this process was started for horovod: by horovodrun, mpirun or
+    ``srun --mpi=pmix``, or by ``dist_gluon.launch --backend horovod``.
+
+    A worker of dist_gluon's launcher with another ``--backend`` (DG_BACKEND) is not: a
+    launcher that itself runs under srun or mpirun passes their variables on to its
+    dist_sync or p3 workers."""
+    if environ.get("DG_BACKEND", "horovod") != "horovod":
+        return False
     return any(name in environ for name in _HOROVODRUN_VARIABLES)
 
 

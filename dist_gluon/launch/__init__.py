@@ -34,7 +34,7 @@ import time
 from .. import jobenv
 from .._version import __version__
 from ..rendezvous import GlooRendezvous
-from . import slurm, ssh
+from . import mpi, slurm, ssh
 from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_to_master
 from .node import Node, free_port
 from .supervisor import Supervisor
@@ -63,6 +63,9 @@ def _parse_args(argv):
                              "the slots of each host")
     parser.add_argument("--backend", default="horovod", choices=BACKENDS,
                         help="communication backend (default: horovod)")
+    parser.add_argument("--transport", default="gloo", choices=("gloo", "mpi"),
+                        help="horovod: collectives over Gloo, or over MPI with the ranks "
+                             "started by OpenMPI's mpirun (default: gloo)")
     parser.add_argument("--servers", type=int, default=1,
                         help="ps-lite servers per node for dist_sync and p3 (default: 1)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -127,6 +130,12 @@ def _parse_args(argv):
         parser.error(f"-n must be at least 1, got {args.num_workers}")
     if args.servers < 1:
         parser.error(f"--servers must be at least 1, got {args.servers}")
+    if args.transport == "mpi" and args.backend != "horovod":
+        parser.error(f"--transport mpi is for --backend horovod, not {args.backend}")
+    if args.transport == "mpi" and not mpi.mpirun_path():
+        parser.error("--transport mpi needs OpenMPI's mpirun on PATH (Debian: apt-get "
+                     "install openmpi-bin libopenmpi-dev, then `make setup` rebuilds "
+                     "horovod with MPI); or use --transport gloo")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
     for name in ("timeout", "stall_timeout", "join_timeout"):
@@ -270,7 +279,8 @@ class _JobView:
 
 def _job_spec(args, restart: int, master_addr: str) -> dict:
     spec = {"backend": args.backend, "nnodes": args.nnodes, "nproc": args.num_workers,
-            "servers": args.servers, "restart": restart, "master_addr": master_addr}
+            "servers": args.servers, "restart": restart, "master_addr": master_addr,
+            "transport": args.transport, "hosts": getattr(args, "node_hosts", None)}
     bind = "" if args.nnodes > 1 else "127.0.0.1"
     port = free_port(bind)
     spec["rendezvous_port" if args.backend == "horovod" else "scheduler_port"] = port
@@ -291,6 +301,7 @@ def _run_master(args, out: _Output) -> int:
             out.say(str(err))
             return 1
         links = {n: link for n, (link, _) in joined.items()}
+        args.node_hosts = [None] + [joined[n][1]["host"] for n in range(1, args.nnodes)]
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     status = 1
     try:

@@ -12,6 +12,7 @@ import threading
 import time
 
 from .. import jobcontrol, jobenv
+from . import mpi
 from .processes import Process, terminate
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
@@ -74,6 +75,9 @@ class Node:
 
     def _start_horovod(self, base):
         spec = self.spec
+        if spec.get("transport") == "mpi":
+            mpi.start(self, base)
+            return
         nproc, nnodes = spec["nproc"], spec["nnodes"]
         if nnodes == 1:
             addr, iface, label = "127.0.0.1", "lo", "localhost"
