@@ -17,13 +17,19 @@ import time
 
 import numpy as np
 import pytest
-from test_faults import FAILURE_DEADLINE, HOW, STATUS, _run_fault
+from test_faults import FAILURE_DEADLINE, FAULT_WORKER, HOW, STATUS, _run_fault
 
 from conftest import REPO, assert_ok, launch, run, worker_lines
 from test_launch import SLEEPING_WORKER, _marker_env, _report, assert_nothing_left
 
+sys.path.insert(0, str(REPO / "tools"))
+import emulated_cluster  # noqa: E402
+import test_multinode as multinode  # noqa: E402
+
 WORKERS = REPO / "tests" / "workers"
 MPI = ["--transport", "mpi"]
+CLUSTER_SKIP = emulated_cluster.skip_reason(sshd=True)
+needs_cluster = pytest.mark.skipif(CLUSTER_SKIP is not None, reason=str(CLUSTER_SKIP))
 
 
 def _horovod_mpi_built() -> bool:
@@ -192,3 +198,84 @@ def test_transport_mpi_without_mpirun_says_how_to_install_it(tmp_path):
     assert proc.returncode == 2
     assert "needs OpenMPI's mpirun on PATH" in proc.stderr
     assert "--transport gloo" in proc.stderr
+
+
+# ------------------------------------------------------------------ several nodes
+# Node 0's mpirun starts the ranks of node 1 over ssh (the emulated hosts' sshd), while
+# node 1's launcher still relays their output and reports their state.
+@pytest.fixture(scope="module")
+def cluster():
+    with emulated_cluster.EmulatedCluster(num_hosts=2, sshd=True) as c:
+        yield c
+
+
+def _ssh(cluster) -> list[str]:
+    return ["--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
+            cluster.identity_file]
+
+
+@needs_cluster
+def test_mpi_ranks_on_two_nodes_train_exactly_like_one_process(cluster, tmp_path_factory,
+                                                               tmp_path):
+    reference = tmp_path_factory.mktemp("reference4")
+    assert_ok(run([sys.executable, WORKERS / "cluster_train.py", reference, "4"], reference))
+    result = multinode.run_nodes(cluster, [WORKERS / "cluster_train.py", tmp_path, 4],
+                                 nproc=2, launcher_args=[*MPI, *_ssh(cluster)], cwd=tmp_path)
+    assert result.returncodes == [0, 0], result.report()
+    for node in (0, 1):
+        for rank in (2 * node, 2 * node + 1):
+            assert f"[{rank}] " in result.stdout[node] + result.stderr[node], result.report()
+    for case in ("sgd", "adam"):
+        expected = _params(reference, case, 0)
+        for rank in range(4):
+            assert _max_error(_params(tmp_path, case, rank), expected) < 1e-5, (case, rank)
+
+
+@needs_cluster
+def test_an_mpi_rank_killed_on_node_1_ends_node_0_naming_its_rank_and_host(cluster,
+                                                                          tmp_path):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_WORKER)
+    marker = _marker_env()
+    result = multinode.run_nodes(cluster, [script, "sigkill", "1"], cwd=tmp_path,
+                                 env=marker, launcher_args=[*MPI, *_ssh(cluster)])
+    failing_at = [float(line.split()[1]) for line in
+                  worker_lines(result.stdout[1], 1) if line.startswith("FAILING_AT ")]
+    assert failing_at, result.report()
+    assert result.ended_at[0] - failing_at[0] < multinode.NODE_FAILURE_DEADLINE, \
+        result.report()
+    cause = f"rank 1 ({cluster.hosts[1].name}) was killed by SIGKILL after 2 collectives"
+    for node in (0, 1):
+        assert result.returncodes[node] == 137, result.report()
+        assert cause in result.stderr[node], result.report()
+    assert_nothing_left(marker["DG_TEST_MARKER"])
+
+
+MPI_SUM_WORKER = """
+import horovod.mxnet as hvd
+import mxnet as mx
+import dist_gluon as dg
+
+kv = dg.create()
+value = mx.nd.ones((3,)) * (kv.rank + 1)
+kv.pushpull("x", value)
+print(f"rank {kv.rank} of {kv.num_workers} local {kv.local_rank} mpi {hvd.mpi_enabled()} "
+      f"sum {value.asnumpy().tolist()}", flush=True)
+"""
+
+
+@needs_cluster
+def test_one_command_over_ssh_runs_mpi_ranks_on_every_host(cluster, tmp_path):
+    script = tmp_path / "sum.py"
+    script.write_text(MPI_SUM_WORKER)
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-H",
+            ",".join(f"{h.name}:2" for h in cluster.hosts), *_ssh(cluster),
+            "--master-port", str(next(multinode._ports)), *MPI, "--", sys.executable, str(script)]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in range(4):
+        assert worker_lines(proc.stdout, rank) == [
+            f"rank {rank} of 4 local {rank % 2} mpi True sum [10.0, 10.0, 10.0]"]

@@ -97,7 +97,10 @@ def node_command(args, node_rank: int, master_addr: str) -> str:
             "--servers", str(args.servers), "--max-restarts", str(args.max_restarts),
             "--stall-warning", f"{args.stall_warning or 0:g}"]
     for flag, value in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
-                        ("--iface", args.iface)):
+                        ("--iface", args.iface), ("--transport", args.transport),
+                        # node 0's mpirun starts the other nodes' MPI ranks over ssh
+                        ("--ssh-port", args.ssh_port),
+                        ("--ssh-identity-file", args.ssh_identity_file)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--", *args.command]
