@@ -1,0 +1,154 @@
+"""Worker: training throughput of ResNet-50 or VGG-16 per trainer, on synthetic data.
+
+Run by ``benchmarks/run_cluster.py`` on every host of an emulated cluster through
+``python -m dist_gluon.launch --nnodes M ...``. One model (gluoncv ``resnet50_v1b`` or
+``vgg16``, full parameter counts), one fixed random batch per worker, and one or more
+trainers on its parameters (``--impls``), measured round by round: in each round every
+trainer runs ``--steps`` consecutive training steps (forward, backward, gradient sum,
+SGD-momentum update) timed as one block, waiting for the engine only at the block's
+ends, so communication may overlap the backward pass and the next forward as in a real
+training loop. The order of the trainers rotates every round.
+
+- ``dist_gluon``: ``dg.DistributedTrainer`` on the job's backend;
+- ``horovod.mxnet``: ``hvd.DistributedTrainer`` (horovod jobs);
+- ``gluon``: ``gluon.Trainer(kvstore='dist_sync')`` with MXNet's defaults (ps-lite jobs;
+  on the P3 van, where the launcher sets MXNET_UPDATE_ON_KVSTORE=0, MXNet's own P3);
+- ``compute``: the same step with no communication (``gluon.Trainer(kvstore=None)``),
+  while the other workers do the same: the step time of perfect scaling on this machine.
+
+Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import mxnet as mx
+import numpy as np
+from _common import launcher_backend, report, summarise
+from mxnet import autograd, gluon
+
+OPTIMIZER = "sgd"
+OPTIMIZER_PARAMS = {"learning_rate": 0.001, "momentum": 0.9, "wd": 1e-5}
+IMPLS = ("dist_gluon", "horovod.mxnet", "gluon", "compute")
+MODELS = {"resnet50": "resnet50_v1b", "vgg16": "vgg16"}
+
+
+def build_model(args):
+    """The network (initialised, hybridized), one input batch, labels and the loss."""
+    from gluoncv.model_zoo import get_model
+
+    mx.random.seed(0)
+    rng = np.random.RandomState(0)
+    net = get_model(MODELS[args.model], pretrained=False, classes=1000)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    data = mx.nd.array(rng.rand(args.batch, 3, args.image, args.image))
+    label = mx.nd.array(rng.randint(0, 1000, size=args.batch))
+    # A recorded first forward gives deferred parameters their shapes (VGG's first Dense
+    # layer takes 512 x 7 x 7 inputs at 224 x 224) and leaves the weights in plain layout,
+    # which horovod.mxnet needs to read them.
+    with autograd.record():
+        net(data).wait_to_read()
+    return net, data, label, gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def make_trainers(impls, net, batch):
+    """{impl: function running one step's update on computed gradients}, and a barrier
+    over the workers."""
+    params = net.collect_params()
+    steps, barrier = {}, None
+    if "dist_gluon" in impls:
+        import dist_gluon as dg
+
+        kv = dg.create()
+        trainer = dg.DistributedTrainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kv=kv)
+        steps["dist_gluon"] = lambda: trainer.step(batch)
+        barrier = kv.barrier
+    if "horovod.mxnet" in impls:
+        import horovod.mxnet as hvd
+
+        hvd.init()
+        hvd.broadcast_parameters(params)
+        hvd_trainer = hvd.DistributedTrainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS))
+        steps["horovod.mxnet"] = lambda: hvd_trainer.step(batch)
+        if barrier is None:
+            token = mx.nd.zeros((1,))
+
+            def barrier():
+                hvd.allreduce_(token, name="bench.barrier", op=hvd.Sum)
+                token.wait_to_read()
+    if "gluon" in impls:
+        gluon_trainer = gluon.Trainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS),
+                                      kvstore="dist_sync")
+        steps["gluon"] = lambda: gluon_trainer.step(batch)
+
+        def barrier():
+            # gluon.Trainer creates its kvstore at its first step
+            if gluon_trainer._kvstore is not None:
+                gluon_trainer._kvstore._barrier()
+    if "compute" in impls:
+        local = gluon.Trainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kvstore=None)
+        steps["compute"] = lambda: local.step(batch)
+    return steps, barrier or (lambda: None)
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(MODELS), required=True)
+    parser.add_argument("--impls", required=True,
+                        help="comma-separated, from: " + ", ".join(IMPLS) + "; the first "
+                             "one that communicates should come first (its first step "
+                             "creates gluon's kvstore)")
+    parser.add_argument("--batch", type=int, default=16, help="batch size per worker")
+    parser.add_argument("--image", type=int, default=112, help="input height and width")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
+    parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
+    parser.add_argument("--rounds", type=int, default=2, help="timed blocks per trainer")
+    args = parser.parse_args()
+    args.impls = args.impls.split(",")
+    unknown = set(args.impls) - set(IMPLS)
+    if unknown:
+        parser.error(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
+    return args
+
+
+def main():
+    args = parse_args()
+    started = time.perf_counter()
+    net, data, label, loss_fn = build_model(args)
+    steps, barrier = make_trainers(args.impls, net, args.batch)
+    setup_seconds = time.perf_counter() - started
+
+    def block(impl, count):
+        """Seconds per step of ``count`` consecutive steps of ``impl``."""
+        mx.nd.waitall()
+        t0 = time.perf_counter()
+        for _ in range(count):
+            with autograd.record():
+                loss = loss_fn(net(data), label)
+            loss.backward()
+            steps[impl]()
+        mx.nd.waitall()
+        return (time.perf_counter() - t0) / count
+
+    for impl in args.impls:
+        block(impl, args.warmup)
+        barrier()
+    times = {impl: [] for impl in args.impls}
+    for r in range(args.rounds):
+        shift = r % len(args.impls)
+        for impl in args.impls[shift:] + args.impls[:shift]:
+            barrier()
+            times[impl].append(block(impl, args.steps))
+    params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    report({"kind": "train", "backend": launcher_backend(), "model": args.model,
+            "batch": args.batch, "image": args.image, "tensors": len(params),
+            "parameters": int(sum(p.data().size for p in params)),
+            "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
+            "setup_seconds": setup_seconds,
+            "times": {impl: summarise(t) for impl, t in times.items()}})
+
+
+if __name__ == "__main__":
+    main()

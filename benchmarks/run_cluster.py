@@ -1,0 +1,371 @@
+"""`make bench-cluster`: dist_gluon and its peers on emulated hosts with real link limits.
+
+    .venv/bin/python benchmarks/run_cluster.py          # full run, writes RESULTS-cluster.md
+    .venv/bin/python benchmarks/run_cluster.py --quick  # 2 hosts, small sizes (3 minutes)
+
+Each setting is an emulated cluster (tools/emulated_cluster.py: one network namespace per
+host on a bridge, own address and host name, ``tc tbf`` rate limit each way per host):
+2 and 4 hosts at 1 Gbit/s, and 2 hosts at 10 Gbit/s. One worker per host, started by
+``python -m dist_gluon.launch --nnodes N --node-rank I --master-addr <host 0>`` on
+every host; ps-lite jobs get one server per host (the launcher's default) and the
+scheduler on host 0. In every cluster:
+
+0. Link: what plain TCP streams get through the links (cluster/link.py).
+1. Collectives: sums of 1 to 100 MiB and of ResNet-50's shapes through each backend
+   next to the raw library calls (../bench_comm.py), against the link bound.
+2. Training: ResNet-50 and VGG-16 on synthetic data, DistributedTrainer on each backend
+   next to horovod.mxnet.DistributedTrainer, gluon.Trainer(kvstore='dist_sync') and
+   MXNet's own P3, each with the compute-only step of the same job (cluster/train.py).
+
+The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
+benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
+job has a timeout, and every cluster is torn down (with whatever still runs on it)
+when its setting ends, also on an error or Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+import emulated_cluster  # noqa: E402
+import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
+from cluster import report  # noqa: E402
+
+PY = sys.executable
+RESULT_TAG = "BENCH "
+LINK_TAG = "LINK "
+
+FULL = {
+    "settings": [
+        {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")},
+        {"hosts": 4, "rate": "1gbit", "models": ("resnet50", "vgg16")},
+        {"hosts": 2, "rate": "10gbit", "models": ("resnet50",)},
+    ],
+    "link_mib": 64,
+    "sizes_mib": (1, 10, 100), "comm_reps": 3, "comm_warmup": 1,
+    "models": {
+        "resnet50": {"batch": 16, "image": 112, "warmup": 2, "steps": 3, "rounds": 2},
+        "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 2, "rounds": 2},
+    },
+}
+QUICK = {
+    "settings": [{"hosts": 2, "rate": "1gbit", "models": ("resnet50",)}],
+    "link_mib": 64,
+    "sizes_mib": (1, 10), "comm_reps": 2, "comm_warmup": 1,
+    "models": {
+        "resnet50": {"batch": 4, "image": 64, "warmup": 1, "steps": 2, "rounds": 1},
+        "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 1, "rounds": 1},
+    },
+}
+
+# (label, launcher backend, transport): the horovod MPI row runs only where the launcher
+# has --transport (see mpi_support()).
+VARIANTS = (("horovod (Gloo)", "horovod", None), ("horovod (MPI)", "horovod", "mpi"),
+            ("dist_sync", "dist_sync", None), ("p3", "p3", None))
+# Trainers per job. On horovod they take turns in one job; on ps-lite each gets its own
+# job (MXNet allows one ps-lite store per process), with the compute-only step beside it.
+TRAIN_JOBS = {"horovod": ("dist_gluon,horovod.mxnet,compute",),
+              "dist_sync": ("dist_gluon,compute", "gluon,compute"),
+              "p3": ("dist_gluon,compute", "gluon,compute")}
+
+_ports = itertools.count(29700)
+
+
+def log(message: str) -> None:
+    print(f"[bench-cluster {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# --------------------------------------------------------------------------- jobs
+def worker_env() -> dict[str, str]:
+    """The environment of every process on the hosts: nothing of the caller's but the
+    path, so that a job depends on what it is given only."""
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root",
+            "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE)]),
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"}
+
+
+def run_job(cluster, backend: str, transport: str | None, argv: list[str],
+            timeout: float, workdir: Path) -> dict:
+    """Run ``argv`` (after the python executable) as one dist_gluon job with one worker
+    on each host; return rank 0's ``BENCH`` payload, or {'error': ...}, with the job's
+    wall time."""
+    port = str(next(_ports))
+    logs = []
+    procs = []
+    extra = []
+    if transport == "mpi":
+        # node 0's mpirun starts every node's ranks over ssh (the hosts' sshd)
+        extra = ["--transport", "mpi", "--ssh-port", str(cluster.ssh_port),
+                 "--ssh-identity-file", cluster.identity_file]
+    for host in cluster.hosts:
+        command = [PY, "-m", "dist_gluon.launch", "--nnodes", str(cluster.num_hosts),
+                   "--node-rank", str(host.index), "--master-addr", cluster.hosts[0].address,
+                   "--master-port", port, "-n", "1", "--backend", backend,
+                   "--timeout", str(timeout), "--join-timeout", "60", *extra,
+                   "--", PY, *argv]
+        out = open(workdir / f"job{port}-node{host.index}.out", "w+")
+        err = open(workdir / f"job{port}-node{host.index}.err", "w+")
+        logs.append((out, err))
+        procs.append(cluster.popen(host.index, command, cwd=REPO, env=worker_env(),
+                                   stdin=subprocess.DEVNULL, stdout=out, stderr=err))
+    started = time.monotonic()
+    deadline = started + timeout + 30
+    codes = [wait_or_kill(p, deadline) for p in procs]
+    seconds = time.monotonic() - started
+    kill_leftovers(cluster)
+    texts = []
+    for out, err in logs:
+        out.seek(0)
+        err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close()
+        err.close()
+    rank0 = [line[4:] for line in texts[0][0].splitlines() if line.startswith("[0] ")]
+    payloads = [json.loads(line[len(RESULT_TAG):]) for line in rank0
+                if line.startswith(RESULT_TAG)]
+    if all(code == 0 for code in codes) and payloads:
+        return dict(payloads[-1], job_seconds=seconds)
+    tails = []
+    for node, (code, (_, err)) in enumerate(zip(codes, texts)):
+        lines = [line for line in err.strip().splitlines() if line.strip()][-6:]
+        tails.append(f"node {node} exit {code}: " + " | ".join(lines))
+    return {"error": " || ".join(tails), "job_seconds": seconds}
+
+
+def wait_or_kill(proc: subprocess.Popen, deadline: float) -> int | None:
+    """The exit code of a host's launcher, terminated (then killed) at ``deadline``."""
+    try:
+        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+
+def kill_leftovers(cluster) -> None:
+    """Kill whatever still runs on the cluster's hosts but their sshd (nothing, when a
+    job ended well), so that no straggler of a failed job loads the next one."""
+    for host in cluster.hosts:
+        pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
+                    continue
+                os.kill(int(pid), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+
+
+def describe(payload: dict) -> str:
+    if "error" in payload:
+        return "FAILED " + payload["error"][:600]
+    return f"done in {payload['job_seconds']:.0f} s"
+
+
+def mpi_support() -> str | None:
+    """None when horovod can run over MPI across the emulated hosts, else why not."""
+    text = subprocess.run([PY, "-m", "dist_gluon.launch", "--help"], cwd=REPO,
+                          capture_output=True, text=True).stdout
+    if "--transport" not in text:
+        return "the launcher has no --transport option yet (`python -m dist_gluon.launch " \
+               "--help`)"
+    if shutil.which("mpirun") is None:
+        return "mpirun not found (make setup installs OpenMPI as root)"
+    built = subprocess.run([PY, "-c", "import horovod.mxnet as h; print(h.mpi_built())"],
+                           capture_output=True, text=True).stdout.strip()
+    if built != "True":
+        return "horovod was built without MPI (make setup rebuilds it once OpenMPI is there)"
+    return emulated_cluster.skip_reason(sshd=True)
+
+
+# --------------------------------------------------------------------------- parts
+def run_link(cluster, mib: int) -> dict:
+    """Ring of plain TCP streams, all hosts at once; bytes per second of each stream."""
+    addresses = ",".join(h.address for h in cluster.hosts)
+    start = time.time() + 2.0
+    port = str(next(_ports))
+    procs = [cluster.popen(h.index, [PY, str(HERE / "cluster" / "link.py"), "--index",
+                                     str(h.index), "--addresses", addresses, "--port", port,
+                                     "--mib", str(mib), "--start", f"{start:.3f}"],
+                           env=worker_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+             for h in cluster.hosts]
+    rates, errors = [], []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+        found = [json.loads(line[len(LINK_TAG):]) for line in out.splitlines()
+                 if line.startswith(LINK_TAG)]
+        if found:
+            rates.append(found[0]["bytes"] / found[0]["seconds"])
+        else:
+            errors.append(err.strip()[-300:] or f"exit {p.returncode}")
+    kill_leftovers(cluster)
+    return {"mib": mib, "bytes_per_s": rates, "errors": errors}
+
+
+def run_comm(cluster, cfg, cases_path: Path, variants, timeout: float, workdir) -> dict:
+    jobs = {}
+    for label, backend, transport in variants:
+        argv = [str(HERE / "cluster" / "comm.py"), "--cases", str(cases_path),
+                "--reps", str(cfg["comm_reps"]), "--warmup", str(cfg["comm_warmup"])]
+        jobs[label] = run_job(cluster, backend, transport, argv, timeout, workdir)
+        log(f"  collectives, {label}: {describe(jobs[label])}")
+    return jobs
+
+
+def run_train(cluster, cfg, models, variants, timeout: float, workdir) -> dict:
+    out = {}
+    for model in models:
+        opts = cfg["models"][model]
+        args = ["--model", model, *itertools.chain.from_iterable(
+            (f"--{k}", str(v)) for k, v in opts.items())]
+        per_variant = {}
+        for label, backend, transport in variants:
+            slot = {"times": {}, "errors": {}}
+            for impls in TRAIN_JOBS[backend]:
+                payload = run_job(cluster, backend, transport,
+                                  [str(HERE / "cluster" / "train.py"), *args,
+                                   "--impls", impls], timeout, workdir)
+                log(f"  training, {model}, {label} [{impls}]: {describe(payload)}")
+                if "error" in payload:
+                    slot["errors"][impls] = payload["error"]
+                    continue
+                times = dict(payload["times"])
+                main = impls.split(",")[0]
+                if main == "gluon":
+                    # the compute-only step of gluon.Trainer's own job
+                    times["compute_gluon_job"] = times.pop("compute")
+                slot["times"].update(times)
+                slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
+                                                     "image", "gradient_bytes")})
+            per_variant[label] = slot
+        out[model] = per_variant
+    return out
+
+
+def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
+                timeout: float) -> dict:
+    ssh = any(transport == "mpi" for _, _, transport in variants)
+    result = {"hosts": setting["hosts"], "rate": setting["rate"],
+              "rate_bits": report.rate_bits(setting["rate"]),
+              "load_start": os.getloadavg()}
+    log(f"setting: {setting['hosts']} hosts at {setting['rate']}")
+    with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+            emulated_cluster.EmulatedCluster(num_hosts=setting["hosts"], rate=setting["rate"],
+                                             sshd=ssh) as cluster:
+        workdir = Path(tmp)
+        result["link"] = run_link(cluster, cfg["link_mib"])
+        rates = result["link"]["bytes_per_s"]
+        log("  link: plain TCP " + ", ".join(f"{r / 1e6:.0f}" for r in rates) + " MB/s"
+            + (f"; errors: {result['link']['errors']}" if result["link"]["errors"] else ""))
+        if "comm" in parts:
+            result["comm"] = run_comm(cluster, cfg, cases_path, variants, timeout, workdir)
+        if "train" in parts:
+            result["train"] = run_train(cluster, cfg, setting["models"], variants, timeout,
+                                        workdir)
+    result["load_end"] = os.getloadavg()
+    return result
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="Benchmark dist_gluon and its peers on "
+                                     "emulated hosts with rate-limited links; writes "
+                                     "benchmarks/RESULTS-cluster.md.")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 hosts at 1 Gbit/s, small sizes, ResNet-50 only (a few "
+                             "minutes); writes RESULTS-cluster-quick.md unless --out is "
+                             "given")
+    parser.add_argument("--only", action="append", choices=("comm", "train"),
+                        help="run only this part (repeatable); default: both")
+    parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
+                        help="run only this setting of the chosen configuration, e.g. "
+                             "2x1gbit (repeatable); default: all of them")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the report")
+    parser.add_argument("--job-timeout", type=float, default=420,
+                        help="seconds one benchmark job may run (default: 420)")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = HERE / ("RESULTS-cluster-quick.md" if args.quick else "RESULTS-cluster.md")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    reason = emulated_cluster.skip_reason()
+    if reason:
+        print(f"bench-cluster: cannot emulate hosts here: {reason}", file=sys.stderr)
+        return 1
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.setting:
+        known = {f"{s['hosts']}x{s['rate']}": s for s in cfg["settings"]}
+        unknown = [name for name in args.setting if name not in known]
+        if unknown:
+            print(f"bench-cluster: unknown --setting {', '.join(unknown)}; the settings are "
+                  + ", ".join(known), file=sys.stderr)
+            return 2
+        cfg["settings"] = [known[name] for name in args.setting]
+    parts = args.only or ["comm", "train"]
+    no_mpi = mpi_support()
+    variants = [v for v in VARIANTS if v[2] != "mpi" or no_mpi is None]
+    started = time.monotonic()
+    results = {"command": ".venv/bin/python benchmarks/run_cluster.py"
+                          + (" --quick" if args.quick else ""),
+               "config": cfg, "machine": local_bench.machine(),
+               "load_start": os.getloadavg(), "mpi": no_mpi, "settings": []}
+    cpu_start = local_bench.cpu_seconds()
+    log(f"{'quick' if args.quick else 'full'} run of {', '.join(parts)}; load average "
+        f"{results['load_start'][0]:.2f}; horovod over MPI: "
+        + ("included" if no_mpi is None else f"not measured ({no_mpi})"))
+    with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp:
+        cases = local_bench.comm_cases(cfg["sizes_mib"])
+        cases_path = Path(tmp) / "cases.json"
+        cases_path.write_text(json.dumps(cases))
+        results["cases"] = [{"name": c["name"], "tensors": len(c["shapes"]),
+                             "bytes": sum(report.numel(s) for s in c["shapes"]) * 4}
+                            for c in cases]
+        for setting in cfg["settings"]:
+            results["settings"].append(run_setting(setting, cfg, cases_path, variants,
+                                                   parts, args.job_timeout))
+            # a partial report after every setting, in case a later one is interrupted
+            results["minutes"] = (time.monotonic() - started) / 60
+            results["load_end"] = os.getloadavg()
+            results["others_cpu_share"] = local_bench.others_share(
+                cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
+            report.write(results, args.out)
+    raw_path = args.out.with_name(args.out.stem.lower() + ".json")
+    raw_path.write_text(json.dumps(results, indent=1, default=str))
+    log(f"wrote {args.out} and {raw_path} in {results['minutes']:.1f} minutes")
+    failed = [f"{s['hosts']}x{s['rate']} collectives {label}" for s in results["settings"]
+              for label, job in s.get("comm", {}).items() if "error" in job]
+    failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]
+               for model, per in s.get("train", {}).items()
+               for label, slot in per.items() if slot["errors"]]
+    if failed:
+        log("failed jobs: " + ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
