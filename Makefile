@@ -14,7 +14,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup system-packages horovod test demo lint bench clean
+.PHONY: setup system-packages horovod test demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -100,6 +100,12 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/run.py
+
+# Collectives and ResNet-50/VGG-16 training on 2 and 4 emulated hosts (network namespaces,
+# rate-limited links) against the link bound and the peers: benchmarks/RESULTS-cluster.md.
+# Needs root; about 25 minutes.
+bench-cluster: setup
+	$(PY) benchmarks/run_cluster.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
