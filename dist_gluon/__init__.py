@@ -29,6 +29,7 @@ _PUBLIC = {
     "CheckpointError": ".checkpoint", "Checkpointer": ".checkpoint",
     "ShardSampler": ".data", "reduce_metric": ".data", "shard_kwargs": ".data",
     "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",
+    "SyncBatchNorm": ".syncbn", "convert_sync_batchnorm": ".syncbn",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

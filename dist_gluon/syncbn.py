@@ -1,0 +1,389 @@
+"""SyncBatchNorm: batch normalisation with the statistics of every worker's samples.
+
+With ``gluon.nn.BatchNorm`` each worker normalises with its own batch's mean and
+variance, so N workers on B samples each do not train like one process on the N*B
+samples, and the running statistics drift apart between ranks. ``SyncBatchNorm`` sums
+the per-channel statistics over the workers instead: one collective per layer in the
+forward pass (sums, squared sums and sample counts) and one in the backward pass (the
+gradients of those sums). On one process it is ``nn.BatchNorm``.
+
+The arithmetic on whole tensors is done by MXNet's own BatchNorm operator (its generic
+reductions are 10-50 times slower on CPU); two autograd Functions on per-channel values
+connect the workers. The forward collective is issued from the training script's
+thread, in the order of the forward pass. MXNet runs backward functions in its own
+custom-operator threads, in the order its engine schedules them (independent branches,
+e.g. a ResNet's shortcut, in either order), so backward collectives may be issued in a
+different order on each rank; every key is used by exactly one layer, and the backends
+match collectives by key.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd
+from mxnet.gluon import nn
+
+from .backends import Backend, resolve
+
+# Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
+# with the batch sizes (1).
+_PRIORITY = 1
+_layer_numbers = itertools.count()
+# Collectives of different layers' backward passes start in MXNet's custom-operator
+# threads; one at a time keeps each backend call whole.
+_submit_lock = threading.Lock()
+
+_HYBRIDIZE_HELP = (
+    "dist_gluon.SyncBatchNorm cannot run in a hybridized graph when training on {n} "
+    "workers: it sums its statistics over the workers with a collective issued from "
+    "Python in every forward and backward pass, which a cached graph cannot call. Do not "
+    "call hybridize() on a network that contains SyncBatchNorm (hybridize only blocks "
+    "without it), or use gluon.nn.BatchNorm (each worker's own statistics). On one "
+    "process SyncBatchNorm is nn.BatchNorm and may be hybridized.")
+
+
+class SyncBatchNorm(nn.BatchNorm):
+    """Batch normalisation whose statistics are those of all workers' samples together.
+
+    In training mode (``autograd.record()``, or ``autograd.train_mode()``, with
+    ``use_global_stats=False``), every worker normalises with the mean and the biased
+    variance of the concatenation of all workers' batches, and the gradients flow
+    through those global statistics, so N workers train exactly like one process with
+    ``nn.BatchNorm`` on the concatenated samples, also when the workers' batch sizes
+    differ. Each layer costs one collective of ``2 C + 1`` float64 numbers in the
+    forward pass and one in the backward pass (C channels). The running statistics are
+    updated from the global mean and biased variance, ``running = momentum * running +
+    (1 - momentum) * batch`` as in ``nn.BatchNorm``, identically on every rank, at each
+    recorded training forward (``nn.BatchNorm`` updates them in its backward pass: the
+    same for every training step). In inference it uses the running statistics and
+    communicates nothing; on one process (``num_workers == 1``) it is ``nn.BatchNorm``
+    and issues no collective.
+
+    Arguments and parameters are those of ``gluon.nn.BatchNorm``, in the same order
+    (gamma, beta, running_mean, running_var) and with the same names
+    (``batchnorm0_gamma``...), so parameters saved from either load into the other.
+    Gluon models that take a normalisation layer accept it directly
+    (``norm_layer=dg.SyncBatchNorm``); :func:`convert_sync_batchnorm` converts the
+    BatchNorm layers of an existing network.
+
+    Every rank must run the same training forward and backward passes (the collectives
+    are keyed by layer, numbered in the order of their first training forward). A layer
+    is applied once per forward pass: the backward passes of two applications of one
+    layer would share its key in an order that may differ between ranks. A network that
+    contains SyncBatchNorm cannot be hybridized on more than one worker: ``hybridize()``
+    raises a RuntimeError that says so.
+
+    Parameters
+    ----------
+    axis : int, default 1
+        The channel axis (1 for NCHW and for (N, C) inputs, 3 for NHWC).
+    momentum : float, default 0.9
+        Momentum of the running statistics, in [0, 1].
+    epsilon : float, default 1e-5
+        Added to the variance before its square root; positive.
+    center : bool, default True
+        Learn the offset ``beta``.
+    scale : bool, default True
+        Learn the scale ``gamma`` (False: gamma is fixed at 1).
+    use_global_stats : bool, default False
+        Normalise with the running statistics in training too (then nothing is
+        communicated).
+    beta_initializer, gamma_initializer : str or Initializer
+        Default 'zeros' and 'ones'.
+    running_mean_initializer, running_variance_initializer : str or Initializer
+        Default 'zeros' and 'ones'.
+    in_channels : int, default 0
+        Number of channels; 0 defers it to the first forward.
+    kv : backend, backend name or None
+        The backend whose workers share statistics; None picks it from the environment
+        (``dist_gluon.create()``) at the first forward.
+
+    Examples
+    --------
+    >>> net = gluon.nn.HybridSequential()
+    >>> net.add(gluon.nn.Conv2D(64, 3), dg.SyncBatchNorm(), gluon.nn.Activation('relu'))
+    >>> from gluoncv.model_zoo import resnet50_v1b
+    >>> net = resnet50_v1b(norm_layer=dg.SyncBatchNorm)
+    >>> with autograd.record():
+    ...     loss = loss_fn(net(data), label)
+    >>> loss.backward()
+    >>> trainer.step(data.shape[0])        # a DistributedTrainer
+    """
+
+    def __init__(self, axis: int = 1, momentum: float = 0.9, epsilon: float = 1e-5,
+                 center: bool = True, scale: bool = True, use_global_stats: bool = False,
+                 beta_initializer="zeros", gamma_initializer="ones",
+                 running_mean_initializer="zeros", running_variance_initializer="ones",
+                 in_channels: int = 0, kv=None, **kwargs):
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1], got {momentum}")
+        if not epsilon > 0:
+            raise ValueError(f"epsilon must be positive, got {epsilon}")
+        super().__init__(axis=axis, momentum=momentum, epsilon=epsilon, center=center,
+                         scale=scale, use_global_stats=use_global_stats,
+                         beta_initializer=beta_initializer, gamma_initializer=gamma_initializer,
+                         running_mean_initializer=running_mean_initializer,
+                         running_variance_initializer=running_variance_initializer,
+                         in_channels=in_channels, **kwargs)
+        self._attach(kv)
+
+    def _alias(self) -> str:
+        # parameter names as nn.BatchNorm's (batchnorm0_gamma...): checkpoints saved by
+        # name load into either
+        return "batchnorm"
+
+    def _attach(self, kv) -> None:
+        """Set the state a SyncBatchNorm adds to a BatchNorm (also for a converted one)."""
+        if kv is not None and not isinstance(kv, (str, Backend)):
+            resolve(kv)     # raises the TypeError that names what kv may be
+        self._kv_spec = kv
+        self._kv: Backend | None = None
+        self._comm: _Channel | None = None
+
+    @property
+    def kv(self) -> Backend:
+        """The backend whose workers share statistics."""
+        if self._kv is None:
+            self._kv = resolve(self._kv_spec)
+        return self._kv
+
+    def hybridize(self, active: bool = True, **kwargs) -> None:
+        """As ``HybridBlock.hybridize``, on one process only: a RuntimeError explains
+        what to do on more workers."""
+        if active and self.kv.num_workers > 1:
+            raise RuntimeError(_HYBRIDIZE_HELP.format(n=self.kv.num_workers))
+        super().hybridize(active, **kwargs)
+
+    def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
+        # Symbols come from a hybridized parent (refused on several workers by
+        # hybridize()) or from shape inference for deferred initialisation.
+        if (F is not mx.nd or self._kwargs["use_global_stats"]
+                or not autograd.is_training() or self.kv.num_workers == 1):
+            return super().hybrid_forward(F, x, gamma, beta, running_mean, running_var)
+        kwargs = self._kwargs
+        axis = kwargs["axis"] % x.ndim
+        channel = self._channel(x, axis)
+        dtype = x.dtype
+        if dtype != gamma.dtype:
+            x = x.astype(gamma.dtype)
+        # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
+        # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
+        # backward gives the per-channel sums over x). Only the two functions are
+        # differentiated by hand, in float64; autograd chains them.
+        local = _LocalSums(axis, channel)(x)
+        running = (running_mean, running_var) if autograd.is_recording() else None
+        scale, shift = _GlobalAffine(channel, kwargs, running)(
+            mx.nd.concat(local, gamma.astype("float64"), beta.astype("float64"), dim=0))
+        out = mx.nd.BatchNorm(x, scale.astype(x.dtype), shift.astype(x.dtype), channel.mean,
+                              channel.unit_var, axis=axis, eps=_UNIT_EPS, fix_gamma=False,
+                              use_global_stats=True)
+        return out if out.dtype == dtype else out.astype(dtype)
+
+    def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
+        """This layer's communication. A layer gets the next number at its first
+        training forward."""
+        if self._comm is None:
+            self._comm = _Channel(self.kv, f"syncbn.{next(_layer_numbers)}", x.shape[axis],
+                                  x.context, x.dtype)
+        return self._comm
+
+
+def _update_running(running: mx.nd.NDArray, batch: mx.nd.NDArray, momentum: float) -> None:
+    """``running = momentum * running + (1 - momentum) * batch`` in float32, as MXNet's
+    BatchNorm computes it ((1 - 0.9f) is not 0.1f)."""
+    keep = np.float32(momentum)
+    running[:] = running * float(keep) + batch.astype(running.dtype) * float(
+        np.float32(1) - keep)
+
+
+# sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
+# shifts and scales
+_UNIT_EPS = 1e-12
+
+
+class _Channel:
+    """A layer's two keys and the arrays they carry, the same arrays in every step: the
+    engine orders each step's use after the previous one's, so no call has to wait for
+    the previous step's collective (a backward collective may be issued while the
+    script's thread is already a step ahead, and must not wait for it). Both keys are
+    created here, on the script's thread in the order of the forward pass: ps-lite
+    creates a key with a barrier of all workers, which must not run in MXNet's backward
+    threads."""
+
+    def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype):
+        self.kv = kv
+        self.channels = channels
+        self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
+        # Used by the forward pass, on the script's thread: the sums, and inputs of the
+        # BatchNorm operators (constants, and the global mean: no gradient flows through
+        # an operator's mean, _GlobalAffine accounts for it).
+        self.sums = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.ones = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
+        self.zeros = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
+        self.unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
+        self.scratch = [mx.nd.zeros((channels,), ctx=ctx, dtype=dtype) for _ in range(2)]
+        self.mean = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
+        # Used by the backward functions only. MXNet calls them in its own threads once
+        # their inputs are ready, when the script's thread may have queued the next
+        # step's forward already: an operator they queue on an array of the forward pass
+        # would wait for that next forward, which waits for this backward.
+        self.grads = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
+        _pushpull(kv, self.backward_key, self.grads)
+
+
+def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
+    with _submit_lock:
+        kv.pushpull(key, value, priority=_PRIORITY)
+
+
+class _LocalSums(autograd.Function):
+    """This worker's per-channel ``[n * mean, n * (var + mean^2), n]`` (float64; n
+    samples per channel, mean and biased var by MXNet's BatchNorm operator in training
+    mode: its own reductions are 10-50 times slower). One input only: an
+    autograd.Function of MXNet 1.9 drops the gradients of the inputs that follow one
+    whose gradient is not needed."""
+
+    # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
+    _EPS = 1e-10
+
+    def __init__(self, axis: int, channel: _Channel):
+        super().__init__()
+        self._axis, self._channel = axis, channel
+
+    def forward(self, x):
+        ch = self._channel
+        _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
+                                          eps=self._EPS, fix_gamma=False, output_mean_var=True)
+        self._x, self._mean = x, mean
+        n = x.size // ch.channels
+        mean64, invstd = mean.astype("float64"), invstd.astype("float64")
+        var = mx.nd.relu(1 / (invstd * invstd) - self._EPS)
+        return mx.nd.concat(mean64 * n, (var + mean64 * mean64) * n,
+                            mx.nd.full((1,), n, ctx=x.context, dtype="float64"), dim=0)
+
+    def backward(self, dsums):
+        """With ds1, ds2 the gradients of the first two sums: ``dx = ds1 + 2 ds2 x``,
+        computed as ``(ds1 + 2 ds2 mean) + 2 ds2 (x - mean)`` (float64 where it cancels),
+        per channel an affine function of ``x - mean``, again by the BatchNorm
+        operator."""
+        c = self._channel.channels
+        ds1, ds2 = dsums[:c], dsums[c:2 * c]
+        offset = ds1 + 2 * ds2 * self._mean.astype("float64")
+        x = self._x
+        return mx.nd.BatchNorm(x, (2 * ds2).astype(x.dtype), offset.astype(x.dtype), self._mean,
+                               self._channel.backward_unit_var, axis=self._axis,
+                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
+
+
+class _GlobalAffine(autograd.Function):
+    """From ``[local sums (2 C + 1), gamma, beta]`` (float64, one input for the reason
+    given in _LocalSums) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
+    shift``: the sums over the workers (the forward collective) give the global mean and
+    biased variance, ``scale = gamma / sqrt(var + eps)`` and ``shift = beta``. The global
+    mean goes to the layer's channel (the BatchNorm operator subtracts it), as do the
+    running statistics. The backward pass sums the gradients of the global sums over
+    the workers (the backward collective: each worker's loss depends on every worker's
+    sums); those of gamma and beta stay this worker's, which the trainer sums."""
+
+    def __init__(self, channel: _Channel, kwargs: dict, running):
+        super().__init__()
+        self._channel, self._kwargs, self._running = channel, kwargs, running
+
+    def forward(self, inputs):
+        ch, c = self._channel, self._channel.channels
+        ch.sums[:] = inputs[:2 * c + 1]
+        _pushpull(ch.kv, ch.forward_key, ch.sums)
+        total = ch.sums.copy()
+        n = total[2 * c:]
+        mean = mx.nd.broadcast_div(total[:c], n)
+        var = mx.nd.relu(mx.nd.broadcast_div(total[c:2 * c], n) - mean * mean)
+        invstd = mx.nd.rsqrt(var + self._kwargs["eps"])
+        gamma = inputs[2 * c + 1:3 * c + 1]
+        if self._kwargs["fix_gamma"]:
+            gamma = mx.nd.ones_like(gamma)
+        ch.mean[:] = mean
+        if self._running is not None:
+            _update_running(self._running[0], mean, self._kwargs["momentum"])
+            _update_running(self._running[1], var, self._kwargs["momentum"])
+        self._saved = (mean, invstd, gamma, n)
+        return gamma * invstd, inputs[3 * c + 1:].copy()
+
+    def backward(self, dscale, dshift):
+        """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
+        the mean through it, ``dmean = -scale * dshift``."""
+        ch = self._channel
+        mean, invstd, gamma, n = self._saved
+        dinvstd = dscale * gamma
+        dvar = -0.5 * dinvstd * invstd * invstd * invstd
+        dmean = -gamma * invstd * dshift - 2 * mean * dvar
+        ch.grads[:] = mx.nd.concat(mx.nd.broadcast_div(dmean, n), mx.nd.broadcast_div(dvar, n),
+                                   mx.nd.zeros((1,), ctx=n.context, dtype=n.dtype), dim=0)
+        _pushpull(ch.kv, ch.backward_key, ch.grads)
+        dgamma = mx.nd.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
+        return mx.nd.concat(ch.grads, dgamma, dshift, dim=0)
+
+
+def convert_sync_batchnorm(net, kv=None):
+    """Turn every ``gluon.nn.BatchNorm`` layer of ``net`` into a :class:`SyncBatchNorm`,
+    in place, keeping its parameters (the same Parameter objects, with their values,
+    names, initialisation state and gradients) and its arguments.
+
+    Like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``, for models that build their
+    own BatchNorm layers. Only layers of exactly ``nn.BatchNorm`` are converted: other
+    normalisation layers (``BatchNormReLU``, subclasses with their own behaviour,
+    ``contrib.nn.SyncBatchNorm``) are left alone. Convert before ``hybridize()``: on more
+    than one worker, a network that is already hybridized raises a RuntimeError.
+
+    Parameters
+    ----------
+    net : Block
+        The network (or a single BatchNorm layer).
+    kv : backend, backend name or None
+        As in :class:`SyncBatchNorm`.
+
+    Returns
+    -------
+    Block
+        ``net`` itself, converted.
+
+    Examples
+    --------
+    >>> net = gluon.model_zoo.vision.resnet18_v1()
+    >>> net.load_parameters('resnet18.params')
+    >>> dg.convert_sync_batchnorm(net)
+    """
+    if not isinstance(net, mx.gluon.Block):
+        raise TypeError(f"net must be a gluon Block, got {type(net).__name__}")
+    blocks = list(_walk(net))
+    layers = [b for b in blocks if type(b) is nn.BatchNorm]
+    if not layers:
+        return net
+    workers = resolve(kv).num_workers
+    hybridized = [b for b in blocks if getattr(b, "_active", False)]
+    if workers > 1 and hybridized:
+        raise RuntimeError(_HYBRIDIZE_HELP.format(n=workers)
+                           + f" {hybridized[0].name!r} is hybridized: convert before "
+                           "hybridize(), or call net.hybridize(False) first.")
+    for layer in layers:
+        # The layer itself changes class, so every reference to it (its parent's
+        # attribute and child list, a list kept by the model, a trainer's parameters)
+        # sees the converted layer; SyncBatchNorm only adds _attach's state.
+        layer.__class__ = SyncBatchNorm
+        layer._attach(kv)
+    for block in blocks:
+        if isinstance(block, mx.gluon.HybridBlock):
+            block._clear_cached_op()
+    return net
+
+
+def _walk(block):
+    yield block
+    for child in block._children.values():
+        yield from _walk(child)
+
+
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
