@@ -172,14 +172,13 @@ class SyncBatchNorm(nn.BatchNorm):
         # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
         # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
         # backward gives the per-channel sums over x). Only the two functions are
-        # differentiated by hand, in float64; autograd chains them.
+        # differentiated by hand, per channel in float64 NumPy; autograd chains them.
         local = _LocalSums(axis, channel)(x)
         running = (running_mean, running_var) if autograd.is_recording() else None
         scale, shift = _GlobalAffine(channel, kwargs, running)(
             mx.nd.concat(local, gamma.astype("float64"), beta.astype("float64"), dim=0))
-        out = mx.nd.BatchNorm(x, scale.astype(x.dtype), shift.astype(x.dtype), channel.mean,
-                              channel.unit_var, axis=axis, eps=_UNIT_EPS, fix_gamma=False,
-                              use_global_stats=True)
+        out = mx.nd.BatchNorm(x, scale, shift, channel.mean, channel.unit_var, axis=axis,
+                              eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
 
     def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
@@ -191,12 +190,13 @@ class SyncBatchNorm(nn.BatchNorm):
         return self._comm
 
 
-def _update_running(running: mx.nd.NDArray, batch: mx.nd.NDArray, momentum: float) -> None:
-    """``running = momentum * running + (1 - momentum) * batch`` in float32, as MXNet's
-    BatchNorm computes it ((1 - 0.9f) is not 0.1f)."""
+def _update_running(running: mx.nd.NDArray, batch: np.ndarray, momentum: float) -> None:
+    """``running = momentum * running + (1 - momentum) * batch`` in the dtype of the
+    running statistics, with momentum and 1 - momentum in float32 as MXNet's BatchNorm
+    computes them ((1 - 0.9f) is not 0.1)."""
     keep = np.float32(momentum)
-    running[:] = running * float(keep) + batch.astype(running.dtype) * float(
-        np.float32(1) - keep)
+    values = running.asnumpy()
+    running[:] = values * keep + batch.astype(values.dtype) * (np.float32(1) - keep)
 
 
 # sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
@@ -259,35 +259,37 @@ class _LocalSums(autograd.Function):
         _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
                                           eps=self._EPS, fix_gamma=False, output_mean_var=True)
         self._x, self._mean = x, mean
+        self._m = m = mean.asnumpy().astype(np.float64)
+        var = np.maximum(invstd.asnumpy().astype(np.float64) ** -2 - self._EPS, 0)
         n = x.size // ch.channels
-        mean64, invstd = mean.astype("float64"), invstd.astype("float64")
-        var = mx.nd.relu(1 / (invstd * invstd) - self._EPS)
-        return mx.nd.concat(mean64 * n, (var + mean64 * mean64) * n,
-                            mx.nd.full((1,), n, ctx=x.context, dtype="float64"), dim=0)
+        return mx.nd.array(np.concatenate([n * m, n * (var + m * m), [n]]), ctx=x.context,
+                           dtype=np.float64)
 
     def backward(self, dsums):
         """With ds1, ds2 the gradients of the first two sums: ``dx = ds1 + 2 ds2 x``,
         computed as ``(ds1 + 2 ds2 mean) + 2 ds2 (x - mean)`` (float64 where it cancels),
         per channel an affine function of ``x - mean``, again by the BatchNorm
         operator."""
-        c = self._channel.channels
-        ds1, ds2 = dsums[:c], dsums[c:2 * c]
-        offset = ds1 + 2 * ds2 * self._mean.astype("float64")
-        x = self._x
-        return mx.nd.BatchNorm(x, (2 * ds2).astype(x.dtype), offset.astype(x.dtype), self._mean,
-                               self._channel.backward_unit_var, axis=self._axis,
-                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
+        ch, x = self._channel, self._x
+        ds = dsums.asnumpy()
+        ds1, ds2 = ds[:ch.channels], ds[ch.channels:2 * ch.channels]
+        slope = mx.nd.array(2 * ds2, ctx=x.context, dtype=x.dtype)
+        offset = mx.nd.array(ds1 + 2 * ds2 * self._m, ctx=x.context, dtype=x.dtype)
+        return mx.nd.BatchNorm(x, slope, offset, self._mean, ch.backward_unit_var,
+                               axis=self._axis, eps=_UNIT_EPS, fix_gamma=False,
+                               use_global_stats=True)
 
 
 class _GlobalAffine(autograd.Function):
     """From ``[local sums (2 C + 1), gamma, beta]`` (float64, one input for the reason
     given in _LocalSums) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
-    shift``: the sums over the workers (the forward collective) give the global mean and
-    biased variance, ``scale = gamma / sqrt(var + eps)`` and ``shift = beta``. The global
-    mean goes to the layer's channel (the BatchNorm operator subtracts it), as do the
-    running statistics. The backward pass sums the gradients of the global sums over
-    the workers (the backward collective: each worker's loss depends on every worker's
-    sums); those of gamma and beta stay this worker's, which the trainer sums."""
+    shift`` (in the data's dtype): the sums over the workers (the forward collective)
+    give the global mean and biased variance, ``scale = gamma / sqrt(var + eps)`` and
+    ``shift = beta``. The global mean goes to the layer's channel (the BatchNorm
+    operator subtracts it), as do the running statistics. The backward pass sums the
+    gradients of the global sums over the workers (the backward collective: each
+    worker's loss depends on every worker's sums); those of gamma and beta stay this
+    worker's, which the trainer sums."""
 
     def __init__(self, channel: _Channel, kwargs: dict, running):
         super().__init__()
@@ -295,36 +297,38 @@ class _GlobalAffine(autograd.Function):
 
     def forward(self, inputs):
         ch, c = self._channel, self._channel.channels
-        ch.sums[:] = inputs[:2 * c + 1]
+        values = inputs.asnumpy()
+        ch.sums[:] = values[:2 * c + 1]
         _pushpull(ch.kv, ch.forward_key, ch.sums)
-        total = ch.sums.copy()
-        n = total[2 * c:]
-        mean = mx.nd.broadcast_div(total[:c], n)
-        var = mx.nd.relu(mx.nd.broadcast_div(total[c:2 * c], n) - mean * mean)
-        invstd = mx.nd.rsqrt(var + self._kwargs["eps"])
-        gamma = inputs[2 * c + 1:3 * c + 1]
-        if self._kwargs["fix_gamma"]:
-            gamma = mx.nd.ones_like(gamma)
+        total = ch.sums.asnumpy()
+        n = total[2 * c]
+        mean = total[:c] / n
+        var = np.maximum(total[c:2 * c] / n - mean * mean, 0)
+        invstd = 1 / np.sqrt(var + self._kwargs["eps"])
+        gamma = np.ones(c) if self._kwargs["fix_gamma"] else values[2 * c + 1:3 * c + 1]
         ch.mean[:] = mean
         if self._running is not None:
             _update_running(self._running[0], mean, self._kwargs["momentum"])
             _update_running(self._running[1], var, self._kwargs["momentum"])
         self._saved = (mean, invstd, gamma, n)
-        return gamma * invstd, inputs[3 * c + 1:].copy()
+        ctx, dtype = ch.mean.context, ch.mean.dtype
+        return (mx.nd.array(gamma * invstd, ctx=ctx, dtype=dtype),
+                mx.nd.array(values[3 * c + 1:], ctx=ctx, dtype=dtype))
 
     def backward(self, dscale, dshift):
         """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
         the mean through it, ``dmean = -scale * dshift``."""
         ch = self._channel
         mean, invstd, gamma, n = self._saved
-        dinvstd = dscale * gamma
-        dvar = -0.5 * dinvstd * invstd * invstd * invstd
+        dscale = dscale.asnumpy().astype(np.float64)
+        dshift = dshift.asnumpy().astype(np.float64)
+        dvar = -0.5 * dscale * gamma * invstd ** 3
         dmean = -gamma * invstd * dshift - 2 * mean * dvar
-        ch.grads[:] = mx.nd.concat(mx.nd.broadcast_div(dmean, n), mx.nd.broadcast_div(dvar, n),
-                                   mx.nd.zeros((1,), ctx=n.context, dtype=n.dtype), dim=0)
+        ch.grads[:] = np.concatenate([dmean / n, dvar / n, [0]])
         _pushpull(ch.kv, ch.backward_key, ch.grads)
-        dgamma = mx.nd.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
-        return mx.nd.concat(ch.grads, dgamma, dshift, dim=0)
+        dgamma = np.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
+        return mx.nd.array(np.concatenate([ch.grads.asnumpy(), dgamma, dshift]),
+                           ctx=ch.grads.context, dtype=np.float64)
 
 
 def convert_sync_batchnorm(net, kv=None):
