@@ -276,3 +276,15 @@ def test_hybridizing_a_syncbn_network_on_two_workers_raises_a_clear_error_on_eve
         assert len(errors) == 2
         assert all("cannot run in a hybridized graph when training on 2 workers" in e
                    for e in errors)
+
+
+def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
+    proc = run(launcher("dist_sync", REPO / "examples" / "imagenet" / "train_imagenet.py",
+                        "--synthetic", "--syncbn", "--model", "resnet18_v1b", "--input-size",
+                        "32", "--num-classes", "10", "--batch-size", "4", "--epochs", "1",
+                        "--steps-per-epoch", "4", "--log-interval", "2"), tmp_path)
+    assert_ok(proc)
+    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
+    assert any("SyncBatchNorm: statistics over all 2 workers' samples, not hybridized" in line
+               for line in lines), lines
+    assert lines[-1].startswith("summary:") and "workers=2" in lines[-1]

@@ -21,7 +21,10 @@ Data (``--data-dir``), one of:
 The recipe (Goyal et al., 2017; He et al., "Bag of Tricks", 2019): the learning rate
 grows with the number of workers after a linear warmup, then follows a cosine or step
 schedule; label smoothing; mixup; no weight decay on batch-norm parameters and biases;
-float16 with float32 master weights (``--dtype float16``, GPU only).
+float16 with float32 master weights (``--dtype float16``, GPU only). ``--syncbn``
+normalises with the batch statistics of all workers together (``dg.SyncBatchNorm``),
+which makes N workers train exactly like one process on the N-fold batch; it costs two
+small collectives per BatchNorm layer and step, and the network is then not hybridized.
 Validation accuracy is exact: each worker evaluates its part and ``dg.reduce_metric``
 sums the counts. A checkpoint is written every epoch (``--checkpoint-dir``) and
 ``--resume`` continues from it.
@@ -71,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                        help="float16: half-precision training with float32 master weights "
                             "(needs a GPU; default: float32)")
+    model.add_argument("--syncbn", action="store_true",
+                       help="BatchNorm statistics over all workers' samples together "
+                            "(dist_gluon.SyncBatchNorm) instead of each worker's own batch; "
+                            "the network is not hybridized on more than one worker")
 
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=90, help="training epochs (default: 90)")
@@ -267,7 +274,7 @@ def open_data(args, kv):
 
 
 # ---------------------------------------------------------------------------- model
-def build_model(args, num_classes: int, ctx: mx.Context):
+def build_model(args, num_classes: int, ctx: mx.Context, kv):
     from gluoncv.model_zoo import get_model
 
     try:
@@ -277,10 +284,14 @@ def build_model(args, num_classes: int, ctx: mx.Context):
             raise
         raise SystemExit(f"unknown --model {args.model!r}; "
                          "gluoncv.model_zoo.get_model_list() lists the names") from None
+    if args.syncbn:
+        dg.convert_sync_batchnorm(net, kv=kv)
     net.initialize(mx.init.MSRAPrelu(), ctx=ctx)
     if args.dtype != "float32":
         net.cast(args.dtype)
-    net.hybridize(static_alloc=True, static_shape=True)
+    if not (args.syncbn and kv.num_workers > 1):
+        # SyncBatchNorm sums over the workers from Python, which a cached graph cannot do
+        net.hybridize(static_alloc=True, static_shape=True)
     # Weight decay pulls batch-norm scales and biases towards zero, which only hurts.
     no_decay = net.collect_params(".*beta|.*gamma|.*bias")
     for param in no_decay.values():
@@ -357,14 +368,16 @@ def main(argv=None) -> None:
     steps_per_epoch = args.steps_per_epoch or (
         50 if args.synthetic else max(1, data.num_train // global_batch))
 
-    net, num_no_decay = build_model(args, classes, ctx)
+    net, num_no_decay = build_model(args, classes, ctx, kv)
     schedule = lr_schedule(args, workers, steps_per_epoch)
     optimizer_params = {"learning_rate": args.lr * workers, "momentum": args.momentum,
                         "wd": args.wd, "lr_scheduler": schedule,
                         "multi_precision": args.dtype == "float16"}
     trainer = dg.DistributedTrainer(net.collect_params(), "nag", optimizer_params, kv=kv)
     log(f"model: {args.model} ({args.dtype}) on {ctx}, no weight decay on {num_no_decay} "
-        f"batch-norm and bias parameters")
+        f"batch-norm and bias parameters"
+        + (f"; SyncBatchNorm: statistics over all {workers} workers' samples, not hybridized"
+           if args.syncbn and workers > 1 else ""))
     log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
         f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} x {workers} = "
         f"{args.lr * workers:g}, {args.lr_mode} schedule, {args.warmup_epochs:g} warmup "
