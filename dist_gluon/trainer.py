@@ -33,6 +33,15 @@ class DistributedTrainer(gluon.Trainer):
     the whole global batch, and ``update`` sums the batch sizes (one small collective)
     before it rescales.
 
+    With BatchNorm this holds only for :class:`~dist_gluon.SyncBatchNorm` layers, whose
+    statistics are those of all workers' samples together (and whose running
+    statistics are the same on every rank). ``gluon.nn.BatchNorm`` normalises each
+    worker's batch with that batch's own mean and variance, so the gradients are exact
+    sums of what each worker computed, but not one process's gradients of the
+    concatenated batch; and each rank updates its own running statistics (a
+    checkpoint keeps rank 0's). ``dist_gluon.convert_sync_batchnorm(net)`` converts a
+    network's BatchNorm layers.
+
     Rank 0's weights reach every rank: at construction for initialised parameters and
     at the first forward for deferred ones. The model is checked across ranks first: a
     different parameter count, shape, dtype or grad_req raises a
