@@ -11,6 +11,8 @@
    on each backend against horovod.mxnet.DistributedTrainer, gluon.Trainer(kvstore=
    'dist_sync') and a hand-written loop of raw collectives (bench_trainer.py).
 3. Scaling: samples/s of examples/mnist/train_gluon.py with 1 and 2 workers.
+4. SyncBatchNorm: the training step of ResNet-18 with dg.SyncBatchNorm against
+   nn.BatchNorm, 2 workers (bench_syncbn.py).
 
 Every job runs through ``python -m dist_gluon.launch`` with OMP_NUM_THREADS=1 per
 process. The results go to benchmarks/RESULTS.md (and the raw numbers to
@@ -51,6 +53,7 @@ FULL = {
     "mlp": {"warmup": 1, "steps": 1, "rounds": 8, "width": 4096, "layers": 6},
     "mnist_epochs": 4, "mnist_reps": 2, "scaling_backends": BACKENDS,
     "mnist_large_batches": (128,),
+    "syncbn": {"warmup": 3, "rounds": 10, "backends": BACKENDS},
 }
 QUICK = {
     "sizes_mib": (1, 10), "comm_reps": 3, "comm_warmup": 1,
@@ -58,6 +61,7 @@ QUICK = {
     "mlp": {"warmup": 1, "steps": 1, "rounds": 2, "width": 2048, "layers": 6},
     "mnist_epochs": 1, "mnist_reps": 1, "scaling_backends": ("horovod",),
     "mnist_large_batches": (),
+    "syncbn": {"warmup": 1, "rounds": 3, "backends": ("horovod",)},
 }
 
 
@@ -309,6 +313,21 @@ def run_scaling(cfg, timeout: float) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- part 4
+def run_syncbn(cfg, timeout: float) -> dict:
+    """Step times of ResNet-18 with SyncBatchNorm and with BatchNorm, per backend."""
+    opts = cfg["syncbn"]
+    out = {}
+    for backend in opts["backends"]:
+        payload = launch(backend, 2, [str(HERE / "bench_syncbn.py"), "--warmup",
+                                      str(opts["warmup"]), "--rounds", str(opts["rounds"])],
+                         timeout)
+        log(f"SyncBatchNorm step, resnet18_v1b, {backend}: {describe(payload)}")
+        payload.pop("stdout", None)
+        out[backend] = payload
+    return out
+
+
 # --------------------------------------------------------------------------- report
 def ms(seconds) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.1f}"
@@ -423,6 +442,22 @@ def scaling_table(scaling: dict) -> list[str]:
             e[:150] for e in entry["errors"])
         lines.append(f"| {label} | {'–' if speed is None else f'{speed:.0f}'} | {runs} | "
                      f"{eff} |")
+    return lines
+
+
+def syncbn_table(syncbn: dict) -> list[str]:
+    lines = ["| backend | BatchNorm, hybridized | BatchNorm | **SyncBatchNorm** | "
+             "SyncBatchNorm / BatchNorm | SyncBatchNorm / BatchNorm hybridized | "
+             "extra per BatchNorm layer |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for backend, payload in syncbn.items():
+        if "error" in payload:
+            lines.append(f"| {backend} | failed: {payload['error'][:200]} | | | | | |")
+            continue
+        t = {impl: entry["median"] for impl, entry in payload["times"].items()}
+        sync, plain, hybrid = t["syncbn"], t["batchnorm"], t["batchnorm_hybrid"]
+        lines.append(f"| {backend} | {ms(hybrid)} | {ms(plain)} | **{ms(sync)}** | "
+                     f"{ratio(sync, plain)} | {ratio(sync, hybrid)} | "
+                     f"{ms((sync - plain) / payload['layers'])} |")
     return lines
 
 
@@ -541,6 +576,23 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             *scaling_table(results["scaling"]),
             "",
         ]
+    if "syncbn" in results:
+        first = next((p for p in results["syncbn"].values() if "error" not in p), {})
+        text += [
+            "## 4. SyncBatchNorm",
+            "",
+            "Milliseconds per training step (forward, backward, DistributedTrainer step, "
+            "`mx.nd.waitall()`), median, of gluoncv `resnet18_v1b` (3x64x64 input, batch "
+            f"8 per worker, {first.get('layers', 20)} BatchNorm layers) on 2 workers, "
+            "three copies of it taking turns in one job: with `nn.BatchNorm` hybridized "
+            "(a usual training script), with `nn.BatchNorm` not hybridized, and with "
+            "`norm_layer=dg.SyncBatchNorm` (never hybridized on several workers; two "
+            "collectives per BatchNorm layer and step). The last column is the extra "
+            "time per BatchNorm layer and step against `nn.BatchNorm` not hybridized.",
+            "",
+            *syncbn_table(results["syncbn"]),
+            "",
+        ]
     text += ["## Targets (reported, not asserted)", "", *targets(results), ""]
     path.write_text("\n".join(text))
 
@@ -552,8 +604,9 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="smaller sizes and fewer repetitions (a few minutes); writes "
                              "RESULTS-quick.md unless --out is given")
-    parser.add_argument("--only", action="append", choices=("comm", "trainer", "scaling"),
-                        help="run only this part (repeatable); default: all three")
+    parser.add_argument("--only", action="append",
+                        choices=("comm", "trainer", "scaling", "syncbn"),
+                        help="run only this part (repeatable); default: all four")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report")
     parser.add_argument("--job-timeout", type=float, default=900,
                         help="seconds one benchmark job may run (default: 900)")
@@ -566,7 +619,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    parts = args.only or ["comm", "trainer", "scaling"]
+    parts = args.only or ["comm", "trainer", "scaling", "syncbn"]
     started = time.monotonic()
     results = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick
                                                                  else ""),
@@ -581,6 +634,8 @@ def main(argv=None) -> int:
             results["trainer"] = run_trainer(cfg, args.job_timeout)
         if "scaling" in parts:
             results["scaling"] = run_scaling(cfg, args.job_timeout)
+        if "syncbn" in parts:
+            results["syncbn"] = run_syncbn(cfg, args.job_timeout)
     results["load_end"] = load()
     results["others_cpu_share"] = others_share(cpu_start, cpu_seconds(),
                                                results["machine"]["cores"] or 1)
@@ -597,6 +652,8 @@ def main(argv=None) -> int:
                for backend, slot in per.items() if slot.get("errors")]
     failed += [label for label, entry in results.get("scaling", {}).items()
                if isinstance(entry, dict) and entry.get("errors")]
+    failed += [f"syncbn {backend}" for backend, payload in results.get("syncbn", {}).items()
+               if "error" in payload]
     if failed:
         log(f"failed jobs: {', '.join(failed)}")
     return 1 if failed else 0
