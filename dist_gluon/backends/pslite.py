@@ -28,10 +28,14 @@ _MXNET_CREATE = mx.kvstore.create
 # ps-lite servers only aggregate floating point values.
 _SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
 # The plain van moves a key as one message through one server, so the push, the sum and
-# the pull of a large tensor run one after the other. Cut into slices of this many
-# elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes a
-# third of the time on loopback. The P3 van slices by itself.
+# the pull of a large tensor run one after the other. Cut into slices of at most this
+# many elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes
+# a third of the time on loopback. The P3 van slices by itself.
 _SLICE_ELEMENTS = 1 << 18
+# A tensor of at least this many elements is cut into at least one slice per server, so
+# that its bytes cross every host's link instead of one server's: a 1 MiB sum over 4
+# hosts at 1 Gbit/s took 48 ms as one key, 22 ms as four (benchmarks/FINDINGS.md).
+_SPREAD_ELEMENTS = 1 << 16
 
 CONNECT_TIMEOUT_VARIABLE = "DG_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT = 60.0
@@ -203,7 +207,9 @@ class DistSync(Backend):
         self._rank = self._kv.rank
         self._local_rank = int(os.environ.get("DG_LOCAL_RANK", 0))
         self._num_workers = self._kv.num_workers
+        self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
         self._keys: dict[str, tuple] = {}
+        self._slice_buffers: dict[str, mx.nd.NDArray] = {}
         super().__init__()
         self._rank = self._launcher_rank()
 
@@ -249,12 +255,23 @@ class DistSync(Backend):
         transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
                    for a in arrays]
         self._create_keys(names, transit)
-        wire_names, wire = [], []
+        wire_names, wire, slices = [], [], []
         for name, arr in zip(names, transit):
             for wire_name, part in self._wire(name, arr):
+                if part is not arr:
+                    # Views of one array share its engine variable, so MXNet would run
+                    # their pushes and pulls one after the other (a 100 MiB sum over 2
+                    # hosts at 1 Gbit/s: 1.8 s instead of 0.95 s); a buffer of its own
+                    # per slice lets them overlap.
+                    buffer = self._slice_buffer(wire_name, part)
+                    part.copyto(buffer)
+                    slices.append((buffer, part))
+                    part = buffer
                 wire_names.append(wire_name)
                 wire.append(part)
         self._kv.pushpull(wire_names, wire, out=wire, priority=priority)
+        for buffer, part in slices:
+            buffer.copyto(part)
         for arr, moved in zip(arrays, transit):
             if moved is not arr:
                 moved.astype(arr.dtype).copyto(arr)
@@ -290,14 +307,26 @@ class DistSync(Backend):
             self._kv.init(new_names, new_values)
 
     def _wire(self, name, arr):
-        """The (server key, array) pairs that carry ``arr``: itself, or views of slices of
-        ``_SLICE_ELEMENTS`` elements."""
+        """The (server key, array) pairs that carry ``arr``: itself, or views of equal
+        slices of at most ``_SLICE_ELEMENTS`` elements, at least one per server for a
+        tensor of ``_SPREAD_ELEMENTS`` or more."""
         size = arr.size
-        if self._p3 or size <= _SLICE_ELEMENTS:
+        count = -(-size // _SLICE_ELEMENTS)
+        if size >= _SPREAD_ELEMENTS:
+            count = max(count, self._num_servers)
+        if self._p3 or count == 1:
             return [(name, arr)]
+        step = -(-size // count)
         flat = arr.reshape((-1,))
-        return [(f"{name}#{j}", flat[start:start + _SLICE_ELEMENTS])
-                for j, start in enumerate(range(0, size, _SLICE_ELEMENTS))]
+        return [(f"{name}#{j}", flat[start:start + step])
+                for j, start in enumerate(range(0, size, step))]
+
+    def _slice_buffer(self, wire_name, part):
+        buffer = self._slice_buffers.get(wire_name)
+        if buffer is None:
+            buffer = mx.nd.empty(part.shape, ctx=part.context, dtype=part.dtype)
+            self._slice_buffers[wire_name] = buffer
+        return buffer
 
     def _barrier(self) -> None:
         self._kv._barrier()
