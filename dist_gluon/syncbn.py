@@ -175,8 +175,11 @@ class SyncBatchNorm(nn.BatchNorm):
         # differentiated by hand, per channel in float64 NumPy; autograd chains them.
         local = _LocalSums(axis, channel)(x)
         running = (running_mean, running_var) if autograd.is_recording() else None
-        scale, shift = _GlobalAffine(channel, kwargs, running)(
-            mx.nd.concat(local, gamma.astype("float64"), beta.astype("float64"), dim=0))
+        # identity() first: with grad_req='add', MXNet 1.9's Cast writes the gradient of
+        # a parameter instead of adding to it
+        scale, shift = _GlobalAffine(channel, kwargs, running)(mx.nd.concat(
+            local, mx.nd.identity(gamma).astype("float64"),
+            mx.nd.identity(beta).astype("float64"), dim=0))
         out = mx.nd.BatchNorm(x, scale, shift, channel.mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)

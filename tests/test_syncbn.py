@@ -110,6 +110,24 @@ def test_the_synchronised_path_gives_batchnorms_values_when_the_workers_batches_
     assert kv.keys == [f"{layer}.backward", f"{layer}.forward", f"{layer}.backward"]
 
 
+def test_gradients_accumulate_with_grad_req_add_as_with_batchnorm():
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(4, 3, 5, 5))
+    dy = mx.nd.array(rng.randn(4, 3, 5, 5))
+    grads = []
+    for layer in _pair(x.shape, kv=OneOfTwoIdentical()):
+        layer.collect_params().setattr("grad_req", "add")
+        data = x.copy()
+        data.attach_grad(grad_req="add")
+        for _ in range(2):
+            with autograd.record():
+                y = layer(data)
+            y.backward(dy)
+        grads.append([a.asnumpy() for a in (data.grad, layer.gamma.grad(), layer.beta.grad())])
+    for expected, got in zip(*grads):
+        assert np.abs(expected - got).max() <= TOLERANCE * np.abs(expected).max()
+
+
 def test_parameters_are_batchnorms_so_parameters_load_either_way(tmp_path):
     def net(norm):
         block = gluon.nn.HybridSequential()
