@@ -20,6 +20,35 @@ from .base import Backend, report_connect
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
 
 
+# OpenMPI 4.1's fixed choice for a large allreduce between two ranks is reduce-scatter +
+# allgather, which mallocs a temporary buffer as large as the message on every call;
+# glibc serves it with a fresh mmap and unmaps it on free, so each call page-faults it in
+# again (14,500 faults and ~40% of the time of a 100 MiB sum here). The segmented ring
+# works in segment-sized buffers that malloc reuses: 100 MiB in 30 ms instead of 48.
+_OPENMPI_ALLREDUCE = {
+    "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
+    "OMPI_MCA_coll_tuned_allreduce_algorithm": "5",                 # segmented ring
+    "OMPI_MCA_coll_tuned_allreduce_algorithm_segmentsize": str(1 << 20),
+}
+# A rank waiting in MPI polls at full speed, and horovod's background thread waits in MPI
+# every cycle (1 ms) to agree on what is ready; that steals the CPU from the rank's own
+# MXNet compute threads and from other ranks on the same cores (a ResNet-18 step without
+# any collective took 3-4x as long as under Gloo here). Yielding gives it back.
+_OPENMPI_YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
+def _tune_openmpi(environ=os.environ) -> None:
+    """Set OpenMPI's allreduce algorithm and idle policy before ``hvd.init()`` starts
+    MPI (measured in benchmarks/FINDINGS.md). A job's own settings win (``mpirun --mca
+    NAME VALUE`` reaches the ranks as OMPI_MCA_NAME); nothing changes over Gloo."""
+    if environ.get("HOROVOD_CONTROLLER") == "gloo" or "HOROVOD_GLOO_RENDEZVOUS_ADDR" in environ:
+        return
+    if not any(name.startswith("OMPI_MCA_coll_tuned_") for name in environ):
+        environ.update(_OPENMPI_ALLREDUCE)
+    for name, value in _OPENMPI_YIELD.items():
+        environ.setdefault(name, value)
+
+
 def started_by_horovod(environ=os.environ) -> bool:
     """True when this process was started for horovod: by horovodrun, mpirun or
     ``srun --mpi=pmix``, or by ``dist_gluon.launch --backend horovod``.
@@ -46,6 +75,7 @@ class Horovod(Backend):
         self._hvd = _import_horovod()
         if not self._hvd.is_initialized():
             report_connect(self._type)
+            _tune_openmpi()
             self._hvd.init()
         super().__init__()
 
