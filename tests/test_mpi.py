@@ -93,6 +93,7 @@ def test_every_line_of_an_mpi_rank_carries_its_rank_prefix(trained):
 
 PLAIN_MPIRUN_JOB = """
 import os
+import sys
 import mxnet as mx
 import horovod.mxnet as hvd
 import dist_gluon as dg
@@ -100,20 +101,33 @@ import dist_gluon as dg
 kv = dg.create()
 x = mx.nd.ones((3,)) * (kv.rank + 1)
 kv.pushpull("x", x)
-print("JOB", kv.type, kv.rank, kv.num_workers, kv.local_rank, hvd.mpi_enabled(),
-      os.environ["OMPI_COMM_WORLD_RANK"], x.asnumpy().tolist(), flush=True)
+with open(os.path.join(sys.argv[1], f"rank{os.environ['OMPI_COMM_WORLD_RANK']}.txt"), "w") as f:
+    f.write(f"{kv.type} {kv.rank} {kv.num_workers} {kv.local_rank} {hvd.mpi_enabled()} "
+            f"{x.asnumpy().tolist()}")
 """
 
 
 def test_a_plain_mpirun_job_gets_the_horovod_backend_over_mpi(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(PLAIN_MPIRUN_JOB)
-    proc = run(_mpirun(sys.executable, script), tmp_path, timeout=120)
+    proc = run(_mpirun(sys.executable, script, tmp_path), tmp_path, timeout=120)
     assert_ok(proc)
-    jobs = sorted(line.split(maxsplit=1)[1] for line in proc.stdout.splitlines()
-                  if line.startswith("JOB "))
-    assert jobs == ["horovod 0 2 0 True 0 [3.0, 3.0, 3.0]",
-                    "horovod 1 2 1 True 1 [3.0, 3.0, 3.0]"], _report(proc)
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == \
+            f"horovod {rank} 2 {rank} True [3.0, 3.0, 3.0]", _report(proc)
+
+
+@pytest.mark.parametrize("transport,expected", [(None, "mpi True gloo False"),
+                                                ("gloo", "mpi False gloo True")])
+def test_horovod_runs_over_mpi_by_default_on_one_node_and_over_gloo_on_request(
+        tmp_path, transport, expected):
+    proc = launch("import horovod.mxnet as hvd\nimport dist_gluon as dg\n"
+                  "kv = dg.create()\n"
+                  "print('mpi', hvd.mpi_enabled(), 'gloo', hvd.gloo_enabled(), flush=True)\n",
+                  tmp_path, "horovod", n=2, timeout=120,
+                  launcher_args=["--transport", transport] if transport else [])
+    assert_ok(proc)
+    assert worker_lines(proc.stdout, 0) == worker_lines(proc.stdout, 1) == [expected]
 
 
 def test_the_launchers_backend_wins_over_an_enclosing_mpi_job():
