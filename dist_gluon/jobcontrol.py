@@ -26,6 +26,7 @@ import os
 import signal
 import struct
 import sys
+import threading
 import time
 
 ENV_DIR = "DG_CONTROL_DIR"
@@ -158,6 +159,9 @@ class Reporter:
 
     def __init__(self, record: Record, stacks_file: str):
         self._record = record
+        # collectives are also submitted from MXNet's autograd threads (SyncBatchNorm's
+        # backward): a lost increment would make a rank look as if it left early
+        self._lock = threading.Lock()
         record._attach(os.getpid())
         # kept open for the process's lifetime: faulthandler writes to its descriptor
         self._stacks = open(stacks_file, "a")
@@ -169,7 +173,8 @@ class Reporter:
 
     def submitted(self, key: str) -> None:
         """A collective under ``key`` was submitted (called by the backends)."""
-        self._record._submit(key)
+        with self._lock:
+            self._record._submit(key)
 
     def depart(self) -> None:
         """The script has ended (interpreter exit): record when, once."""
