@@ -6,10 +6,12 @@
 1. Communication: sums of 1 to 100 MiB and of ResNet-50's parameter shapes over 2
    workers through dist_gluon's horovod, dist_sync and p3 backends against raw
    ``hvd.allreduce_`` and MXNet's raw ``kv.pushpull``, as GB/s and as a share of a local
-   memcpy of the same bytes (bench_comm.py).
+   memcpy of the same bytes (bench_comm.py); horovod over Gloo and, where horovod is
+   built with MPI and mpirun is installed, over MPI (``--transport mpi``).
 2. Trainer step of ResNet-18 and of a 100M-parameter MLP with 2 workers: DistributedTrainer
-   on each backend against horovod.mxnet.DistributedTrainer, gluon.Trainer(kvstore=
-   'dist_sync') and a hand-written loop of raw collectives (bench_trainer.py).
+   on each backend (and horovod over MPI) against horovod.mxnet.DistributedTrainer,
+   gluon.Trainer(kvstore='dist_sync') and a hand-written loop of raw collectives
+   (bench_trainer.py).
 3. Scaling: samples/s of examples/mnist/train_gluon.py with 1 and 2 workers.
 4. SyncBatchNorm: the training step of ResNet-18 with dg.SyncBatchNorm against
    nn.BatchNorm, 2 workers (bench_syncbn.py).
@@ -29,6 +31,7 @@ import os
 import platform
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +48,8 @@ REPO = HERE.parent
 PY = sys.executable
 RESULT_TAG = "BENCH "
 BACKENDS = ("horovod", "dist_sync", "p3")
+# horovod over MPI: a job of its own beside horovod over Gloo (the "horovod" job)
+MPI = "horovod-mpi"
 MIB = 1 << 20
 
 FULL = {
@@ -70,10 +75,34 @@ def log(message: str) -> None:
 
 
 # --------------------------------------------------------------------------- jobs
+def mpi_available() -> bool:
+    """mpirun is installed and horovod is built with MPI."""
+    if shutil.which("mpirun") is None:
+        return False
+    probe = subprocess.run([PY, "-c", "import horovod.mxnet as h; print(h.mpi_built())"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() == "True"
+
+
+def jobs() -> tuple[str, ...]:
+    """The backends measured, and horovod over MPI where it can run."""
+    return BACKENDS + ((MPI,) if mpi_available() else ())
+
+
+def launcher_flags(job: str) -> list[str]:
+    # the transport is explicit: the launcher's default for horovod depends on the machine
+    if job == MPI:
+        return ["--backend", "horovod", "--transport", "mpi"]
+    if job == "horovod":
+        return ["--backend", "horovod", "--transport", "gloo"]
+    return ["--backend", job]
+
+
 def launch(backend: str, workers: int, argv: list[str], timeout: float) -> dict:
-    """Run ``argv`` (after the python executable) as a dist_gluon job; return the
-    ``BENCH`` payload of rank 0, or {'error': ...}, plus the job's wall time."""
-    cmd = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", backend,
+    """Run ``argv`` (after the python executable) as a dist_gluon job (``backend`` is a
+    backend name or MPI); return the ``BENCH`` payload of rank 0, or {'error': ...},
+    plus the job's wall time."""
+    cmd = [PY, "-m", "dist_gluon.launch", "-n", str(workers), *launcher_flags(backend),
            "--timeout", str(timeout), "--", PY, *argv]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
@@ -111,6 +140,11 @@ def machine() -> dict:
     except (OSError, StopIteration, ValueError):
         info.setdefault("cpu", platform.processor())
     versions = {}
+    mpirun = shutil.which("mpirun")
+    if mpirun:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True).stdout
+        versions["mpi"] = (out.splitlines() or ["mpirun"])[0]
+    versions["horovod_mpi"] = mpi_available()
     for dist in ("mxnet", "numpy", "horovod", "gluoncv"):
         try:
             versions[dist] = importlib.metadata.version(dist)
@@ -223,15 +257,15 @@ def run_comm(cfg, workdir: Path, timeout: float) -> dict:
     path.write_text(json.dumps(cases))
     copies = local_copy(cases, reps=cfg["comm_reps"])
     log("local memcpy measured")
-    jobs = {}
-    for backend in BACKENDS:
-        jobs[backend] = launch(backend, 2, [str(HERE / "bench_comm.py"), "--cases", str(path),
-                                            "--reps", str(cfg["comm_reps"]),
-                                            "--warmup", str(cfg["comm_warmup"])], timeout)
-        log(f"communication, {backend}: {describe(jobs[backend])}")
+    results = {}
+    for backend in jobs():
+        results[backend] = launch(backend, 2, [str(HERE / "bench_comm.py"), "--cases",
+                                               str(path), "--reps", str(cfg["comm_reps"]),
+                                               "--warmup", str(cfg["comm_warmup"])], timeout)
+        log(f"communication, {backend}: {describe(results[backend])}")
     return {"cases": [{"name": c["name"], "tensors": len(c["shapes"]),
                        "bytes": sum(_numel(s) for s in c["shapes"]) * 4} for c in cases],
-            "copy": copies, "jobs": jobs}
+            "copy": copies, "jobs": results}
 
 
 # --------------------------------------------------------------------------- part 2
@@ -241,6 +275,7 @@ def run_comm(cfg, workdir: Path, timeout: float) -> dict:
 # taking turns ran both about 15% slower than either alone (ResNet-18 on p3).
 TRAINER_JOBS = (
     ("horovod", "dist_gluon,horovod.mxnet,raw,compute"),
+    (MPI, "dist_gluon,horovod.mxnet,raw,compute"),
     ("dist_sync", "dist_gluon,compute"),
     ("dist_sync", "raw,compute"),
     ("dist_sync", "gluon,compute"),
@@ -258,8 +293,11 @@ def run_trainer(cfg, timeout: float) -> dict:
                  "--rounds", str(opts["rounds"])]
         if model == "mlp":
             extra += ["--mlp-width", str(opts["width"]), "--mlp-layers", str(opts["layers"])]
-        merged: dict[str, dict] = {b: {"times": {}} for b in BACKENDS}
+        measured = jobs()
+        merged: dict[str, dict] = {b: {"times": {}} for b in measured}
         for backend, impls in TRAINER_JOBS:
+            if backend not in measured:
+                continue
             payload = launch(backend, 2, [str(HERE / "bench_trainer.py"), "--model", model,
                                           "--impls", impls, *extra], timeout)
             log(f"trainer step, {model}, {backend} [{impls}]: {describe(payload)}")
@@ -337,6 +375,10 @@ def ratio(a, b, digits=2) -> str:
     return "–" if a is None or b is None else f"{a / b:.{digits}f}"
 
 
+def job_label(job: str) -> str:
+    return {"horovod": "horovod (Gloo)", MPI: "horovod (MPI)"}.get(job, job)
+
+
 def comm_table(comm: dict) -> list[str]:
     lines = ["| case | backend | local memcpy GB/s | dist_gluon GB/s | raw GB/s | "
              "dist_gluon time / raw time | dist_gluon / memcpy | raw / memcpy |",
@@ -344,17 +386,52 @@ def comm_table(comm: dict) -> list[str]:
     for case in comm["cases"]:
         name, nbytes = case["name"], case["bytes"]
         copy_bw = nbytes / comm["copy"][name]["numpy"] / 1e9
-        for backend in BACKENDS:
-            job = comm["jobs"][backend]
+        for backend, job in comm["jobs"].items():
             if "error" in job:
-                lines.append(f"| {name} | {backend} | {copy_bw:.2f} | failed | failed | | | |")
+                lines.append(f"| {name} | {job_label(backend)} | {copy_bw:.2f} | failed | "
+                             "failed | | | |")
                 continue
             result = next(r for r in job["results"] if r["case"] == name)
             t_dg = result["times"]["dist_gluon"]["median"]
             t_raw = result["times"]["raw"]["median"]
             bw_dg, bw_raw = nbytes / t_dg / 1e9, nbytes / t_raw / 1e9
-            lines.append(f"| {name} | {backend} | {copy_bw:.2f} | {bw_dg:.3f} | {bw_raw:.3f} | "
-                         f"{t_dg / t_raw:.2f} | {bw_dg / copy_bw:.3f} | {bw_raw / copy_bw:.3f} |")
+            lines.append(f"| {name} | {job_label(backend)} | {copy_bw:.2f} | {bw_dg:.3f} | "
+                         f"{bw_raw:.3f} | {t_dg / t_raw:.2f} | {bw_dg / copy_bw:.3f} | "
+                         f"{bw_raw / copy_bw:.3f} |")
+    return lines
+
+
+def _comm_time(comm: dict, job: str, case: str, impl: str):
+    result = comm["jobs"].get(job, {})
+    found = [r for r in result.get("results", []) if r["case"] == case]
+    return found[0]["times"][impl]["median"] if found else None
+
+
+def mpi_table(results: dict) -> list[str]:
+    """Horovod over MPI beside horovod over Gloo: the same calls, in jobs of their own."""
+    lines = ["| measured | over Gloo | over MPI | MPI time / Gloo time |",
+             "|---|---:|---:|---:|"]
+    comm = results.get("comm")
+    if comm:
+        for case in comm["cases"]:
+            name, nbytes = case["name"], case["bytes"]
+            for impl, what in (("dist_gluon", "dist_gluon pushpull"),
+                               ("raw", "raw hvd.allreduce_")):
+                gloo = _comm_time(comm, "horovod", name, impl)
+                mpi = _comm_time(comm, MPI, name, impl)
+                cells = [f"{ms(t)} ms ({nbytes / t / 1e9:.2f} GB/s)" if t else "–"
+                         for t in (gloo, mpi)]
+                lines.append(f"| {name}, {what} | {cells[0]} | {cells[1]} | "
+                             f"{ratio(mpi, gloo)} |")
+    for model, per_backend in results.get("trainer", {}).items():
+        gloo, mpi = per_backend.get("horovod", {}), per_backend.get(MPI, {})
+        for impl, what in (("dist_gluon", "DistributedTrainer"),
+                           ("horovod.mxnet", "horovod.mxnet.DistributedTrainer"),
+                           ("raw", "raw collectives"), ("compute", "compute only")):
+            a = _t(gloo, impl) if gloo else None
+            b = _t(mpi, impl) if mpi else None
+            lines.append(f"| {model} step, {what} | {ms(a)} ms | {ms(b)} ms | "
+                         f"{ratio(b, a)} |")
     return lines
 
 
@@ -369,8 +446,7 @@ def trainer_table(trainer: dict) -> list[str]:
              "DT / gluon dist_sync | DT overhead over raw |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for model, per_backend in trainer.items():
-        for backend in BACKENDS:
-            slot = per_backend[backend]
+        for backend, slot in per_backend.items():
             if "parameters" in slot:
                 label = f"{model} ({slot['parameters'] / 1e6:.1f}M params, {slot['tensors']} " \
                         f"tensors, batch {slot['batch']})"
@@ -384,7 +460,8 @@ def trainer_table(trainer: dict) -> list[str]:
             if gl is not None and _t(slot, "compute_gluon_job") is not None:
                 gl_cell += f" ({ms(_t(slot, 'compute_gluon_job'))})"
             overhead = "–" if dg is None or raw is None else f"{(dg / raw - 1) * 100:+.1f}%"
-            lines.append(f"| {label} | {backend} | {ms(_t(slot, 'compute'))} | {raw_cell} | "
+            lines.append(f"| {label} | {job_label(backend)} | {ms(_t(slot, 'compute'))} | "
+                         f"{raw_cell} | "
                          f"**{ms(dg)}** | {ms(hvd)} | {gl_cell} | {ratio(dg, hvd)} | "
                          f"{ratio(dg, gl)} | {overhead} |")
             for impls, error in slot.get("errors", {}).items():
@@ -411,19 +488,33 @@ def targets(results: dict) -> list[str]:
         ok = None if dg is None or gl is None else dg / gl <= 1.0
         rows.append(f"| {model}: DistributedTrainer on dist_sync / gluon.Trainer(kvstore="
                     f"'dist_sync') <= 1.0 | {ratio(dg, gl)} | {verdict(ok)} |")
-        for backend in BACKENDS:
-            slot = trainer[model][backend]
+        for backend, slot in trainer[model].items():
             dg, raw = _t(slot, "dist_gluon"), _t(slot, "raw")
             ok = None if dg is None or raw is None else dg / raw - 1 < 0.05
             over = "–" if ok is None else f"{(dg / raw - 1) * 100:+.1f}%"
             rows.append(f"| {model}: DistributedTrainer overhead over raw collectives on "
-                        f"{backend} < 5% | {over} | {verdict(ok)} |")
+                        f"{job_label(backend)} < 5% | {over} | {verdict(ok)} |")
     if "mlp" in trainer:
         p3, ds = _t(trainer["mlp"]["p3"], "dist_gluon"), _t(trainer["mlp"]["dist_sync"],
                                                              "dist_gluon")
         ok = None if p3 is None or ds is None else p3 < ds
         rows.append(f"| mlp: DistributedTrainer on p3 faster than on dist_sync (p3 / "
                     f"dist_sync < 1.0) | {ratio(p3, ds)} | {verdict(ok)} |")
+    comm = results.get("comm")
+    if comm and MPI in comm["jobs"]:
+        for case, bound, kind in (("1 MiB", 1.5e-3, "time"), ("10 MiB", 3.0, "GB/s"),
+                                  ("100 MiB", 2.0, "GB/s")):
+            t = _comm_time(comm, MPI, case, "dist_gluon")
+            nbytes = next((c["bytes"] for c in comm["cases"] if c["name"] == case), None)
+            if t is None or nbytes is None:
+                rows.append(f"| horovod over MPI, {case} sum | not measured | – |")
+            elif kind == "time":
+                rows.append(f"| horovod over MPI, {case} sum <= {bound * 1e3:g} ms | "
+                            f"{ms(t)} ms | {verdict(t <= bound)} |")
+            else:
+                rate = nbytes / t / 1e9
+                rows.append(f"| horovod over MPI, {case} sum >= {bound:g} GB/s | "
+                            f"{rate:.2f} GB/s | {verdict(rate >= bound)} |")
     return rows
 
 
@@ -477,7 +568,9 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
         f"- Machine: {m['cores']} cores, {m.get('cpu', '?')}, "
         f"{m.get('memory_gib', '?')} GiB memory, no GPU; {m['platform']}",
         f"- Versions: Python {m['python']}, mxnet {v['mxnet']}, numpy {v['numpy']}, "
-        f"horovod {v['horovod']} (Gloo), gluoncv {v['gluoncv']}, dist_gluon {v['dist_gluon']}",
+        f"horovod {v['horovod']} ({'Gloo and MPI' if v.get('horovod_mpi') else 'Gloo'}), "
+        f"gluoncv {v['gluoncv']}, dist_gluon {v['dist_gluon']}"
+        + (f"; {v['mpi']}" if v.get("mpi") else ""),
         "- Other work on the machine: "
         + ("unknown" if others is None else
            f"processes outside this benchmark used {others * 100:.0f}% of the machine's CPU "
@@ -555,6 +648,21 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             "P3).",
             "",
             *trainer_table(results["trainer"]),
+            "",
+        ]
+    if MPI in results.get("comm", {}).get("jobs", {}) or any(
+            MPI in per for per in results.get("trainer", {}).values()):
+        text += [
+            "## 2b. Horovod over MPI against horovod over Gloo",
+            "",
+            "The rows *horovod (MPI)* above, side by side with *horovod (Gloo)*: the same "
+            "worker scripts through `python -m dist_gluon.launch --backend horovod "
+            "--transport mpi` (OpenMPI's mpirun starts the ranks; dist_gluon picks "
+            "OpenMPI's segmented-ring allreduce, see FINDINGS.md) and through the default "
+            "Gloo transport, each in a job of its own. Median times; a ratio below 1 means "
+            "MPI is faster.",
+            "",
+            *mpi_table(results),
             "",
         ]
     if "scaling" in results:
