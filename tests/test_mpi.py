@@ -117,9 +117,9 @@ def test_a_plain_mpirun_job_gets_the_horovod_backend_over_mpi(tmp_path):
             f"horovod {rank} 2 {rank} True [3.0, 3.0, 3.0]", _report(proc)
 
 
-@pytest.mark.parametrize("transport,expected", [(None, "mpi True gloo False"),
-                                                ("gloo", "mpi False gloo True")])
-def test_horovod_runs_over_mpi_by_default_on_one_node_and_over_gloo_on_request(
+@pytest.mark.parametrize("transport,expected", [(None, "mpi False gloo True"),
+                                                ("mpi", "mpi True gloo False")])
+def test_horovod_runs_over_gloo_by_default_and_over_mpi_on_request(
         tmp_path, transport, expected):
     proc = launch("import horovod.mxnet as hvd\nimport dist_gluon as dg\n"
                   "kv = dg.create()\n"

@@ -32,14 +32,11 @@ This module imports neither mxnet nor horovod.
 from __future__ import annotations
 
 import collections
-import glob
-import importlib.util
 import ipaddress
 import os
 import re
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
@@ -66,52 +63,6 @@ _STALE = re.compile(r"^HOROVOD_(GLOO_|RANK$|SIZE$|LOCAL_|CROSS_|HOSTNAME$)")
 def mpirun_path() -> str | None:
     """OpenMPI's mpirun, or None when it is not on PATH."""
     return shutil.which(MPIRUN)
-
-
-def available() -> bool:
-    """Whether horovod can run over MPI here: mpirun is on PATH and horovod has MPI."""
-    return mpirun_path() is not None and horovod_has_mpi()
-
-
-def horovod_has_mpi() -> bool:
-    """Whether the installed horovod was built with MPI, read from its files (the
-    launcher imports no horovod): its MXNet library then links libmpi."""
-    spec = importlib.util.find_spec("horovod")
-    for directory in (spec.submodule_search_locations or []) if spec else []:
-        for path in glob.glob(os.path.join(directory, "mxnet", "mpi_lib*.so")):
-            if any(name.startswith("libmpi.so") for name in _needed_libraries(path)):
-                return True
-    return False
-
-
-def _needed_libraries(path: str) -> list[str]:
-    """The DT_NEEDED entries of a 64-bit little-endian ELF shared library."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(64)
-            if head[:6] != b"\x7fELF\x02\x01":
-                return []
-            shoff, = struct.unpack_from("<Q", head, 0x28)
-            shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
-            f.seek(shoff)
-            table = f.read(shentsize * shnum)
-            sections = [struct.unpack_from("<IIQQQQIIQQ", table, i * shentsize)
-                        for i in range(shnum)]
-            needed = []
-            for _, kind, _, _, offset, size, link, *_ in sections:
-                if kind != 6:                               # SHT_DYNAMIC
-                    continue
-                f.seek(offset)
-                dynamic = f.read(size)
-                strings_at, strings_size = sections[link][4], sections[link][5]
-                f.seek(strings_at)
-                strings = f.read(strings_size)
-                for tag, value in struct.iter_unpack("<qQ", dynamic):
-                    if tag == 1:                            # DT_NEEDED
-                        needed.append(strings[value:strings.index(b"\0", value)].decode())
-            return needed
-    except (OSError, struct.error, IndexError, ValueError):
-        return []
 
 
 def _link_dir() -> str:
