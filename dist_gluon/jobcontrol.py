@@ -202,8 +202,32 @@ class Reporter:
         message = str(exc).strip()
         if message:
             text += ": " + message.splitlines()[0]
+        hint = _concurrent_block_hint(exc_type, tb)
+        if hint:
+            text += " (" + hint + ")"
         self._record._set_exception(text, time.time())
         self._previous_hook(exc_type, exc, tb)
+        if hint:
+            print(f"dist_gluon: {hint}", file=sys.stderr, flush=True)
+
+
+def _concurrent_block_hint(exc_type, tb) -> str | None:
+    """Explain gluon's one cryptic thread race: a Block's name scope entered by two
+    threads at once (a hybridized block's first call builds its graph inside it, and
+    ``transforms.Compose`` hybridizes its HybridBlocks), which ends in an
+    AttributeError from ``_BlockScope.__exit__``."""
+    if exc_type is not AttributeError:
+        return None
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    code = last.tb_frame.f_code if last is not None else None
+    if code is None or code.co_name != "__exit__" \
+            or not code.co_filename.endswith(os.path.join("gluon", "block.py")):
+        return None
+    return ("a gluon Block was called from two threads at once before its cached graph "
+            "existed, e.g. a hybridized transform in DataLoader(thread_pool=True); call "
+            "transform.hybridize(False), or call the block once before the threads start")
 
 
 _reporter: Reporter | None = None

@@ -176,3 +176,32 @@ def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
         _report(proc)
     assert "never created a dist_gluon backend" in proc.stderr
     assert_nothing_left(env["DG_TEST_MARKER"])
+
+
+def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
+    # gluon's own failure, made deterministic: a Block's name scope entered twice and
+    # left twice, which is what two DataLoader threads calling a hybridized transform
+    # for the first time do (examples/imagenet had it in one run of four).
+    script = """
+    import mxnet as mx
+    from mxnet import gluon
+
+    import dist_gluon as dg
+
+    kv = dg.create()
+    kv.barrier()
+    if kv.rank == 1:
+        block = gluon.nn.HybridSequential()
+        scope = block.name_scope()
+        scope.__enter__()
+        scope.__enter__()            # the second thread
+        scope.__exit__(None, None, None)
+        scope.__exit__(None, None, None)
+    kv.barrier()
+    """
+    proc = launch(script, tmp_path, "horovod", n=2, timeout=120)
+    assert proc.returncode == 1, _report(proc)
+    assert "rank 1 (" in proc.stderr and "AttributeError: 'NoneType' object has no " \
+        "attribute '__exit__' (a gluon Block was called from two threads at once" \
+        in proc.stderr, _report(proc)
+    assert "transform.hybridize(False)" in proc.stderr

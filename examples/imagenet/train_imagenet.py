@@ -215,6 +215,13 @@ class FolderData:
         val_tf = transforms.Compose([
             transforms.Resize(int(math.ceil(size / CROP_RATIO)), keep_ratio=True),
             transforms.CenterCrop(size), transforms.ToTensor(), normalize])
+        # Compose hybridizes its run of HybridBlocks (ToTensor, Normalize), and a
+        # hybridized block builds its cached graph at its first call, inside its name
+        # scope, which two threads must not enter at once: the DataLoader's threads
+        # would race there (AttributeError in gluon's _BlockScope.__exit__). Run the
+        # transforms imperatively: thread-safe, and no slower for per-image work.
+        train_tf.hybridize(False)
+        val_tf.hybridize(False)
         self._train_sampler = dg.ShardSampler(self.num_train, kv=kv, seed=args.seed)
         self._val_sampler = dg.ShardSampler(self.num_val, kv=kv, shuffle=False)
         # Threads rather than processes: forking a process that runs a communication
