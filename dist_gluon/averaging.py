@@ -16,9 +16,9 @@ import itertools
 import mxnet as mx
 import numpy as np
 
+from . import compression as _compression
 from .backends import Backend
 
-COMPRESSIONS = (None, "none", "fp16")
 # Above every gradient's priority (-index <= 0): the batch sizes are needed first.
 _BATCH_PRIORITY = 1
 
@@ -44,15 +44,19 @@ def claim_prefix(prefix: str | None, kind: str, owner: str) -> str:
     return prefix
 
 
-def check_compression(compression) -> str | None:
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None or 'fp16', got {compression!r}")
-    return None if compression == "none" else compression
+def check_compression(compression) -> dict | None:
+    """A ``compression=`` argument checked (see :mod:`dist_gluon.compression`):
+    ``{'type': name, **params}`` or None."""
+    return _compression.parse(compression)
 
 
-def check_predivide(factor) -> float:
+def check_predivide(factor, compression: dict | None = None) -> float:
     if not factor > 0:
         raise ValueError(f"gradient_predivide_factor must be positive, got {factor}")
+    if factor != 1.0 and compression is not None and compression["type"] != "fp16":
+        raise ValueError(f"gradient_predivide_factor={factor} works with compression=None "
+                         f"or 'fp16' only; {compression['type']!r} compresses the raw "
+                         "gradient sums (leave the factor at 1)")
     return float(factor)
 
 
@@ -64,9 +68,9 @@ class _GradientAverager:
     kv : Backend
     prefix : str
         From :func:`claim_prefix`.
-    compression : {None, 'fp16'}
-        'fp16': gradients travel as float16 (under ``'<prefix>.<index>.fp16'``: on
-        ps-lite a key keeps its first dtype) and come back in their own dtype.
+    compression : dict or None
+        From :func:`check_compression`; the codec (:mod:`dist_gluon.compression`) is
+        created here and keeps its state (residuals...) for the averager's life.
     predivide : float
         Gradients are divided by it before the sum and multiplied back after (keeps fp16
         sums in range on many workers, as in Horovod).
@@ -74,11 +78,11 @@ class _GradientAverager:
         Named in error messages.
     """
 
-    def __init__(self, kv: Backend, prefix: str, compression: str | None = None,
+    def __init__(self, kv: Backend, prefix: str, compression: dict | None = None,
                  predivide: float = 1.0, owner: str = "DistributedTrainer"):
         self.kv = kv
         self.prefix = prefix
-        self._compression = compression
+        self.codec = None if compression is None else _compression.create(compression)
         self._predivide = predivide
         self._owner = owner
         self._plain = compression is None and predivide == 1.0
@@ -135,18 +139,12 @@ class _GradientAverager:
         if self._predivide != 1.0:
             for g in grads:
                 g *= 1.0 / self._predivide
-        wires = grads
-        if self._compression == "fp16":
-            wires = [g if g.dtype == np.float16 else g.astype("float16") for g in grads]
-            # on ps-lite a key keeps its first dtype
-            keys = [k + ".fp16" if w is not g else k for k, g, w in zip(keys, grads, wires)]
-        if len(keys) == 1:
-            self.kv.pushpull(keys[0], wires[0], priority=priority)
+        if self.codec is not None:
+            self.codec.reduce(self.kv, indices, keys, grads, priority)
+        elif len(keys) == 1:
+            self.kv.pushpull(keys[0], grads[0], priority=priority)
         else:
-            self.kv.pushpull(keys, wires, priority=priority)
-        for g, w in zip(grads, wires):
-            if w is not g:
-                mx.nd.Cast(w, dtype=g.dtype, out=g)
+            self.kv.pushpull(keys, grads, priority=priority)
         if weight is not None:
             for g in grads:
                 g *= self._factor(g.dtype)

@@ -8,6 +8,14 @@ One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save 
 ``trainer.states``
     The optimizer states and the optimizer, exactly as ``gluon.Trainer.save_states``
     writes them (so ``trainer.load_states`` can read it too). Absent without a trainer.
+``compression.pkl``
+    With a compressing DistributedTrainer: the codec's type and parameters, its state
+    shared by every rank (PowerSGD's Q matrices and step counts) and every rank's own
+    (residuals, PowerSGD's errors), so that a compressed run resumes exactly. Restored
+    on another worker count, new rank ``r`` gets the sum of the saved residuals of ranks
+    ``r, r + N', r + 2N', ...`` (``N'`` the new count): what every residual held back
+    is sent once, by someone. On one process nothing is compressed and residuals are
+    dropped.
 ``state.pkl``
     A pickle of ``{'epoch', 'step', 'extra', 'rng'}``; ``rng`` holds the state of
     Python's ``random`` and NumPy's global generator of every rank.
@@ -55,6 +63,7 @@ _META = "meta.json"
 _PARAMS = "params.npz"
 _TRAINER = "trainer.states"
 _STATE = "state.pkl"
+_COMPRESSION = "compression.pkl"
 # Arrays of these dtypes travel as tensors of their own dtype (one collective each);
 # anything else in the optimizer states travels pickled with the small objects.
 _TENSOR_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8",
@@ -174,10 +183,19 @@ class Checkpointer:
         step = _check_count(step, "step")
         params = _parameters(net)
         rng = self._kv.allgather_object(_rng_state())
+        codec = _codec(trainer)
+        compression = None
+        if codec is not None:
+            local = codec.local_state()
+            compression = {"type": codec.name, "params": codec.params,
+                           "shared": codec.shared_state(),
+                           "local": (self._kv.allgather_object(local)
+                                     if self._kv.num_workers > 1 else [local])}
         status, failure = None, None
         if self._kv.rank == 0:
             try:
-                status = ("ok", self._write(params, trainer, epoch, step, extra, rng))
+                status = ("ok", self._write(params, trainer, epoch, step, extra, rng,
+                                            compression))
             except Exception as err:  # every rank must hear about it, or they would hang
                 status = ("error", f"rank 0 could not save a checkpoint in "
                                    f"{self._directory!r}: {type(err).__name__}: {err}")
@@ -188,7 +206,8 @@ class Checkpointer:
             raise CheckpointError(status[1]) from failure
         return status[1]
 
-    def _write(self, params: list, trainer, epoch: int, step: int, extra, rng) -> str:
+    def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
+               compression) -> str:
         arrays = {}
         for i, p in enumerate(params):
             if p._data is None:
@@ -205,7 +224,7 @@ class Checkpointer:
         temp = os.path.join(self._directory, f"{_TEMP_PREFIX}{number:06d}-{os.getpid()}")
         os.mkdir(temp)
         try:
-            self._fill(temp, params, arrays, trainer, epoch, step, extra, rng)
+            self._fill(temp, params, arrays, trainer, epoch, step, extra, rng, compression)
             os.rename(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
@@ -215,7 +234,7 @@ class Checkpointer:
         return final
 
     def _fill(self, temp: str, params: list, arrays: dict, trainer, epoch: int, step: int,
-              extra, rng) -> None:
+              extra, rng, compression=None) -> None:
         """Write and fsync every file of a checkpoint into ``temp``, meta.json last."""
         files = {}
         with open(os.path.join(temp, _PARAMS), "wb") as f:
@@ -226,6 +245,10 @@ class Checkpointer:
             # wait for the other ranks, which are waiting for this save
             gluon.Trainer.save_states(trainer, os.path.join(temp, _TRAINER))
             files[_TRAINER] = _seal(os.path.join(temp, _TRAINER))
+        if compression is not None:
+            with open(os.path.join(temp, _COMPRESSION), "wb") as f:
+                pickle.dump(compression, f, protocol=4)
+            files[_COMPRESSION] = _seal(os.path.join(temp, _COMPRESSION))
         state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng}
         with open(os.path.join(temp, _STATE), "wb") as f:
             pickle.dump(state, f, protocol=4)
@@ -336,6 +359,7 @@ class Checkpointer:
             else:
                 states, optimizer = content["trainer"]
                 _load_trainer_states(trainer, (_unflatten(states, values), optimizer))
+            _restore_codec(trainer, content.get("compression"), kv, content["path"])
         rng = content["rng"]
         if kv.rank < len(rng):
             _set_rng_state(rng[kv.rank])
@@ -449,6 +473,7 @@ def _load(path: str) -> tuple[tuple, list]:
 
     arrays = parse(_PARAMS, read_params)
     state = parse(_STATE, read_state)
+    compression = parse(_COMPRESSION, pickle.loads) if _COMPRESSION in data else None
     trainer = None
     if _TRAINER in data:
         states, optimizer = parse(_TRAINER, pickle.loads)
@@ -456,6 +481,7 @@ def _load(path: str) -> tuple[tuple, list]:
     content = {"path": path, "epoch": state["epoch"], "step": state["step"],
                "extra": state["extra"], "rng": state["rng"],
                "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
+               "compression": compression,
                "arrays": [(a.shape, a.dtype.name) for a in arrays]}
     return ("ok", content), arrays
 
@@ -523,6 +549,40 @@ def _mismatch(params: list, specs: list, path: str) -> str | None:
         return (f"the model does not match checkpoint {path}:\n  "
                 + "\n  ".join(problems[:10]))
     return None
+
+
+def _codec(trainer):
+    """The compression codec of a DistributedTrainer, or None."""
+    averager = getattr(trainer, "_averager", None)
+    return getattr(averager, "codec", None)
+
+
+def _restore_codec(trainer, saved: dict | None, kv: Backend, path: str) -> None:
+    """Give ``trainer``'s codec the saved state, this rank's residuals by the rule of
+    the module docstring."""
+    codec = _codec(trainer)
+    if codec is None or saved is None:
+        if codec is not None and kv.rank == 0:
+            warnings.warn(f"checkpoint {path} holds no compression state (saved without "
+                          f"compression): {codec.name} starts with empty residuals",
+                          stacklevel=3)
+        return
+    if saved["type"] != codec.name:
+        if kv.rank == 0:
+            warnings.warn(f"checkpoint {path} holds {saved['type']} compression state; "
+                          f"this trainer uses {codec.name}, which starts afresh",
+                          stacklevel=3)
+        return
+    workers = max(kv.num_workers, 1)
+    local: dict = {}
+    for old_rank, state in enumerate(saved["local"]):
+        if old_rank % workers != kv.rank:
+            continue
+        for field, values in state.items():
+            merged = local.setdefault(field, {})
+            for index, value in values.items():
+                merged[index] = merged[index] + value if index in merged else np.array(value)
+    codec.load_state(saved["shared"], local)
 
 
 def _load_trainer_states(trainer: gluon.Trainer, states_and_optimizer) -> None:

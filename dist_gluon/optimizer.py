@@ -79,8 +79,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         what ``optimizer_params`` gives. An instance is used as it is, as Module does.
     kv : backend, backend name, or None
         None picks the backend from the environment (``dist_gluon.create()``).
-    compression : {None, 'fp16'}
-        'fp16': gradients travel as float16 and come back in their own dtype.
+    compression : None, 'fp16', '2bit', 'powersgd' or dict
+        As in :class:`~dist_gluon.DistributedTrainer` (:mod:`dist_gluon.compression`).
+        Module's updater passes tensors in groups; each group is compressed on its own.
     gradient_predivide_factor : float
         As in Horovod: gradients are divided by this factor before the sum and
         multiplied back after it, which keeps fp16 sums in range on many workers.
@@ -147,7 +148,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             raise TypeError("optimizer must be an mx.optimizer.Optimizer or the name of "
                             f"one, got {type(optimizer).__name__}")
         compression = check_compression(compression)
-        predivide = check_predivide(gradient_predivide_factor)
+        predivide = check_predivide(gradient_predivide_factor, compression)
         kv = resolve(kv)
         self._dg_wrapped_optimizer = optimizer
         self._dg_kv = kv

@@ -57,8 +57,14 @@ class DistributedTrainer(gluon.Trainer):
         As in ``gluon.Trainer``.
     kv : backend, backend name, or None
         None picks the backend from the environment (``dist_gluon.create()``).
-    compression : {None, 'fp16'}
+    compression : None, 'fp16', '2bit', 'powersgd' or dict
         'fp16': gradients travel as float16 and come back in their own dtype.
+        '2bit' or ``{'type': '2bit', 'threshold': 0.5, 'min_size': 0}``: MXNet's 2-bit
+        quantisation with error feedback, packed in both directions.
+        'powersgd' or ``{'type': 'powersgd', 'rank': 4, 'warmup_steps': 0, ...}``:
+        low-rank compression with error feedback. See :mod:`dist_gluon.compression`;
+        the codec's state (residuals, Q matrices) is saved by Checkpointer. On one
+        process nothing is compressed.
     gradient_predivide_factor : float
         As in Horovod: gradients are divided by this factor before the sum and multiplied
         back after, which keeps fp16 sums in range on many workers.
@@ -87,7 +93,7 @@ class DistributedTrainer(gluon.Trainer):
     def __init__(self, params, optimizer, optimizer_params=None, kv=None, compression=None,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None):
         compression = check_compression(compression)
-        predivide = check_predivide(gradient_predivide_factor)
+        predivide = check_predivide(gradient_predivide_factor, compression)
         optimizer = _unwrap_distributed_optimizer(optimizer)
         self._kv = resolve(kv)
         self._prefix = claim_prefix(prefix, "t", "trainer")
@@ -161,9 +167,15 @@ class DistributedTrainer(gluon.Trainer):
         averager = self._averager
         if not averager.distributed:
             return
-        for i, param in enumerate(self._params):
-            if param.grad_req != "null":
-                averager.reduce_one(i, param.list_grad()[0], describe=self._describe)
+        entries = [(i, param.list_grad()[0]) for i, param in enumerate(self._params)
+                   if param.grad_req != "null"]
+        if averager.codec is not None and averager.codec.batched:
+            # 2-bit and PowerSGD pack and pipeline a whole step's tensors
+            indices = [i for i, _ in entries]
+            averager.reduce(indices, [g for _, g in entries], describe=self._describe)
+            return
+        for i, grad in entries:
+            averager.reduce_one(i, grad, describe=self._describe)
 
     def _describe(self, index: int) -> str:
         return f"parameter #{index} ({self._params[index].name!r})"

@@ -70,6 +70,8 @@ class Horovod(Backend):
     """
 
     _type = "horovod"
+    # packed integer sums (2-bit compression): int32 words, 31 bits exact
+    _exact_integers = ("int32", 31)
 
     def __init__(self):
         self._hvd = _import_horovod()

@@ -1,0 +1,75 @@
+"""The interface between the gradient averaging path and a compression codec."""
+from __future__ import annotations
+
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+
+class Codec:
+    """Sums gradients over the workers in a compressed form, in place.
+
+    :meth:`reduce` is called with every worker's gradients of the same parameters in the
+    same order (a collective), only when there are several workers. Afterwards each
+    gradient holds the sum over the workers of what the codec reconstructs, in the
+    gradient's own dtype; the caller divides by the summed batch sizes as without
+    compression.
+
+    State that differs between workers (residuals) is :meth:`local_state`; state that is
+    the same on every worker (PowerSGD's Q, step counts) is :meth:`shared_state`. Both
+    are dicts of picklable values, saved by Checkpointer.
+    """
+
+    name = "base"
+    # reduce() takes a whole step's tensors in one call (packs and pipelines them)
+    batched = True
+    # Parameters (constructor keywords) as given, for checkpoints and messages.
+    params: dict[str, Any]
+
+    def reduce(self, kv, indices: list, keys: list[str], grads: list[mx.nd.NDArray],
+               priority: int) -> None:
+        raise NotImplementedError
+
+    def local_state(self) -> dict:
+        return {}
+
+    def shared_state(self) -> dict:
+        return {}
+
+    def load_state(self, shared: dict, local: dict) -> None:
+        """Restore state saved by :meth:`shared_state` and :meth:`local_state`."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"{type(self).__name__}({args})"
+
+
+def exact_integers(kv) -> tuple[str, int]:
+    """The dtype in which ``kv`` sums non-negative integers exactly, and how many bits of
+    them: horovod sums int32 (31 bits); the ps-lite servers sum in float32 (24 bits)."""
+    return getattr(kv, "_exact_integers", ("float32", 24))
+
+
+def plain_sum(kv, keys: list[str], arrays: list[mx.nd.NDArray], priority: int) -> None:
+    """Sum ``arrays`` over the workers in place, uncompressed (one call)."""
+    if not arrays:
+        return
+    if len(arrays) == 1:
+        kv.pushpull(keys[0], arrays[0], priority=priority)
+    else:
+        kv.pushpull(keys, arrays, priority=priority)
+
+
+def check_number(name: str, value, low: float, integer: bool = False,
+                 strict: bool = False) -> Any:
+    """``value`` checked to be a number >= low (> low if strict); a ValueError names it."""
+    kind = int if integer else float
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or (integer and not float(value).is_integer()):
+        raise ValueError(f"compression parameter {name!r} must be "
+                         f"{'an integer' if integer else 'a number'}, got {value!r}")
+    if value < low or (strict and value == low):
+        raise ValueError(f"compression parameter {name!r} must be "
+                         f"{'>' if strict else '>='} {low}, got {value!r}")
+    return kind(value)

@@ -1,0 +1,208 @@
+"""Gradient compression (dist_gluon/compression/): 2-bit has MXNet's semantics exactly
+(the same weights as MXNet's own dist_sync kvstore with 2-bit compression), PowerSGD of
+full rank equals uncompressed training, what travels is small, ranks stay identical,
+and a compressed run resumed from a checkpoint equals the uninterrupted one; on horovod
+over Gloo and MPI, dist_sync and p3."""
+import json
+import shutil
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import dist_gluon as dg
+from conftest import REPO, assert_ok, run
+from dist_gluon import checkpoint, compression
+from dist_gluon.compression import twobit
+
+WORKERS = REPO / "tests" / "workers"
+CASES = WORKERS / "compression_cases.py"
+JOBS = [("horovod", "gloo"), ("horovod", "mpi"), ("dist_sync", None), ("p3", None)]
+
+
+def _job(backend, mode, out, transport=None):
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend]
+    if transport:
+        argv += ["--transport", transport]
+    return argv + ["--", sys.executable, str(CASES), str(out), mode]
+
+
+@pytest.fixture(scope="module")
+def mxnet_2bit(tmp_path_factory):
+    """MXNet's own 2-bit compression (kv.set_gradient_compression on dist_sync)."""
+    out = tmp_path_factory.mktemp("mxnet")
+    assert_ok(run(_job("dist_sync", "mxnet", out), out))
+    return out
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=lambda j: "-".join(filter(None, j)))
+def job(request, tmp_path_factory):
+    backend, transport = request.param
+    if transport == "mpi" and (shutil.which("mpirun") is None or not _mpi_built()):
+        pytest.skip("horovod over MPI needs mpirun and horovod built with MPI (make setup)")
+    out = tmp_path_factory.mktemp(backend)
+    assert_ok(run(_job(backend, "dg", out, transport), out))
+    return out
+
+
+def _mpi_built() -> bool:
+    import horovod.mxnet as hvd
+    return bool(hvd.mpi_built())
+
+
+def _weights(directory, case, rank):
+    data = np.load(directory / f"{case}_rank{rank}.npz")
+    return [data[str(i)] for i in range(len(data.files))]
+
+
+def _max_error(a, b):
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
+
+
+# ----------------------------------------------------------------- through the launcher
+@pytest.mark.parametrize("rank", [0, 1])
+def test_2bit_gives_the_weights_of_mxnets_own_2bit_compression(job, mxnet_2bit, rank):
+    ours, theirs = _weights(job, "2bit", rank), _weights(mxnet_2bit, "mxnet_2bit", rank)
+    assert _max_error(ours, theirs) <= 1e-6
+    # and the quantisation really changed the training
+    assert _max_error(ours, _weights(job, "none", rank)) > 1e-3
+
+
+def test_powersgd_of_full_rank_equals_uncompressed_training(job):
+    assert _max_error(_weights(job, "powersgd_full", 0), _weights(job, "none", 0)) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["fp16", "2bit", "powersgd1", "powersgd_full"])
+def test_every_rank_holds_the_same_weights(job, case):
+    assert _max_error(_weights(job, case, 0), _weights(job, case, 1)) == 0.0
+
+
+def test_rank_1_powersgd_approximates_instead_of_sending_everything(job):
+    error = _max_error(_weights(job, "powersgd1", 0), _weights(job, "none", 0))
+    assert 1e-4 < error < 0.2
+
+
+def test_compressed_gradients_travel_small_in_both_directions(job):
+    # bytes given to the backend's sum per step (a sum sends and receives that size)
+    wire = json.loads((job / "wire.json").read_text())
+    assert wire["none"] == 4 * (8 * 10 + 8 + 4 * 8 + 4)
+    assert wire["fp16"] == wire["none"] / 2
+    # 2 workers: 3-bit fields, 8 (ps-lite's float32) or 10 (horovod's int32) per word
+    per_word = 10 if "horovod" in job.name else 8
+    assert wire["2bit"] == 4 * sum(-(-n // per_word) for n in (80, 8, 32, 4))
+    # rank 1: P (8 + 4) and Q (10 + 8) with the biases (8 + 4) uncompressed
+    assert wire["powersgd1"] == 4 * (8 + 4 + 8 + 4 + 10 + 8)
+
+
+@pytest.mark.parametrize("codec", ["2bit", "powersgd1"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_resumed_compressed_run_equals_the_uninterrupted_one(job, codec, rank):
+    assert _max_error(_weights(job, f"{codec}_whole", rank),
+                      _weights(job, f"{codec}_resumed", rank)) == 0.0
+
+
+# ------------------------------------------------------------------------- one process
+def test_on_one_process_compression_changes_nothing(tmp_path):
+    assert_ok(run([sys.executable, str(CASES), str(tmp_path), "dg"], tmp_path))
+    reference = _weights(tmp_path, "none", 0)
+    for case in ("fp16", "2bit", "powersgd1"):
+        assert _max_error(_weights(tmp_path, case, 0), reference) == 0.0
+    assert json.loads((tmp_path / "wire.json").read_text()) == {}   # nothing sent
+
+
+# ------------------------------------------------------------------------- the codecs
+@pytest.mark.parametrize("spec,expected", [
+    (None, None), ("none", None), ("fp16", {"type": "fp16"}), ("2BIT", {"type": "2bit"}),
+    ({"type": "2bit", "threshold": 0.5}, {"type": "2bit", "threshold": 0.5}),
+    ({"type": "powersgd", "rank": 2, "warmup_steps": 10},
+     {"type": "powersgd", "rank": 2, "warmup_steps": 10}),
+])
+def test_compression_accepts_names_and_dicts(spec, expected):
+    assert compression.parse(spec) == expected
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("1bit", "unknown compression '1bit'; valid types are 'fp16', '2bit', 'powersgd'"),
+    ({"threshold": 0.5}, "needs a 'type'"),
+    ({"type": "2bit", "threshold": 0}, "'threshold' must be > 0"),
+    ({"type": "2bit", "thresold": 0.5}, "thresold"),
+    ({"type": "powersgd", "rank": 0}, "'rank' must be >= 1"),
+    ({"type": "powersgd", "rank": 1.5}, "'rank' must be an integer"),
+    (3, "compression must be None"),
+])
+def test_bad_compression_is_a_clear_error(spec, message):
+    with pytest.raises((ValueError, TypeError), match=message.replace("(", r"\(")
+                       .replace("[", r"\[")):
+        compression.parse(spec)
+
+
+def test_predivision_with_2bit_or_powersgd_is_refused():
+    net = mx.gluon.nn.Dense(2, in_units=2)
+    net.initialize()
+    for codec in ("2bit", "powersgd"):
+        with pytest.raises(ValueError, match="works with compression=None or 'fp16' only"):
+            dg.DistributedTrainer(net.collect_params(), "sgd", compression=codec,
+                                  gradient_predivide_factor=2.0, kv="local")
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 7, 8, 16, 100])
+@pytest.mark.parametrize("bits", [24, 31])
+def test_packed_codes_of_every_worker_sum_to_the_sum_of_codes(workers, bits):
+    rng = np.random.RandomState(workers)
+    codes = rng.randint(-1, 2, size=(workers, 1001)).astype(np.int8)
+    width = (2 * workers).bit_length()
+    per_word = bits // width
+    words = sum(twobit._pack(c, width, per_word) for c in codes)
+    assert words.max() < 2 ** bits
+    # through the carrier dtype, as the backend sums it
+    carrier = np.float32 if bits == 24 else np.int32
+    summed = twobit._unpack(words.astype(carrier), width, per_word, 1001) - workers
+    assert np.array_equal(summed, codes.sum(axis=0))
+
+
+def test_2bit_quantisation_keeps_mxnets_residual():
+    codec = compression.TwoBit(threshold=0.5)
+    grad = mx.nd.array([0.7, -0.2, -0.6, 0.3, 0.5, -0.5])
+    assert codec._quantize(0, grad).tolist() == [1, 0, -1, 0, 1, -1]
+    np.testing.assert_allclose(codec._residuals[0], [0.2, -0.2, -0.1, 0.3, 0.0, 0.0],
+                               atol=1e-7)
+    # the residual joins the next gradient: 0.3 + 0.3 = 0.6 >= 0.5 is sent
+    assert codec._quantize(0, mx.nd.array([0, 0, 0, 0.3, 0, 0]))[3] == 1
+
+
+def test_powersgd_compresses_matrices_and_conv_kernels_not_vectors():
+    codec = compression.PowerSGD(rank=4)
+    assert codec.matrix_shape((64, 3, 3, 3)) == (64, 27)
+    assert codec.matrix_shape((512, 256)) == (512, 256)
+    assert codec.matrix_shape((512,)) is None              # biases, BatchNorm
+    assert codec.matrix_shape((4, 8)) is None              # 32 < 2 * 4 * (4 + 8)
+
+
+class _FakeKV:
+    def __init__(self, rank, num_workers):
+        self.rank, self.num_workers = rank, num_workers
+
+
+class _FakeTrainer:
+    def __init__(self):
+        self._averager = type("A", (), {"codec": compression.TwoBit()})()
+
+
+@pytest.mark.parametrize("workers,expected", [
+    (2, [[1 + 4, 10 + 40], [2 + 8, 20 + 80]]),     # 4 saved ranks onto 2: r, r + 2
+    (4, [[1, 10], [2, 20], [4, 40], [8, 80]]),
+    (8, [[1, 10], [2, 20], [4, 40], [8, 80], None, None, None, None]),
+])
+def test_residuals_restored_on_another_worker_count_keep_their_sum(workers, expected):
+    saved = {"type": "2bit", "params": {}, "shared": {},
+             "local": [{"residuals": {0: np.array([float(v), 10.0 * v])}}
+                       for v in (1, 2, 4, 8)]}
+    for rank in range(workers):
+        trainer = _FakeTrainer()
+        checkpoint._restore_codec(trainer, saved, _FakeKV(rank, workers), "ckpt")
+        residuals = trainer._averager.codec._residuals
+        if expected[rank] is None:
+            assert residuals == {}
+        else:
+            assert residuals[0].tolist() == expected[rank]
