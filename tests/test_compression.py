@@ -69,6 +69,14 @@ def test_2bit_gives_the_weights_of_mxnets_own_2bit_compression(job, mxnet_2bit, 
     assert _max_error(ours, _weights(job, "none", rank)) > 1e-3
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_distributed_optimizer_compresses_like_mxnet_too(job, mxnet_2bit, rank):
+    ours = _weights(job, "module_2bit", rank)
+    assert _max_error(ours, _weights(mxnet_2bit, "mxnet_2bit", rank)) <= 1e-5
+    assert _max_error(_weights(job, "module_powersgd_full", rank),
+                      _weights(job, "module_none", rank)) < 1e-5
+
+
 def test_powersgd_of_full_rank_equals_uncompressed_training(job):
     assert _max_error(_weights(job, "powersgd_full", 0), _weights(job, "none", 0)) < 1e-5
 

@@ -115,6 +115,37 @@ if rank == 0:
     with open(os.path.join(out_dir, "wire.json"), "w") as f:
         json.dump({k: v / STEPS for k, v in wire.items()}, f)
 
+
+
+def module_run(name, compression):
+    """The same network and data through the Module API and DistributedOptimizer."""
+    data = mx.sym.Variable("data")
+    sym = mx.sym.FullyConnected(data, num_hidden=8, name="fc1")
+    sym = mx.sym.Activation(sym, act_type="relu")
+    sym = mx.sym.FullyConnected(sym, num_hidden=CLASSES, name="fc2")
+    sym = mx.sym.SoftmaxOutput(sym, name="softmax")
+    share = 2 * B // workers
+    mod = mx.mod.Module(sym, context=mx.cpu())
+    mod.bind(data_shapes=[("data", (share, FEATURES))],
+             label_shapes=[("softmax_label", (share,))])
+    names = ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    mod.init_params(arg_params={n: mx.nd.array(v) for n, v in zip(names, INIT)})
+    opt = dg.DistributedOptimizer("sgd", compression=compression, prefix=f"module.{name}",
+                                  learning_rate=LR)
+    mod.init_optimizer(kvstore=None, optimizer=opt)
+    for step in range(STEPS):
+        lo = rank * share
+        mod.forward_backward(mx.io.DataBatch([mx.nd.array(X[step, lo:lo + share])],
+                                             [mx.nd.array(Y[step, lo:lo + share])]))
+        mod.update()
+    arg_params, _ = mod.get_params()
+    np.savez(os.path.join(out_dir, f"module_{name}_rank{rank}.npz"),
+             **{str(i): arg_params[n].asnumpy() for i, n in enumerate(names)})
+
+
+for name in ("none", "2bit", "powersgd_full"):
+    module_run(name, CODECS[name])
+
 # resume: 3 steps, checkpoint, 3 steps == 3 steps, restore into a new trainer, 3 steps
 for name in ("2bit", "powersgd1"):
     net = make_net()
