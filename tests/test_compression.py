@@ -154,7 +154,7 @@ def test_predivision_with_2bit_or_powersgd_is_refused():
                                   gradient_predivide_factor=2.0, kv="local")
 
 
-@pytest.mark.parametrize("workers", [2, 3, 4, 7, 8, 16, 100])
+@pytest.mark.parametrize("workers", [2, 3, 4, 7, 8, 16, 100, 200])
 @pytest.mark.parametrize("bits", [24, 31])
 def test_packed_codes_of_every_worker_sum_to_the_sum_of_codes(workers, bits):
     rng = np.random.RandomState(workers)
@@ -165,7 +165,8 @@ def test_packed_codes_of_every_worker_sum_to_the_sum_of_codes(workers, bits):
     assert words.max() < 2 ** bits
     # through the carrier dtype, as the backend sums it
     carrier = np.float32 if bits == 24 else np.int32
-    summed = twobit._unpack(words.astype(carrier), width, per_word, 1001) - workers
+    fields = twobit._unpack(words.astype(carrier), width, per_word, 1001)
+    summed = fields.astype(int) - workers
     assert np.array_equal(summed, codes.sum(axis=0))
 
 

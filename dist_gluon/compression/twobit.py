@@ -73,9 +73,12 @@ class TwoBit(Codec):
             sent.append((grad, wire))
         plain_sum(kv, plain_keys, plain, priority)
         for grad, wire in sent:
-            sums = _unpack(wire.asnumpy(), width, per_word, grad.size) - workers
-            value = sums.astype(grad.dtype) * grad.dtype(self.threshold)
-            grad[:] = value.reshape(grad.shape)
+            # a field (the sum of N shifted codes) k stands for (k - N) * threshold
+            dtype = np.dtype(grad.dtype)
+            values = _unpack(wire.asnumpy(), width, per_word, grad.size).astype(dtype)
+            values -= workers
+            values *= dtype.type(self.threshold)
+            grad[:] = values.reshape(grad.shape)
 
     def _quantize(self, index, grad: mx.nd.NDArray) -> np.ndarray:
         """This worker's codes (-1, 0, +1 as int8) for ``grad``; updates its residual."""
@@ -85,11 +88,10 @@ class TwoBit(Codec):
             residual = self._residuals[index] = np.zeros_like(g)
         residual += g
         t = g.dtype.type(self.threshold)
-        positive = residual >= t
-        negative = residual <= -t
-        residual[positive] -= t
-        residual[negative] += t
-        return positive.view(np.int8) - negative.view(np.int8)
+        codes = (residual >= t).view(np.int8) - (residual <= -t).view(np.int8)
+        # r - t, r + t or r - 0, as MXNet's kernel computes them
+        residual -= np.multiply(codes, t, dtype=g.dtype)
+        return codes
 
     def local_state(self) -> dict:
         return {"residuals": dict(self._residuals)}
@@ -99,23 +101,23 @@ class TwoBit(Codec):
 
 
 def _pack(codes: np.ndarray, width: int, per_word: int) -> np.ndarray:
-    """Codes -1..1 shifted to 0..2, ``per_word`` of them per int64 word, ``width`` bits
-    each, lowest field first."""
+    """Codes -1..1 shifted to 0..2, ``per_word`` of them per word, ``width`` bits each,
+    lowest field first. A matrix-vector product with the fields' place values does the
+    shifting and adding at memory speed; float64 holds every packed word (< 2**31)
+    exactly, and so does every partial sum."""
     words = -(-codes.size // per_word)
-    shifted = np.ones(words * per_word, dtype=np.int64)     # padding: code 0
+    shifted = np.ones(words * per_word, dtype=np.float64)     # padding: code 0
     shifted[:codes.size] += codes
-    shifted = shifted.reshape(words, per_word)
-    packed = shifted[:, 0].copy()
-    for j in range(1, per_word):
-        packed |= shifted[:, j] << (width * j)
-    return packed
+    places = np.ldexp(1.0, width * np.arange(per_word))
+    return shifted.reshape(words, per_word) @ places
 
 
 def _unpack(packed: np.ndarray, width: int, per_word: int, size: int) -> np.ndarray:
     """The fields of summed words (each the sum of the workers' shifted codes)."""
-    words = np.rint(packed).astype(np.int64)
-    mask = (1 << width) - 1
-    fields = np.empty((words.size, per_word), dtype=np.int64)
+    words = np.rint(packed).astype(np.int64) if packed.dtype.kind == "f" else packed
+    words = words.astype(np.uint32, copy=False)
+    mask = np.uint32((1 << width) - 1)
+    fields = np.empty((per_word, words.size), dtype=np.uint8 if width <= 8 else np.uint16)
     for j in range(per_word):
-        fields[:, j] = (words >> (width * j)) & mask
-    return fields.reshape(-1)[:size]
+        np.bitwise_and(words >> np.uint32(width * j), mask, out=fields[j], casting="unsafe")
+    return fields.T.reshape(-1)[:size]
