@@ -16,6 +16,9 @@ scheduler on host 0. In every cluster:
 2. Training: ResNet-50 and VGG-16 on synthetic data, DistributedTrainer on each backend
    next to horovod.mxnet.DistributedTrainer, gluon.Trainer(kvstore='dist_sync') and
    MXNet's own P3, each with the compute-only step of the same job (cluster/train.py).
+3. Compression: the same models on 2 hosts at 1 Gbit/s with DistributedTrainer's
+   compression (none, fp16, 2-bit, PowerSGD rank 4) on horovod and dist_sync, next to
+   MXNet's own 2-bit compression, with the bytes each puts on the wire.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -67,6 +70,14 @@ FULL = {
         "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 2, "rounds": 1},
     },
 }
+# Part 3: the wire-bound setting, where compression can pay.
+COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
+# On ps-lite every trainer gets its own job: four VGG-16 trainers' keys on the servers of
+# one emulated cluster (2 workers and 2 servers sharing this machine) ran out of memory.
+COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
+                 "dist_sync": ("dist_gluon,compute", "dg_fp16,compute", "dg_2bit,compute",
+                               "dg_powersgd,compute", "gluon_2bit,compute")}
+
 QUICK = {
     "settings": [{"hosts": 2, "rate": "1gbit", "models": ("resnet50",)}],
     "link_mib": 64,
@@ -245,7 +256,9 @@ def run_comm(cluster, cfg, cases_path: Path, variants, timeout: float, workdir) 
     return jobs
 
 
-def run_train(cluster, cfg, models, variants, timeout: float, workdir) -> dict:
+def run_train(cluster, cfg, models, variants, timeout: float, workdir,
+              jobs=None) -> dict:
+    jobs = jobs or TRAIN_JOBS
     out = {}
     for model in models:
         opts = cfg["models"][model]
@@ -253,8 +266,10 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir) -> dict:
             (f"--{k}", str(v)) for k, v in opts.items())]
         per_variant = {}
         for label, backend, transport in variants:
-            slot = {"times": {}, "errors": {}}
-            for impls in TRAIN_JOBS[backend]:
+            if backend not in jobs:
+                continue
+            slot = {"times": {}, "errors": {}, "wire_bytes": {}}
+            for impls in jobs[backend]:
                 payload = run_job(cluster, backend, transport,
                                   [str(HERE / "cluster" / "train.py"), *args,
                                    "--impls", impls], timeout, workdir)
@@ -264,9 +279,10 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir) -> dict:
                     continue
                 times = dict(payload["times"])
                 main = impls.split(",")[0]
-                if main == "gluon":
+                if main.startswith("gluon"):
                     # the compute-only step of gluon.Trainer's own job
-                    times["compute_gluon_job"] = times.pop("compute")
+                    times[f"compute_{main}_job"] = times.pop("compute")
+                slot["wire_bytes"].update(payload.get("wire_bytes", {}))
                 slot["times"].update(times)
                 slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
                                                      "image", "gradient_bytes")})
@@ -295,6 +311,10 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
         if "train" in parts:
             result["train"] = run_train(cluster, cfg, setting["models"], variants, timeout,
                                         workdir)
+        if "compress" in parts and (setting["hosts"], setting["rate"]) == (
+                COMPRESS["hosts"], COMPRESS["rate"]):
+            result["compress"] = run_train(cluster, cfg, COMPRESS["models"], variants,
+                                           timeout, workdir, jobs=COMPRESS_JOBS)
     result["load_end"] = os.getloadavg()
     return result
 
@@ -308,8 +328,9 @@ def parse_args(argv=None):
                         help="2 hosts at 1 Gbit/s, small sizes, ResNet-50 only (a few "
                              "minutes); writes RESULTS-cluster-quick.md unless --out is "
                              "given")
-    parser.add_argument("--only", action="append", choices=("comm", "train"),
-                        help="run only this part (repeatable); default: both")
+    parser.add_argument("--only", action="append", choices=("comm", "train", "compress"),
+                        help="run only this part (repeatable); default: all three "
+                             "(compress runs in the 2 hosts at 1 Gbit/s setting)")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
@@ -337,7 +358,14 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train"]
+    parts = args.only or ["comm", "train", "compress"]
+    if parts == ["compress"]:
+        cfg["settings"] = [s for s in cfg["settings"]
+                           if (s["hosts"], s["rate"]) == (COMPRESS["hosts"], COMPRESS["rate"])]
+    if "compress" in parts and not any(
+            (s["hosts"], s["rate"]) == (COMPRESS["hosts"], COMPRESS["rate"])
+            for s in cfg["settings"]):
+        cfg["settings"] = cfg["settings"] + [dict(COMPRESS)]
     no_mpi = mpi_support()
     transports = launcher_has_transport()
     variants = [(label, backend, transport if transports else None)

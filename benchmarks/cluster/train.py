@@ -13,6 +13,11 @@ training loop. The order of the trainers rotates every round.
 - ``horovod.mxnet``: ``hvd.DistributedTrainer`` (horovod jobs);
 - ``gluon``: ``gluon.Trainer(kvstore='dist_sync')`` with MXNet's defaults (ps-lite jobs;
   on the P3 van, where the launcher sets MXNET_UPDATE_ON_KVSTORE=0, MXNet's own P3);
+- ``dg_fp16``, ``dg_2bit``, ``dg_powersgd``: DistributedTrainer with compression='fp16',
+  '2bit' (threshold 0.5) and 'powersgd' (rank 4), each with the bytes it gives the
+  backend's sums per step;
+- ``gluon_2bit``: MXNet's own 2-bit compression on its dist_sync kvstore (push and pull
+  per tensor, the update on the worker);
 - ``compute``: the same step with no communication (``gluon.Trainer(kvstore=None)``),
   while the other workers do the same: the step time of perfect scaling on this machine.
 
@@ -30,7 +35,10 @@ from mxnet import autograd, gluon
 
 OPTIMIZER = "sgd"
 OPTIMIZER_PARAMS = {"learning_rate": 0.001, "momentum": 0.9, "wd": 1e-5}
-IMPLS = ("dist_gluon", "horovod.mxnet", "gluon", "compute")
+IMPLS = ("dist_gluon", "dg_fp16", "dg_2bit", "dg_powersgd", "horovod.mxnet", "gluon",
+         "gluon_2bit", "compute")
+COMPRESSIONS = {"dg_fp16": "fp16", "dg_2bit": {"type": "2bit", "threshold": 0.5},
+                "dg_powersgd": {"type": "powersgd", "rank": 4}}
 MODELS = {"resnet50": "resnet50_v1b", "vgg16": "vgg16"}
 
 
@@ -53,17 +61,37 @@ def build_model(args):
     return net, data, label, gluon.loss.SoftmaxCrossEntropyLoss()
 
 
-def make_trainers(impls, net, batch):
+def make_trainers(impls, net, batch, wire):
     """{impl: function running one step's update on computed gradients}, and a barrier
-    over the workers."""
+    over the workers. ``wire[impl]`` sums the bytes DistributedTrainers give the
+    backend's sums."""
     params = net.collect_params()
     steps, barrier = {}, None
-    if "dist_gluon" in impls:
+    dg_impls = [i for i in impls if i == "dist_gluon" or i in COMPRESSIONS]
+    if dg_impls:
         import dist_gluon as dg
 
         kv = dg.create()
-        trainer = dg.DistributedTrainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kv=kv)
-        steps["dist_gluon"] = lambda: trainer.step(batch)
+        pushpull = kv.pushpull
+        counting = {"impl": None}
+
+        def counted(key, value, out=None, priority=0):
+            for v in value if isinstance(value, list) else [value]:
+                impl = counting["impl"]
+                wire[impl] = wire.get(impl, 0) + v.size * np.dtype(v.dtype).itemsize
+            return pushpull(key, value, out=out, priority=priority)
+
+        kv.pushpull = counted
+        for impl in dg_impls:
+            trainer = dg.DistributedTrainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kv=kv,
+                                            compression=COMPRESSIONS.get(impl))
+
+            def step(trainer=trainer, impl=impl):
+                counting["impl"] = impl
+                trainer.step(batch)
+                counting["impl"] = None
+
+            steps[impl] = step
         barrier = kv.barrier
     if "horovod.mxnet" in impls:
         import horovod.mxnet as hvd
@@ -87,6 +115,27 @@ def make_trainers(impls, net, batch):
             # gluon.Trainer creates its kvstore at its first step
             if gluon_trainer._kvstore is not None:
                 gluon_trainer._kvstore._barrier()
+    if "gluon_2bit" in impls:
+        # MXNet 1.9's gluon.Trainer cannot use its own compression on dist_sync (its
+        # pushpull refuses it: "Compression not supported with PushPull"), so push and
+        # pull by hand, as a Module script does, and update on the worker
+        kv2 = mx.kv.create("dist_sync")
+        kv2.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+        plist = [p for p in params.values() if p.grad_req != "null"]
+        for i, p in enumerate(plist):
+            kv2.init(i, mx.nd.zeros(p.shape))
+        local_2bit = gluon.Trainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kvstore=None)
+
+        def step_2bit():
+            for i, p in enumerate(plist):
+                kv2.push(i, p.grad(), priority=-i)
+                kv2.pull(i, out=p.grad(), priority=-i)
+            local_2bit.step(batch * kv2.num_workers)
+
+        steps["gluon_2bit"] = step_2bit
+
+        def barrier():
+            kv2._barrier()
     if "compute" in impls:
         local = gluon.Trainer(params, OPTIMIZER, dict(OPTIMIZER_PARAMS), kvstore=None)
         steps["compute"] = lambda: local.step(batch)
@@ -117,7 +166,8 @@ def main():
     args = parse_args()
     started = time.perf_counter()
     net, data, label, loss_fn = build_model(args)
-    steps, barrier = make_trainers(args.impls, net, args.batch)
+    wire = {}
+    steps, barrier = make_trainers(args.impls, net, args.batch, wire)
     setup_seconds = time.perf_counter() - started
 
     def block(impl, count):
@@ -135,6 +185,7 @@ def main():
     for impl in args.impls:
         block(impl, args.warmup)
         barrier()
+    wire_per_step = {impl: wire.get(impl, 0) / max(args.warmup, 1) for impl in wire if impl}
     times = {impl: [] for impl in args.impls}
     for r in range(args.rounds):
         shift = r % len(args.impls)
@@ -146,7 +197,7 @@ def main():
             "batch": args.batch, "image": args.image, "tensors": len(params),
             "parameters": int(sum(p.data().size for p in params)),
             "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
-            "setup_seconds": setup_seconds,
+            "setup_seconds": setup_seconds, "wire_bytes": wire_per_step,
             "times": {impl: summarise(t) for impl, t in times.items()}})
 
 

@@ -68,7 +68,7 @@ class TwoBit(Codec):
                 plain.append(grad)
                 continue
             codes = self._quantize(index, grad)
-            wire = mx.nd.array(_pack(codes, width, per_word), dtype=carrier)
+            wire = mx.nd.array(_pack(codes, width, per_word).astype(carrier), dtype=carrier)
             kv.pushpull(f"{key}.2bit", wire, priority=priority)
             sent.append((grad, wire))
         plain_sum(kv, plain_keys, plain, priority)
@@ -101,23 +101,28 @@ class TwoBit(Codec):
 
 
 def _pack(codes: np.ndarray, width: int, per_word: int) -> np.ndarray:
-    """Codes -1..1 shifted to 0..2, ``per_word`` of them per word, ``width`` bits each,
-    lowest field first. A matrix-vector product with the fields' place values does the
-    shifting and adding at memory speed; float64 holds every packed word (< 2**31)
-    exactly, and so does every partial sum."""
+    """Codes -1..1 shifted to 0..2, ``per_word`` of them per uint32 word, ``width`` bits
+    each. Element ``i`` goes to word ``i % words``, field ``i // words``: every field is
+    a contiguous run of the codes, so packing and unpacking are a few passes over
+    contiguous memory."""
     words = -(-codes.size // per_word)
-    shifted = np.ones(words * per_word, dtype=np.float64)     # padding: code 0
-    shifted[:codes.size] += codes
-    places = np.ldexp(1.0, width * np.arange(per_word))
-    return shifted.reshape(words, per_word) @ places
+    shifted = np.ones(words * per_word, dtype=np.uint32)      # padding: code 0
+    shifted[:codes.size] += codes.astype(np.uint32, copy=False)   # wraps -1 + 1 to 0
+    shifted = shifted.reshape(per_word, words)
+    packed = shifted[0].copy()
+    for j in range(1, per_word):
+        shifted[j] <<= np.uint32(width * j)
+        packed |= shifted[j]
+    return packed
 
 
 def _unpack(packed: np.ndarray, width: int, per_word: int, size: int) -> np.ndarray:
-    """The fields of summed words (each the sum of the workers' shifted codes)."""
-    words = np.rint(packed).astype(np.int64) if packed.dtype.kind == "f" else packed
-    words = words.astype(np.uint32, copy=False)
+    """The fields of summed words (each the sum of the workers' shifted codes), in the
+    codes' order."""
+    words = np.rint(packed).astype(np.uint32) if packed.dtype.kind == "f" \
+        else packed.astype(np.uint32, copy=False)
     mask = np.uint32((1 << width) - 1)
     fields = np.empty((per_word, words.size), dtype=np.uint8 if width <= 8 else np.uint16)
     for j in range(per_word):
         np.bitwise_and(words >> np.uint32(width * j), mask, out=fields[j], casting="unsafe")
-    return fields.T.reshape(-1)[:size]
+    return fields.reshape(-1)[:size]
