@@ -52,9 +52,11 @@ class NodeRun:
 
 
 def run_nodes(cluster, argv, backend="horovod", nproc=1, nodes=(0, 1), nnodes=2,
-              launcher_args=(), cwd=None, env=None, timeout=240) -> NodeRun:
+              launcher_args=(), cwd=None, env=None, timeout=240,
+              node_env=None) -> NodeRun:
     """Start ``dist-gluon-run --nnodes ... --node-rank I`` on each of ``nodes``, the
-    same command on every host, and wait for all of them."""
+    same command on every host (``node_env[i]``: more environment for node i's
+    launcher), and wait for all of them."""
     port = str(next(_ports))
     full_env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
                 "OMP_NUM_THREADS": "1", **(env or {})}
@@ -64,7 +66,8 @@ def run_nodes(cluster, argv, backend="horovod", nproc=1, nodes=(0, 1), nnodes=2,
                    "--node-rank", str(i), "--master-addr", cluster.hosts[0].address,
                    "--master-port", port, "-n", str(nproc), "--backend", backend,
                    *launcher_args, "--", sys.executable, *map(str, argv)]
-        procs.append(cluster.popen(i, command, cwd=cwd, env=full_env, text=True,
+        procs.append(cluster.popen(i, command, cwd=cwd,
+                                   env={**full_env, **(node_env or {}).get(i, {})}, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs, ended = [], []
     for p in procs:
@@ -238,3 +241,22 @@ def test_timeout_ends_every_node(cluster, tmp_path, backend):
     assert result.returncodes[1] != 0, result.report()
     assert "timeout after 4 s. Ranks still running: 0, 1" in result.stderr[1]
     assert_nothing_left(marker["DG_TEST_MARKER"])
+
+
+@pytest.mark.parametrize("faulty,offset", [(0, -10.0), (1, 10.0)],
+                         ids=["cause-on-host0-host1-behind", "cause-on-host1-host1-ahead"])
+def test_the_cause_is_named_whatever_the_hosts_clocks_say(cluster, tmp_path, faulty,
+                                                          offset):
+    # Host 1's wall clock is 10 s off, in the direction that makes the consequence (the
+    # waiting rank's "Horovod has been shut down") look older than its cause.
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT_WORKER)
+    skewed = {"PYTHONPATH": f"{REPO / 'tests' / 'clock_offset'}:{REPO}",
+              "DG_TEST_CLOCK_OFFSET": str(offset)}
+    result = run_nodes(cluster, [script, "raise", str(faulty)], cwd=tmp_path,
+                       node_env={1: skewed})
+    cause = (f"rank {faulty} ({cluster.hosts[faulty].name}) failed (RuntimeError: rank "
+             f"{faulty} fails on purpose) after 2 collectives")
+    for node in (0, 1):
+        assert result.returncodes[node] == 1, result.report()
+        assert cause in result.stderr[node], result.report()

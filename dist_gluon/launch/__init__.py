@@ -224,6 +224,7 @@ class _JobView:
                     if n not in self.lost:
                         self.lost.append(n)
                 elif message["type"] == "status":
+                    message["received"] = time.monotonic()
                     self.remote[n] = message
                 elif message["type"] == "stacks":
                     self._stacks.update({int(r): t for r, t in message["found"].items()})
@@ -233,9 +234,19 @@ class _JobView:
                 time.sleep(0.02)
 
     def states(self) -> list[dict]:
+        """Every rank's state; ``left_at`` is when it left on this launcher's monotonic
+        clock (the reporting host's age of the news, subtracted from when it arrived
+        here): no two hosts' clocks are ever compared."""
+        now = time.monotonic()
         states = self.node.states(self.hint)
+        for s in states:
+            s["left_at"] = None if s["left_age"] is None else now - s["left_age"]
         for n in sorted(self.remote):
-            states.extend(self.remote[n]["states"])
+            received = self.remote[n].get("received", now)
+            for s in self.remote[n]["states"]:
+                s["left_at"] = (None if s.get("left_age") is None
+                                else received - s["left_age"])
+                states.append(s)
         low = min((s["count"] for s in states), default=0)
         if low != self.hint:
             self.hint = low

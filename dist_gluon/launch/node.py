@@ -133,18 +133,24 @@ class Node:
         """The state of each of this node's workers (see supervisor.py); ``hint`` is the
         lowest collective count in the job, whose next key reports name."""
         states = []
+        now = time.time()
         for p in self.workers:
             record = self._records[p.rank]
             attached = record.attached
             count = record.count if attached else 0
             phase = record.phase if attached else 0
             left = p.returncode is not None or phase == jobcontrol.DEPARTING
+            # How long ago the rank left, by this host's clock alone: node 0 turns it
+            # into a time on its own clock when the report arrives, so the ranks of
+            # hosts whose clocks disagree are still ordered right (supervisor.py).
+            left_wall = (record.departed_at if attached else None) or p.ended_at
             states.append({
                 "rank": p.rank, "host": self.host, "node": self.node_rank,
                 "attached": attached, "count": count, "phase": phase,
                 "departed_at": record.departed_at if attached else None,
                 "exception": record.exception if attached else None,
                 "returncode": p.returncode, "ended_at": p.ended_at,
+                "left_age": None if left_wall is None else max(0.0, now - left_wall),
                 "tail": list(p.tail) if left or (attached and record.exception) else [],
                 "key_next": record.key(hint + 1) if attached else None,
                 "key_last": record.key(count) if attached else None,

@@ -8,7 +8,13 @@ runs on this node or on another node's launcher):
 
     rank, host, attached, count (collectives submitted), phase (jobcontrol.ATTACHED /
     DEPARTING), departed_at, exception ("Type: message"), returncode, ended_at, tail
-    (last stderr lines), key_next (key of collective ``hint + 1``), key_last
+    (last stderr lines), key_next (key of collective ``hint + 1``), key_last, left_at
+    (when it left, on the judging launcher's monotonic clock)
+
+Which rank left first is decided on one clock: each host reports how long ago its ranks
+left by its own clock, and node 0 places that on its own. Wall-clock times written on
+different hosts are never compared (a host whose clock is seconds off would otherwise be
+blamed for a failure it only suffered).
 
 A rank has *left* when its process ended or it reached interpreter exit. A rank that
 left while another rank has submitted more collectives than it ever will is the cause of
@@ -42,7 +48,9 @@ def _failed(s: dict) -> bool:
 
 
 def _left_at(s: dict) -> float:
-    return s["departed_at"] or s["ended_at"] or float("inf")
+    # node 0's monotonic clock (see _JobView.states); never another host's wall clock
+    left_at = s.get("left_at")
+    return float("inf") if left_at is None else left_at
 
 
 def _ranks(ranks) -> str:
