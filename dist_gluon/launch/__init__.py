@@ -34,7 +34,7 @@ import time
 from .. import jobenv
 from .._version import __version__
 from ..rendezvous import GlooRendezvous
-from . import mpi, slurm, ssh
+from . import mpi, output, slurm, ssh
 from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_to_master
 from .node import Node, free_port
 from .supervisor import Supervisor
@@ -186,14 +186,11 @@ class _Output:
     """The launcher's own messages, prefixed so they stand out from the workers'."""
 
     def __init__(self, nnodes: int, node_rank: int):
-        self.lock = threading.Lock()
         self.prefix = "dist_gluon.launch: " if nnodes == 1 \
             else f"dist_gluon.launch[node {node_rank}]: "
 
     def say(self, text: str) -> None:
-        with self.lock:
-            sys.stderr.write("".join(f"{self.prefix}{line}\n" for line in text.splitlines()))
-            sys.stderr.flush()
+        output.emit("".join(f"{self.prefix}{line}\n" for line in text.splitlines()))
 
 
 # ---------------------------------------------------------------------- node 0
@@ -338,7 +335,7 @@ def _run_once(args, spec, links, out, deadline, last: bool):
         rendezvous = GlooRendezvous("0.0.0.0" if spec["nnodes"] > 1 else "127.0.0.1",
                                     spec["rendezvous_port"])
         rendezvous.start()
-    node = Node(args, 0, spec, out.lock)
+    node = Node(args, 0, spec)
     view = _JobView(node, links, out)
     supervisor = Supervisor(view, args.stall_warning, args.stall_timeout)
     status, report = 1, None
@@ -459,7 +456,7 @@ def _run_agent(args, out: _Output) -> int:
 
 
 def _agent_run_once(args, spec, link: Link, out: _Output):
-    node = Node(args, args.node_rank, spec, out.lock)
+    node = Node(args, args.node_rank, spec)
     hint, next_status = 0, 0.0
     try:
         node.start()
@@ -522,6 +519,15 @@ def _watch_stdin() -> None:
 
 
 def main(argv=None) -> int:
+    status = _main(argv)
+    # every line written before the exit status, unless nobody reads the output: then
+    # exit anyway (Python's own flush at exit would block too)
+    if not output.drain(timeout=10.0):
+        os._exit(status)
+    return status
+
+
+def _main(argv=None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     if args.hosts or args.hostfile:
         return ssh.run(args)

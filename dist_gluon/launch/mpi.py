@@ -44,7 +44,7 @@ import threading
 import time
 
 from .. import jobcontrol
-from . import ssh
+from . import output, ssh
 from .processes import TAIL_LINES, Process
 
 MPIRUN = "mpirun"
@@ -108,8 +108,8 @@ class Rank:
 
     role = "worker"
 
-    def __init__(self, rank: int, directory: str, out_lock: threading.Lock,
-                 mpirun: Process | None = None, owned_link: str | None = None):
+    def __init__(self, rank: int, directory: str, mpirun: Process | None = None,
+                 owned_link: str | None = None):
         self.label, self.rank = str(rank), rank
         self.mpirun = mpirun
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -117,7 +117,6 @@ class Rank:
         self.pid: int | None = None            # the rank's process (and process group)
         self.popen = self                      # processes.terminate() waits on p.popen
         self._returncode: int | None = None
-        self._lock = out_lock
         self._link = owned_link
         self._stopped = False
         self._paths = {kind: os.path.join(directory, f"rank{rank}.{kind}")
@@ -172,15 +171,12 @@ class Rank:
         except OSError:
             return
         to_stderr = kind == "err"
-        sink = sys.stderr if to_stderr else sys.stdout
         with os.fdopen(fd, "rb") as pipe:
             for raw in iter(pipe.readline, b""):
                 line = raw.decode("utf-8", "replace").rstrip("\n")
                 if to_stderr:
                     self.tail.append(line)
-                with self._lock:
-                    sink.write(f"[{self.label}] {line}\n")
-                    sink.flush()
+                output.emit(f"[{self.label}] {line}\n", to_stderr)
 
     def flush_output(self, timeout: float = 2.0) -> None:
         for kind, t in zip(("out", "err"), self._relays):
@@ -310,8 +306,7 @@ def start(node, base: dict[str, str]) -> None:
     ranks = []
     for local_rank in range(spec["nproc"]):
         rank, _ = node._worker_env(base, local_rank)
-        ranks.append(Rank(rank, directory, node._out_lock,
-                          owned_link=link if local_rank == 0 else None))
+        ranks.append(Rank(rank, directory, owned_link=link if local_rank == 0 else None))
     node.processes.extend(ranks)
     if node.node_rank != 0:
         return
@@ -320,7 +315,7 @@ def start(node, base: dict[str, str]) -> None:
         hosts = [spec["master_addr"]] + list(spec["hosts"][1:])
     argv, env = mpirun_command(spec, node.args, base, hosts)
     try:
-        mpirun = Process("mpirun", "mpirun", None, argv, env, node._out_lock)
+        mpirun = Process("mpirun", "mpirun", None, argv, env)
     except OSError as err:
         raise SystemExit(f"dist_gluon.launch: cannot start {MPIRUN!r} for --transport "
                          f"mpi: {err}") from err

@@ -8,7 +8,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 
 from .. import jobcontrol, jobenv
@@ -32,11 +31,10 @@ class Node:
     of the ps-lite scheduler.
     """
 
-    def __init__(self, args, node_rank: int, spec: dict, out_lock: threading.Lock):
+    def __init__(self, args, node_rank: int, spec: dict):
         self.args, self.node_rank, self.spec = args, node_rank, spec
         self.host = socket.gethostname()
         self.processes: list[Process] = []
-        self._out_lock = out_lock
         self._records: dict[int, jobcontrol.Record] = {}
         self._stack_offsets: dict[int, int] = {}
         self._control_dir = tempfile.mkdtemp(prefix="dg-control-",
@@ -120,7 +118,7 @@ class Node:
 
     def _spawn(self, label, role, rank, argv, env):
         try:
-            self.processes.append(Process(label, role, rank, argv, env, self._out_lock))
+            self.processes.append(Process(label, role, rank, argv, env))
         except OSError as err:
             raise SystemExit(f"dist_gluon.launch: cannot start {argv[0]!r}: {err}") from err
 

@@ -7,9 +7,10 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
+
+from . import output
 
 TAIL_LINES = 20
 
@@ -38,12 +39,11 @@ def signal_name(signum: int) -> str:
 class Process:
     """A child process, its output relay and the tail of its stderr."""
 
-    def __init__(self, label: str, role: str, rank: int | None, argv, env, out_lock,
+    def __init__(self, label: str, role: str, rank: int | None, argv, env,
                  stdin=subprocess.DEVNULL):
         self.label, self.role, self.rank = label, role, rank
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.ended_at: float | None = None      # time.time() when it ended
-        self._lock = out_lock
         self.popen = subprocess.Popen(argv, env=env, stdin=stdin,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       preexec_fn=_die_with_parent)
@@ -64,10 +64,7 @@ class Process:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if keep_tail:
                 self.tail.append(line)
-            sink = sys.stderr if to_stderr else sys.stdout
-            with self._lock:
-                sink.write(prefix + line + "\n")
-                sink.flush()
+            output.emit(prefix + line + "\n", to_stderr)
         pipe.close()
 
     def _wait(self):

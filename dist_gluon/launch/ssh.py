@@ -7,9 +7,9 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 
+from . import output
 from .processes import Process, terminate
 
 PARENT_ENV = "DG_LAUNCHED_BY"
@@ -122,7 +122,6 @@ def ssh_argv(args, host: str) -> list[str]:
 def run(args) -> int:
     """Start every host's launcher and wait for them; node 0's exit status wins."""
     master = args.master_addr or args.host_slots[0][0]
-    lock = threading.Lock()
     launchers: list[Process] = []
 
     def on_signal(signum, frame):
@@ -133,8 +132,7 @@ def run(args) -> int:
         for rank, (host, _) in enumerate(args.host_slots):
             argv = ssh_argv(args, host) + [node_command(args, rank, master)]
             # stdin stays open: the node launcher ends when this process goes away
-            launchers.append(Process("", "launcher", rank, argv, None, lock,
-                                     stdin=subprocess.PIPE))
+            launchers.append(Process("", "launcher", rank, argv, None, stdin=subprocess.PIPE))
         ended_at = None
         while True:
             codes = [p.returncode for p in launchers]
@@ -144,22 +142,22 @@ def run(args) -> int:
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > END_GRACE:
                 stuck = [args.host_slots[i][0] for i, c in enumerate(codes) if c is None]
-                sys.stderr.write(f"dist_gluon.launch: the launchers on {', '.join(stuck)} "
-                                 "did not end; closing their ssh sessions\n")
+                output.emit(f"dist_gluon.launch: the launchers on {', '.join(stuck)} "
+                            "did not end; closing their ssh sessions\n")
                 break
             time.sleep(0.1)
         codes = [p.returncode for p in launchers]
         if codes[0] == 255 or any(c == 255 for c in codes):
             bad = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
-            sys.stderr.write(f"dist_gluon.launch: ssh to {', '.join(bad)} failed (exit 255):"
-                             " check that passwordless ssh works (--ssh-port, "
-                             "--ssh-identity-file) and that dist_gluon is installed there "
-                             "at the same path\n")
+            output.emit(f"dist_gluon.launch: ssh to {', '.join(bad)} failed (exit 255):"
+                        " check that passwordless ssh works (--ssh-port, "
+                        "--ssh-identity-file) and that dist_gluon is installed there "
+                        "at the same path\n")
         if codes[0] not in (None, 0):
             return codes[0]
         return next((c for c in codes if c not in (None, 0)), 0 if None not in codes else 1)
     except KeyboardInterrupt:
-        sys.stderr.write("dist_gluon.launch: interrupted; ending the job on every host\n")
+        output.emit("dist_gluon.launch: interrupted; ending the job on every host\n")
         return 130
     finally:
         for p in launchers:
