@@ -39,7 +39,8 @@ ATTACHED, DEPARTING = 1, 2
 # verdicts the launcher writes for a departing worker
 FINALIZE, ABANDON = 1, 2
 
-# layout: magic, version, pid, phase, verdict, pad | count | departed_at | exception text
+# layout: magic, version, pid, phase, verdict, launcher beat | count | departed_at |
+# exception text
 # | key ring (the key of collective n sits in slot n % _RING)
 _HEAD = struct.Struct("<4sIiIII")       # 24 bytes
 _COUNT_AT = 24                           # uint64
@@ -53,7 +54,12 @@ RECORD_SIZE = _RING_AT + _RING * _KEY_BYTES
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _U32 = struct.Struct("<I")
-_PHASE_AT, _VERDICT_AT = 12, 16
+_PHASE_AT, _VERDICT_AT, _BEAT_AT = 12, 16, 20
+# A departing worker stops waiting for its verdict when its launcher has not stamped the
+# record for this long (seconds of CLOCK_MONOTONIC, which every process of a host
+# shares): the launcher is wedged, and the worker ends without the collective shutdown.
+# DG_LAUNCHER_SILENCE (seconds) overrides it.
+LAUNCHER_SILENCE = 30.0
 
 
 def record_path(directory: str, rank: int) -> str:
@@ -131,6 +137,16 @@ class Record:
     def set_verdict(self, verdict: int) -> None:
         _U32.pack_into(self._map, _VERDICT_AT, verdict)
 
+    def stamp(self, now: float) -> None:
+        """Launcher side: it is alive and supervising (``time.monotonic()``)."""
+        _U32.pack_into(self._map, _BEAT_AT, int(now) + 1)
+
+    @property
+    def launcher_beat(self) -> float | None:
+        """When the launcher last stamped the record (monotonic seconds), or None."""
+        value = _U32.unpack_from(self._map, _BEAT_AT)[0]
+        return float(value - 1) if value else None
+
     def _attach(self, pid: int) -> None:
         _HEAD.pack_into(self._map, 0, _MAGIC, _VERSION, pid, ATTACHED, 0, 0)
 
@@ -184,12 +200,20 @@ class Reporter:
         """Mark this rank as departing and wait until the launcher decides: FINALIZE when
         every rank has finished its script (run the collective shutdown), ABANDON when
         the job has failed (skip it). The launcher always decides; if it dies, so does
-        this process (the launcher sets PDEATHSIG)."""
+        this process (the launcher sets PDEATHSIG). If the launcher stops stamping the
+        record for LAUNCHER_SILENCE seconds (it is wedged), the wait ends as ABANDON."""
+        silence = float(os.environ.get("DG_LAUNCHER_SILENCE", LAUNCHER_SILENCE))
         self.depart()
         while True:
             verdict = self._record.verdict
             if verdict:
                 return verdict
+            beat = self._record.launcher_beat
+            if beat is not None and time.monotonic() - beat > silence + 1:
+                print(f"dist_gluon: the launcher has not answered for {silence:g} s; this "
+                      "worker ends without the collective shutdown",
+                      file=sys.stderr, flush=True)
+                return ABANDON
             time.sleep(poll)
 
     def failed(self, text: str) -> None:

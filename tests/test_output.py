@@ -4,6 +4,7 @@ when its output stays blocked to the end."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,46 @@ def test_a_node_whose_output_is_blocked_keeps_its_place_in_the_job(tmp_path):
     assert procs[0].returncode == 0, err0.decode()[-3000:]
     assert procs[1].returncode == 0, err1.decode()[-3000:]
     assert b"[1] SUM 2.0" in out1 and out1.count(b"[1] line ") == 100000
+
+
+def test_a_worker_does_not_wait_forever_for_a_wedged_launcher(tmp_path):
+    script = tmp_path / "finish.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import time
+
+        import dist_gluon as dg
+
+        kv = dg.create()
+        kv.barrier()
+        with open(f"ready{kv.rank}", "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(2)        # the test stops the launcher meanwhile
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+               DG_LAUNCHER_SILENCE="3")
+    proc = subprocess.Popen([sys.executable, "-m", "dist_gluon.launch", "-n", "2",
+                             "--backend", "horovod", "--transport", "gloo", "--",
+                             sys.executable, str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ready = [tmp_path / "ready0", tmp_path / "ready1"]
+        assert _wait_for(ready, timeout=120)
+        os.kill(proc.pid, signal.SIGSTOP)          # a wedged launcher: alive, silent
+        pids = [int(p.read_text()) for p in ready]
+        limit = time.monotonic() + 30
+        while time.monotonic() < limit and any(_alive(pid) for pid in pids):
+            time.sleep(0.5)
+        assert not any(_alive(pid) for pid in pids), "workers still wait for a verdict"
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"      # a zombie has ended
+    except FileNotFoundError:
+        return False

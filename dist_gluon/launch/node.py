@@ -132,8 +132,11 @@ class Node:
         lowest collective count in the job, whose next key reports name."""
         states = []
         now = time.time()
+        beat = time.monotonic()
         for p in self.workers:
             record = self._records[p.rank]
+            # the launcher's heartbeat to its departing workers (jobcontrol)
+            record.stamp(beat)
             attached = record.attached
             count = record.count if attached else 0
             phase = record.phase if attached else 0
