@@ -14,7 +14,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup system-packages horovod test demo lint bench bench-cluster clean
+.PHONY: setup system-packages horovod test test-fast demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -88,6 +88,11 @@ horovod: $(STAMP)
 
 test: setup
 	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+
+# The edit-run loop: unit tests and every distributed test on horovod over Gloo (no
+# dist_sync, p3, MPI, emulated hosts, examples or packaging; tests/conftest.py says which).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 
 # 2 workers train LeNet on the embedded digits (scikit-learn's, scaled to 28x28) and
 # write the loss/accuracy curves to runs/mnist.png.

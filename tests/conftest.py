@@ -58,3 +58,27 @@ def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
     """The launcher command line that runs ``script`` as ``n`` workers on ``backend``."""
     return [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
             "--", sys.executable, str(script), *map(str, args)]
+
+
+# ``make test-fast`` runs ``pytest -m "not slow"``: the unit tests and every distributed
+# test on horovod over Gloo. A test is slow when it is marked so, when it runs on the
+# other backends or transports (dist_sync, p3, horovod over MPI: parameters of the test
+# or of its fixtures), or when its whole file needs emulated hosts, an example's training
+# run or fresh virtual environments.
+_SLOW_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
+               "test_packaging.py", "test_examples.py", "test_pslite_job.py"}
+_SLOW_PARAMETERS = {"dist_sync", "p3", "mpi"}
+
+
+def _slow_parameter(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_slow_parameter(v) for v in value)
+    return isinstance(value, str) and value in _SLOW_PARAMETERS
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if item.path.name in _SLOW_FILES or (callspec is not None and any(
+                _slow_parameter(v) for v in callspec.params.values())):
+            item.add_marker(pytest.mark.slow)

@@ -349,7 +349,7 @@ def test_a_module_with_several_devices_raises_a_clear_error():
     ((mx.optimizer.SGD(),), {"learning_rate": 0.1}, TypeError, "go with an optimizer name"),
     (("sgd",), {"gradient_predivide_factor": 0}, ValueError, "must be positive"),
     (("sgd",), {"prefix": ""}, ValueError, "non-empty string"),
-    (("sgd",), {"compression": "int8"}, ValueError, "compression must be None or 'fp16'"),
+    (("sgd",), {"compression": "int8"}, ValueError, "unknown compression 'int8'; valid types"),
     (("nosuch",), {}, ValueError, "Cannot find optimizer nosuch"),
     (("sgd",), {"kv": "nosuch"}, ValueError, "unknown backend 'nosuch'"),
 ])
