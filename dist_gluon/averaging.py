@@ -18,6 +18,7 @@ import numpy as np
 
 from . import compression as _compression
 from .backends import Backend
+from .sparse import sum_row_sparse
 
 # Above every gradient's priority (-index <= 0): the batch sizes are needed first.
 _BATCH_PRIORITY = 1
@@ -131,6 +132,9 @@ class _GradientAverager:
         """
         if not self.distributed:
             return
+        if any(g.stype != "default" for g in grads):
+            self._reduce_mixed(indices, grads, weight, describe)
+            return
         keys = [self._grad_key(i, g, describe) for i, g in zip(indices, grads)]
         # optimizer indices are ints for Module and Gluon; an Updater takes any key
         priority = -indices[0] if isinstance(indices[0], int) else 0
@@ -152,9 +156,48 @@ class _GradientAverager:
             for g in grads:
                 g *= self._predivide
 
+    def _reduce_mixed(self, indices, grads, weight, describe) -> None:
+        """``reduce`` for a call holding row_sparse gradients: they are summed one by one
+        (:mod:`dist_gluon.sparse`), the dense ones together, in the callers' order."""
+        if weight is not None:
+            self._track_step(indices, weight)
+        dense = [(i, g) for i, g in zip(indices, grads) if g.stype == "default"]
+        for index, grad in zip(indices, grads):
+            if grad.stype != "default":
+                self.reduce_sparse(index, grad, describe)
+        if dense:
+            self.reduce([i for i, _ in dense], [g for _, g in dense], None, describe)
+        if weight is not None:
+            # the division by the summed weights, which reduce() does with a weight
+            for grad in grads:
+                factor = self._factor(grad.dtype)
+                if self._predivide != 1.0 and grad.stype == "default":
+                    factor = factor / self._predivide     # reduce() multiplied it back
+                if grad.stype == "default":
+                    grad *= factor
+                else:
+                    scaled = grad.data * factor
+                    mx.nd.sparse.row_sparse_array((scaled, grad.indices), shape=grad.shape,
+                                                  ctx=grad.context).copyto(grad)
+
+    def reduce_sparse(self, index: int, grad: mx.nd.NDArray, describe=None) -> dict:
+        """Sum the row_sparse ``grad`` of parameter ``index`` over the workers, in place,
+        as one process on the concatenated batches would hold it (the union of the
+        rows); see :mod:`dist_gluon.sparse`. Not compressed; no predivision."""
+        if grad.stype != "row_sparse":
+            what = describe(index) if describe else f"parameter #{index}"
+            raise TypeError(f"{self._owner} averages dense and row_sparse gradients; {what} "
+                            f"has a {grad.stype} gradient")
+        return sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
+                              priority=-index if isinstance(index, int) else 0)
+
     def reduce_one(self, index: int, grad: mx.nd.NDArray, describe=None) -> None:
         """``reduce([index], [grad])``, DistributedTrainer's call for each parameter,
         with a short path for the common case (no compression, no predivision)."""
+        if grad.stype != "default":
+            if self.distributed:
+                self.reduce_sparse(index, grad, describe)
+            return
         if self._plain and self.distributed:
             key = self._grad_keys.get(index) or self._grad_key(index, grad, describe)
             self.kv.pushpull(key, grad, priority=-index)
@@ -185,7 +228,7 @@ class _GradientAverager:
         if key is None:
             if grad.stype != "default":
                 what = describe(index) if describe else f"parameter #{index}"
-                raise TypeError(f"{self._owner} averages dense gradients only; {what} has a "
-                                f"{grad.stype} gradient")
+                raise TypeError(f"{self._owner} averages dense and row_sparse gradients "
+                                f"only; {what} has a {grad.stype} gradient")
             key = self._grad_keys[index] = self.key(index)
         return key

@@ -33,6 +33,12 @@ class DistributedTrainer(gluon.Trainer):
     the whole global batch, and ``update`` sums the batch sizes (one small collective)
     before it rescales.
 
+    Row-sparse gradients (``gluon.nn.Embedding(..., sparse_grad=True)``) are summed
+    with the cost of the rows in use (:mod:`dist_gluon.sparse`): every rank ends with the
+    rows of all workers' batches, as one process would, so lazy updates (SGD, Adam with
+    ``lazy_update=True``) touch the same rows everywhere. Compression applies to the
+    dense gradients only.
+
     With BatchNorm this holds only for :class:`~dist_gluon.SyncBatchNorm` layers, whose
     statistics are those of all workers' samples together (and whose running
     statistics are the same on every rank). ``gluon.nn.BatchNorm`` normalises each
