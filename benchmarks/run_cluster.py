@@ -19,6 +19,10 @@ scheduler on host 0. In every cluster:
 3. Compression: the same models on 2 hosts at 1 Gbit/s with DistributedTrainer's
    compression (none, fp16, 2-bit, PowerSGD rank 4) on horovod and dist_sync, next to
    MXNet's own 2-bit compression, with the bytes each puts on the wire.
+4. Language model: an LSTM language model whose embedding has row_sparse gradients
+   (cluster/lm.py) on 2 hosts at 1 Gbit/s: DistributedTrainer with sparse against dense
+   embedding gradients on horovod, dist_sync and p3, and gluon.Trainer(kvstore=
+   'dist_sync') with MXNet's own row_sparse path.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -77,6 +81,12 @@ COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
                  "dist_sync": ("dist_gluon,compute", "dg_fp16,compute", "dg_2bit,compute",
                                "dg_powersgd,compute", "gluon_2bit,compute")}
+
+# Part 4: the language model, in the same setting.
+LM = {"vocab": 50000, "dim": 256, "batch": 8, "bptt": 20, "warmup": 1, "steps": 3}
+LM_JOBS = {"horovod": ("sparse,dense,compute",),
+           "dist_sync": ("sparse,dense,compute", "gluon,compute"),
+           "p3": ("sparse,dense,compute",)}
 
 QUICK = {
     "settings": [{"hosts": 2, "rate": "1gbit", "models": ("resnet50",)}],
@@ -291,6 +301,32 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
     return out
 
 
+def run_lm(cluster, variants, timeout: float, workdir) -> dict:
+    args = list(itertools.chain.from_iterable((f"--{k}", str(v)) for k, v in LM.items()))
+    out = {}
+    for label, backend, transport in variants:
+        if backend not in LM_JOBS or transport == "mpi":
+            continue
+        slot = {"times": {}, "errors": {}, "wire_elements": {}}
+        for impls in LM_JOBS[backend]:
+            payload = run_job(cluster, backend, transport,
+                              [str(HERE / "cluster" / "lm.py"), *args, "--impls", impls],
+                              timeout, workdir)
+            log(f"  language model, {label} [{impls}]: {describe(payload)}")
+            if "error" in payload:
+                slot["errors"][impls] = payload["error"]
+                continue
+            times = dict(payload["times"])
+            if impls.startswith("gluon"):
+                times["compute_gluon_job"] = times.pop("compute")
+            slot["times"].update(times)
+            slot["wire_elements"].update(payload.get("wire_elements", {}))
+            slot.update({k: payload[k] for k in ("vocab", "dim", "batch", "bptt",
+                                                 "parameters", "embedding")})
+        out[label] = slot
+    return out
+
+
 def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                 timeout: float) -> dict:
     ssh = any(transport == "mpi" for _, _, transport in variants)
@@ -315,6 +351,9 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                 COMPRESS["hosts"], COMPRESS["rate"]):
             result["compress"] = run_train(cluster, cfg, COMPRESS["models"], variants,
                                            timeout, workdir, jobs=COMPRESS_JOBS)
+        if "lm" in parts and (setting["hosts"], setting["rate"]) == (
+                COMPRESS["hosts"], COMPRESS["rate"]):
+            result["lm"] = run_lm(cluster, variants, timeout, workdir)
     result["load_end"] = os.getloadavg()
     return result
 
@@ -328,9 +367,10 @@ def parse_args(argv=None):
                         help="2 hosts at 1 Gbit/s, small sizes, ResNet-50 only (a few "
                              "minutes); writes RESULTS-cluster-quick.md unless --out is "
                              "given")
-    parser.add_argument("--only", action="append", choices=("comm", "train", "compress"),
-                        help="run only this part (repeatable); default: all three "
-                             "(compress runs in the 2 hosts at 1 Gbit/s setting)")
+    parser.add_argument("--only", action="append",
+                        choices=("comm", "train", "compress", "lm"),
+                        help="run only this part (repeatable); default: all four "
+                             "(compress and lm run in the 2 hosts at 1 Gbit/s setting)")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
@@ -358,8 +398,8 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train", "compress"]
-    if parts == ["compress"]:
+    parts = args.only or ["comm", "train", "compress", "lm"]
+    if not set(parts) & {"comm", "train"}:
         cfg["settings"] = [s for s in cfg["settings"]
                            if (s["hosts"], s["rate"]) == (COMPRESS["hosts"], COMPRESS["rate"])]
     if "compress" in parts and not any(

@@ -271,6 +271,37 @@ def compress_table(s: dict, model: str) -> list[str]:
     return lines
 
 
+def lm_table(s: dict) -> list[str]:
+    per = s.get("lm", {})
+    info = next((slot for slot in per.values() if "vocab" in slot), None)
+    lines = []
+    if info:
+        lines += [f"vocabulary {info['vocab']}, dim {info['dim']}, "
+                  f"{info['parameters'] / 1e6:.1f}M parameters of which the embedding "
+                  f"{info['embedding'] / 1e6:.1f}M; batch {info['batch']} x "
+                  f"{info['bptt']} tokens per worker.", ""]
+    lines += ["| trainer | backend | step ms | compute-only ms | scaling efficiency | "
+              "elements sent per step | time / dense |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for variant, slot in per.items():
+        dense = _median(slot, "dense")
+        for name, impl in (("DistributedTrainer, sparse", "sparse"),
+                           ("DistributedTrainer, dense", "dense"),
+                           ("gluon.Trainer(kvstore='dist_sync')", "gluon")):
+            step = _median(slot, impl)
+            if step is None:
+                continue
+            compute = _median(slot, "compute_gluon_job" if impl == "gluon" else "compute")
+            sent = slot.get("wire_elements", {}).get(impl)
+            lines.append(f"| {name} | {variant} | {ms(step)} | {ms(compute)} | "
+                         f"{pct(compute / step if compute else None)} | "
+                         f"{'' if sent is None else f'{sent / 1e6:.2f}M'} | "
+                         f"{ratio(step, dense)} |")
+        for impls, error in slot.get("errors", {}).items():
+            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | |")
+    return lines
+
+
 def _comm_share(s: dict, label: str, case_names: list[str], cases: list[dict]):
     """Lowest share of the link bound over ``case_names`` for dist_gluon on ``label``."""
     job = s.get("comm", {}).get(label)
@@ -397,7 +428,20 @@ def write(results: dict, path: Path) -> None:
             for model in s.get("compress", {}):
                 text += [f"### {model}, {setting_name(s)}", "",
                          *compress_table(s, model), ""]
-    text += ["## 4. Targets (reported, not asserted)", "", *targets(results), "",
+    if any("lm" in s for s in results["settings"]):
+        text += ["## 4. Language model with sparse embedding gradients", "",
+                 "cluster/lm.py: an LSTM language model (embedding, 2 LSTM layers, a Dense "
+                 "decoder over the vocabulary) on Zipf-distributed synthetic tokens, SGD. "
+                 "*sparse*: DistributedTrainer with the embedding's row_sparse gradients "
+                 "(the union of the workers' rows travels); *dense*: the same model with "
+                 "sparse_grad=False; *gluon*: gluon.Trainer(kvstore='dist_sync') on the "
+                 "sparse model (MXNet's own path: the row_sparse gradient pushed, updates "
+                 "on the servers). *elements sent*: what DistributedTrainer gives the "
+                 "backend's sums per step.", ""]
+        for s in results["settings"]:
+            if "lm" in s:
+                text += [f"### {setting_name(s)}", "", *lm_table(s), ""]
+    text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
              "What was changed because of these numbers, and why the targets that are not "
              "met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated cluster\".", ""]
     path.write_text("\n".join(text))
