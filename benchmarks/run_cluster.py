@@ -412,8 +412,8 @@ def main(argv=None) -> int:
                 for label, backend, transport in VARIANTS
                 if transport != "mpi" or no_mpi is None]
     started = time.monotonic()
-    results = {"command": ".venv/bin/python benchmarks/run_cluster.py"
-                          + (" --quick" if args.quick else ""),
+    results = {"command": " ".join([".venv/bin/python benchmarks/run_cluster.py",
+                                    *(argv if argv is not None else sys.argv[1:])]),
                "config": cfg, "machine": local_bench.machine(),
                "load_start": os.getloadavg(), "mpi": no_mpi, "settings": []}
     cpu_start = local_bench.cpu_seconds()
