@@ -8,6 +8,7 @@ launchers' channel and ssh all travel over the emulated network, never loopback.
 from __future__ import annotations
 
 import itertools
+import signal
 import subprocess
 import sys
 import time
@@ -260,3 +261,47 @@ def test_the_cause_is_named_whatever_the_hosts_clocks_say(cluster, tmp_path, fau
     for node in (0, 1):
         assert result.returncodes[node] == 1, result.report()
         assert cause in result.stderr[node], result.report()
+
+
+def test_a_silent_node_ends_the_job_after_the_silence_limit(cluster, tmp_path):
+    script = tmp_path / "slow.py"
+    script.write_text("import time\nimport dist_gluon as dg\nkv = dg.create()\nkv.barrier()\n"
+                      "print('READY', flush=True)\ntime.sleep(60)\n")
+    port = str(next(_ports))
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
+                               "--node-rank", str(i), "--master-addr",
+                               cluster.hosts[0].address, "--master-port", port, "-n", "1",
+                               "--heartbeat", "0.2", "--silence-limit", "2", "--",
+                               sys.executable, str(script)],
+                           cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE) for i in (0, 1)]
+    try:
+        for line in procs[0].stdout:
+            if "READY" in line:
+                break
+        procs[1].send_signal(signal.SIGSTOP)       # node 1's launcher: alive, silent
+        stopped = time.monotonic()
+        err, took = [], None
+        for line in procs[0].stderr:                # node 0 names it after 2 s
+            err.append(line)
+            if took is None and "went silent" in line:
+                took = time.monotonic() - stopped
+        procs[0].wait(timeout=60)
+    finally:
+        procs[1].send_signal(signal.SIGCONT)
+        for p in procs:
+            p.kill()
+    err = "".join(err)
+    assert procs[0].returncode == 1, err
+    assert "the launcher of node 1 disconnected or went silent" in err
+    assert took is not None and took < 5, f"named after {took} s"   # default: 8 s
+
+
+def test_heartbeat_must_be_shorter_than_the_silence_limit(tmp_path):
+    proc = run([sys.executable, "-m", "dist_gluon.launch", "--heartbeat", "5",
+                "--silence-limit", "2", "--", "true"], tmp_path)
+    assert proc.returncode == 2
+    assert "--heartbeat (5) must be positive and shorter than --silence-limit (2)" \
+        in proc.stderr

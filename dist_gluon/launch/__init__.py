@@ -94,6 +94,14 @@ def _parse_args(argv):
                        help=f"port of node 0's launcher (default: {DEFAULT_MASTER_PORT})")
     nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="SEC",
                        help="seconds for every node to join (default: 300)")
+    nodes.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SEC",
+                       help="node 0's launcher tells the others it is alive at least every "
+                            f"SEC seconds (default: {HEARTBEAT:g}; the others report every "
+                            f"{STATUS_EVERY:g} s)")
+    nodes.add_argument("--silence-limit", type=float, default=SILENCE, metavar="SEC",
+                       help="a launcher that hears nothing from another for SEC seconds, "
+                            "or cannot send to it for as long, ends the job naming it "
+                            f"(default: {SILENCE:g}; give every node the same value)")
     nodes.add_argument("--iface", default=None,
                        help="horovod: network interface for Gloo (default: the one that "
                             "carries this node's route to the master)")
@@ -139,6 +147,9 @@ def _parse_args(argv):
                      "horovod with MPI); or use --transport gloo")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not 0 < args.heartbeat < args.silence_limit:
+        parser.error(f"--heartbeat ({args.heartbeat:g}) must be positive and shorter than "
+                     f"--silence-limit ({args.silence_limit:g})")
     for name in ("timeout", "stall_timeout", "join_timeout"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -366,10 +377,10 @@ def _supervise(args, view: _JobView, supervisor: Supervisor, deadline):
     while True:
         view.pump()
         if time.monotonic() >= next_tick:
-            next_tick = time.monotonic() + HEARTBEAT
+            next_tick = time.monotonic() + args.heartbeat
             view.broadcast({"type": "tick"})
         view.lost.extend(n for n, link in view.links.items()
-                         if link.silent_for() > SILENCE and n not in view.lost)
+                         if link.gone(args.silence_limit) and n not in view.lost)
         if view.lost:
             lost = view.lost[0]
             return 1, (f"the launcher of node {lost} disconnected or went silent (its "
@@ -472,7 +483,7 @@ def _agent_run_once(args, spec, link: Link, out: _Output):
             try:
                 message = link.receive(timeout=0.05)
             except queue.Empty:
-                message = {"type": "silence"} if link.silent_for() > SILENCE else None
+                message = {"type": "silence"} if link.gone(args.silence_limit) else None
                 if message is None:
                     continue
             if message is None or message["type"] == "silence":

@@ -3,7 +3,10 @@ connection to node 0's launcher (the master) and exchanges JSON messages, one pe
 
 Both sides send at least every HEARTBEAT seconds (statuses, ticks); a side that hears
 nothing for SILENCE seconds treats the other as gone (a machine that loses power or its
-network closes no connection).
+network closes no connection). Sending never blocks the caller: messages go out through
+a writer thread, and a side whose message has not left after SILENCE seconds (the peer
+stopped reading, so TCP stopped taking data) treats the other as gone too. Both are
+launcher options (--heartbeat, --silence-limit).
 
 node -> master: hello {node, host, nproc}, status {states, service_failure,
 services_ended}, stacks {found}, stopped
@@ -18,8 +21,8 @@ import socket
 import threading
 import time
 
-HEARTBEAT = 0.5
-SILENCE = 8.0
+HEARTBEAT = 0.5        # default of --heartbeat
+SILENCE = 8.0          # default of --silence-limit
 
 
 class Link:
@@ -27,12 +30,14 @@ class Link:
 
     def __init__(self, sock: socket.socket):
         self._sock = sock
-        self._send_lock = threading.Lock()
         self.inbox: queue.Queue = queue.Queue()
+        self._outbox: queue.Queue = queue.Queue()
+        self._sending_since: float | None = None
         self.closed = False
         self.last_heard = time.monotonic()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._write, daemon=True).start()
 
     def _read(self):
         try:
@@ -45,22 +50,49 @@ class Link:
         self.closed = True
         self.inbox.put(None)
 
-    def send(self, message: dict) -> bool:
-        data = (json.dumps(message) + "\n").encode()
-        try:
-            with self._send_lock:
+    def _write(self):
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            self._sending_since = time.monotonic()
+            try:
                 self._sock.sendall(data)
-            return True
-        except OSError:
-            self.closed = True
+            except OSError:
+                self.closed = True
+                return
+            finally:
+                self._sending_since = None
+                self._outbox.task_done()
+
+    def send(self, message: dict) -> bool:
+        """Queue ``message``; never blocks. False when the link is closed."""
+        if self.closed:
             return False
+        self._outbox.put((json.dumps(message) + "\n").encode())
+        return True
+
+    def stuck_for(self) -> float:
+        """Seconds the message being sent has waited for the peer to take it."""
+        since = self._sending_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def gone(self, silence: float) -> bool:
+        """Nothing heard for ``silence`` seconds, or a message not taken for as long."""
+        return self.silent_for() > silence or self.stuck_for() > silence
 
     def receive(self, timeout: float | None = None) -> dict | None:
         """The next message; None when the link closed; raises queue.Empty on timeout."""
         return self.inbox.get(timeout=timeout)
 
-    def close(self):
+    def close(self, flush: float = 1.0):
+        """Close, after giving queued messages ``flush`` seconds to leave."""
+        limit = time.monotonic() + flush
+        while self._outbox.unfinished_tasks and not self.closed \
+                and time.monotonic() < limit:
+            time.sleep(0.01)
         self.closed = True
+        self._outbox.put(None)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

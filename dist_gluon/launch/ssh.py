@@ -93,6 +93,7 @@ def node_command(args, node_rank: int, master_addr: str) -> str:
             "--nnodes", str(len(args.host_slots)), "--node-rank", str(node_rank),
             "--master-addr", master_addr, "--master-port", str(args.master_port),
             "--join-timeout", f"{args.join_timeout:g}",
+            "--heartbeat", f"{args.heartbeat:g}", "--silence-limit", f"{args.silence_limit:g}",
             "-n", str(args.num_workers), "--backend", args.backend,
             "--servers", str(args.servers), "--max-restarts", str(args.max_restarts),
             "--stall-warning", f"{args.stall_warning or 0:g}"]
