@@ -300,7 +300,7 @@ def test_a_silent_node_ends_the_job_after_the_silence_limit(cluster, tmp_path):
 
 
 def test_heartbeat_must_be_shorter_than_the_silence_limit(tmp_path):
-    proc = run([sys.executable, "-m", "dist_gluon.launch", "--heartbeat", "5",
+    proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "1", "--heartbeat", "5",
                 "--silence-limit", "2", "--", "true"], tmp_path)
     assert proc.returncode == 2
     assert "--heartbeat (5) must be positive and shorter than --silence-limit (2)" \
