@@ -99,6 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="epochs of linear warmup from --lr to the scaled rate "
                             "(default: 5)")
     train.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    train.add_argument("--compression", default="none",
+                       choices=("none", "fp16", "2bit", "powersgd"),
+                       help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
+                             "or powersgd "
+                            "(rank 4) (default: none)")
     train.add_argument("--wd", type=float, default=1e-4,
                        help="weight decay, not applied to batch-norm parameters and biases "
                             "(default: 1e-4)")
@@ -380,7 +385,8 @@ def main(argv=None) -> None:
     optimizer_params = {"learning_rate": args.lr * workers, "momentum": args.momentum,
                         "wd": args.wd, "lr_scheduler": schedule,
                         "multi_precision": args.dtype == "float16"}
-    trainer = dg.DistributedTrainer(net.collect_params(), "nag", optimizer_params, kv=kv)
+    trainer = dg.DistributedTrainer(net.collect_params(), "nag", optimizer_params, kv=kv,
+                                    compression=args.compression)
     log(f"model: {args.model} ({args.dtype}) on {ctx}, no weight decay on {num_no_decay} "
         f"batch-norm and bias parameters"
         + (f"; SyncBatchNorm: statistics over all {workers} workers' samples, not hybridized"
@@ -388,7 +394,8 @@ def main(argv=None) -> None:
     log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
         f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} x {workers} = "
         f"{args.lr * workers:g}, {args.lr_mode} schedule, {args.warmup_epochs:g} warmup "
-        f"epochs, label smoothing {args.label_smoothing:g}, mixup alpha {args.mixup_alpha:g}")
+        f"epochs, label smoothing {args.label_smoothing:g}, mixup alpha {args.mixup_alpha:g}, "
+        f"compression {args.compression}")
 
     start_epoch = 0
     best_acc = float("nan")

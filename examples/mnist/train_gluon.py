@@ -55,6 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=0.02,
                         help="learning rate of one worker; N workers use N times this "
                              "(default: 0.02)")
+    parser.add_argument("--compression", default="none",
+                        choices=("none", "fp16", "2bit", "powersgd"),
+                        help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
+                             "or powersgd "
+                             "(rank 4) (default: none)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="epochs of linear warmup from --lr to the scaled rate "
                              "(default: 1)")
@@ -192,10 +197,10 @@ def main(argv=None) -> None:
     trainer = dg.DistributedTrainer(
         net.collect_params(), "sgd",
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
-         "lr_scheduler": schedule}, kv=kv)
+         "lr_scheduler": schedule}, kv=kv, compression=args.compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, {warmup_steps} warmup steps, "
-        f"cosine decay over {total_steps} steps")
+        f"cosine decay over {total_steps} steps; compression: {args.compression}")
 
     history: list[dict] = []
     start_epoch = 0
