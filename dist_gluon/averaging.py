@@ -144,6 +144,13 @@ class _GradientAverager:
             for g in grads:
                 g *= 1.0 / self._predivide
         if self.codec is not None:
+            for index, grad in zip(indices, grads):
+                if np.dtype(grad.dtype).kind != "f":
+                    what = describe(index) if describe else f"parameter #{index}"
+                    raise TypeError(f"compression {self.codec.name!r} works on float16, "
+                                    f"float32 and float64 gradients; {what} has a gradient "
+                                    f"of dtype {np.dtype(grad.dtype).name} (use "
+                                    "compression=None for it)")
             self.codec.reduce(self.kv, indices, keys, grads, priority)
         elif len(keys) == 1:
             self.kv.pushpull(keys[0], grads[0], priority=priority)

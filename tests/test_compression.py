@@ -215,3 +215,19 @@ def test_residuals_restored_on_another_worker_count_keep_their_sum(workers, expe
             assert residuals == {}
         else:
             assert residuals[0].tolist() == expected[rank]
+
+
+class _TwoWorkers:
+    num_workers, rank, type = 2, 0, "fake"
+
+    def pushpull(self, *args, **kwargs):
+        raise AssertionError("nothing may be sent")
+
+
+def test_compressing_an_integer_gradient_is_a_clear_error():
+    from dist_gluon.averaging import _GradientAverager
+
+    averager = _GradientAverager(_TwoWorkers(), "int", {"type": "2bit"})
+    with pytest.raises(TypeError, match="works on float16, float32 and float64 gradients; "
+                                        "parameter #0 has a gradient of dtype int32"):
+        averager.reduce([0], [mx.nd.zeros((4,), dtype="int32")])
