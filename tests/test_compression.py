@@ -77,6 +77,13 @@ def test_distributed_optimizer_compresses_like_mxnet_too(job, mxnet_2bit, rank):
                       _weights(job, "module_none", rank)) < 1e-5
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_plain_gluon_trainer_gets_2bit_from_kv_set_gradient_compression(
+        job, mxnet_2bit, rank):
+    ours = _weights(job, "rfc_2bit", rank)
+    assert _max_error(ours, _weights(mxnet_2bit, "mxnet_2bit", rank)) <= 1e-6
+
+
 def test_powersgd_of_full_rank_equals_uncompressed_training(job):
     assert _max_error(_weights(job, "powersgd_full", 0), _weights(job, "none", 0)) < 1e-5
 

@@ -111,6 +111,23 @@ for name, compression in CODECS.items():
     train(net, trainer, rank, workers, range(STEPS))
     save(name, net, rank)
 kv.pushpull = original_pushpull
+
+# the RFC's low-level API: a plain gluon.Trainer on the backend object, with MXNet's
+# compression_params (gluon calls kv.set_gradient_compression with them)
+net = make_net()
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": LR}, kvstore=kv,
+                        compression_params={"type": "2bit", "threshold": THRESHOLD},
+                        update_on_kvstore=False)
+share = 2 * B // workers
+for step in range(STEPS):
+    x = mx.nd.array(X[step, rank * share:(rank + 1) * share])
+    y = mx.nd.array(Y[step, rank * share:(rank + 1) * share])
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(2 * B)              # gluon rescales by 1/batch: the global batch
+save("rfc_2bit", net, rank)
+kv.set_gradient_compression(None)
 if rank == 0:
     with open(os.path.join(out_dir, "wire.json"), "w") as f:
         json.dump({k: v / STEPS for k, v in wire.items()}, f)
