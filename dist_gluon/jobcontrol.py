@@ -12,7 +12,7 @@ that rank runs the backend's collective shutdown (everyone is done) or skips it 
 has failed, and peers that would have to join it are being terminated).
 
 A worker also dumps the Python stacks of all its threads into a file next to its record
-when it receives ``STACKS_SIGNAL`` (``faulthandler``; works while a thread is blocked in
+when it receives the stacks signal (``faulthandler``; works while a thread is blocked in
 C code), which the launcher requests for a stall report.
 
 This module imports neither mxnet nor horovod: the launcher uses it too.
@@ -30,7 +30,34 @@ import threading
 import time
 
 ENV_DIR = "DG_CONTROL_DIR"
-STACKS_SIGNAL = signal.SIGUSR1
+# The signal that asks a worker for its stacks: DG_STACKS_SIGNAL (the launcher's
+# --stacks-signal), by default SIGRTMIN+7. Not SIGUSR1 or SIGUSR2: SLURM and other
+# schedulers send those to warn a job, and scripts install handlers for them. glibc keeps
+# real-time signals below SIGRTMIN for itself; no scheduler, MPI or library we know of
+# sends SIGRTMIN+7.
+DEFAULT_STACKS_SIGNAL = "SIGRTMIN+7"
+
+
+def stacks_signal(environ=None) -> int:
+    """The stacks signal's number, from DG_STACKS_SIGNAL: a name (``SIGUSR2``, ``USR2``,
+    ``SIGRTMIN+7``) or a number. ValueError for anything else."""
+    text = (environ if environ is not None else os.environ).get(
+        "DG_STACKS_SIGNAL", DEFAULT_STACKS_SIGNAL).strip().upper()
+    name = text if text.startswith("SIG") or text.isdigit() else "SIG" + text
+    try:
+        if name.isdigit():
+            number = int(name)
+        elif name.startswith("SIGRTMIN"):
+            number = signal.SIGRTMIN + int(name[len("SIGRTMIN"):] or 0)
+        else:
+            number = int(getattr(signal, name))
+    except (AttributeError, ValueError):
+        number = -1
+    if number in (signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGINT,
+                  signal.SIGTERM) or not 0 < number <= signal.SIGRTMAX:
+        raise ValueError(f"DG_STACKS_SIGNAL={text!r} is not a signal that can ask for stacks; "
+                         f"give a name such as SIGUSR2 or SIGRTMIN+7 (the default)")
+    return number
 
 _MAGIC = b"DGJC"
 _VERSION = 1
@@ -181,8 +208,12 @@ class Reporter:
         record._attach(os.getpid())
         # kept open for the process's lifetime: faulthandler writes to its descriptor
         self._stacks = open(stacks_file, "a")
-        faulthandler.register(STACKS_SIGNAL, file=self._stacks, all_threads=True,
-                              chain=False)
+        signum = stacks_signal()
+        # a handler the script installed for this signal keeps working: it runs after
+        # the stacks are written (and a handler installed later simply replaces ours)
+        previous = signal.getsignal(signum)
+        faulthandler.register(signum, file=self._stacks, all_threads=True,
+                              chain=callable(previous))
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         atexit.register(self.depart)

@@ -205,3 +205,48 @@ def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
         "attribute '__exit__' (a gluon Block was called from two threads at once" \
         in proc.stderr, _report(proc)
     assert "transform.hybridize(False)" in proc.stderr
+
+
+USER_HANDLER = """
+import os
+import signal
+import sys
+import time
+
+import dist_gluon as dg
+
+calls = []
+signal.signal(signal.SIGUSR1, lambda signum, frame: calls.append("USR1"))
+signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append("USR2"))
+kv = dg.create()
+kv.barrier()
+os.kill(os.getpid(), signal.SIGUSR1)        # what a scheduler's warning does
+time.sleep(0.2)
+if kv.rank == 1 and sys.argv[1] == "stall":
+    time.sleep(8)                            # rank 0 waits: its stacks are asked for
+kv.barrier()
+print("handled", ",".join(calls), flush=True)
+"""
+
+
+def test_a_scripts_own_sigusr1_handler_keeps_working(tmp_path):
+    proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["plain"], timeout=120)
+    assert proc.returncode == 0, _report(proc)
+    assert worker_lines(proc.stdout, 0) == ["handled USR1"]
+
+
+def test_the_stacks_signal_is_configurable_and_chains_to_the_scripts_handler(tmp_path):
+    proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["stall"],
+                  launcher_args=["--stacks-signal", "SIGUSR2", "--stall-warning", "2"],
+                  timeout=120)
+    assert proc.returncode == 0, _report(proc)
+    assert "Python stacks of rank 1 (every thread):" in proc.stderr, _report(proc)
+    # the script's own SIGUSR2 handler ran too, after the stacks were written
+    assert worker_lines(proc.stdout, 1) == ["handled USR1,USR2"]
+
+
+def test_a_bad_stacks_signal_is_a_usage_error(tmp_path):
+    proc = launch("print('never')", tmp_path, "horovod", n=1,
+                  launcher_args=["--stacks-signal", "SIGKILL"], timeout=60)
+    assert proc.returncode == 2
+    assert "--stacks-signal: DG_STACKS_SIGNAL='SIGKILL' is not a signal" in proc.stderr

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from .. import jobenv
+from .. import jobcontrol, jobenv
 from .._version import __version__
 from ..rendezvous import GlooRendezvous
 from . import mpi, output, slurm, ssh
@@ -79,6 +79,11 @@ def _parse_args(argv):
                         help="report ranks that have not reached a collective the others "
                              "have waited in for SEC seconds, with their Python stacks "
                              "(default: 60; 0 turns it off)")
+    parser.add_argument("--stacks-signal", default=None, metavar="NAME",
+                        help="the signal that asks a worker for its Python stacks in a "
+                             "stall report (default: DG_STACKS_SIGNAL, else "
+                             f"{jobcontrol.DEFAULT_STACKS_SIGNAL}; SIGUSR1 and SIGUSR2 are "
+                             "left to schedulers and scripts)")
     parser.add_argument("--stall-timeout", type=float, default=None, metavar="SEC",
                         help="end the job when such a stall lasts SEC seconds "
                              "(default: never)")
@@ -147,6 +152,13 @@ def _parse_args(argv):
                      "horovod with MPI); or use --transport gloo")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.stacks_signal is not None:
+        try:
+            jobcontrol.stacks_signal({"DG_STACKS_SIGNAL": args.stacks_signal})
+        except ValueError as err:
+            parser.error(f"--stacks-signal: {err}")
+        # the workers, the node launchers and mpirun's ranks inherit it (DG_* is passed on)
+        os.environ["DG_STACKS_SIGNAL"] = args.stacks_signal
     if not 0 < args.heartbeat < args.silence_limit:
         parser.error(f"--heartbeat ({args.heartbeat:g}) must be positive and shorter than "
                      f"--silence-limit ({args.silence_limit:g})")

@@ -192,7 +192,7 @@ class Node:
                 path = jobcontrol.stacks_path(self._control_dir, p.rank)
                 self._stack_offsets[p.rank] = os.path.getsize(path)
                 try:
-                    os.kill(record.pid, jobcontrol.STACKS_SIGNAL)
+                    os.kill(record.pid, jobcontrol.stacks_signal())
                     asked.append(p.rank)
                 except ProcessLookupError:
                     pass
