@@ -84,6 +84,22 @@ def test_a_plain_gluon_trainer_gets_2bit_from_kv_set_gradient_compression(
     assert _max_error(ours, _weights(mxnet_2bit, "mxnet_2bit", rank)) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def numpy_2bit(tmp_path_factory):
+    """MXNet's 2-bit semantics written out in NumPy, 2 workers of 5 and 11 samples."""
+    out = tmp_path_factory.mktemp("numpy_2bit")
+    assert_ok(run([sys.executable, str(CASES), str(out), "reference"], out))
+    return out
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_2bit_with_uneven_batches_equals_a_numpy_reference_of_the_semantics(
+        job, numpy_2bit, rank):
+    ours = _weights(job, "2bit_uneven", rank)
+    assert _max_error(ours, _weights(numpy_2bit, "numpy_2bit_uneven", 0)) <= 1e-6
+    assert _max_error(ours, _weights(job, "2bit", rank)) > 1e-4     # not the even case
+
+
 def test_powersgd_of_full_rank_equals_uncompressed_training(job):
     assert _max_error(_weights(job, "powersgd_full", 0), _weights(job, "none", 0)) < 1e-5
 

@@ -2,6 +2,7 @@
 
     python compression_cases.py OUT_DIR dg        # DistributedTrainer with every codec
     python compression_cases.py OUT_DIR mxnet     # MXNet's own dist_sync kvstore, 2-bit
+    python compression_cases.py OUT_DIR reference # 2-bit in NumPy, uneven batches
 
 Both modes train the same two-layer network from the same initial weights on the same
 data (each worker its own half of every global batch) with plain SGD, and save every
@@ -75,6 +76,42 @@ if mode == "mxnet":
             mx.nd.sgd_update(p.data(), p.grad(), lr=LR, wd=0.0, rescale_grad=1.0 / (2 * B),
                              out=p.data())
     save("mxnet_2bit", net, kv.rank)
+    sys.exit(0)
+
+UNEVEN = (5, 11)       # samples of rank 0 and rank 1 in every step of the uneven case
+
+
+def uneven_batch(step, rank):
+    lo = 0 if rank == 0 else UNEVEN[0]
+    hi = lo + UNEVEN[rank]
+    return mx.nd.array(X[step, lo:hi]), mx.nd.array(Y[step, lo:hi])
+
+
+if mode == "reference":
+    # MXNet's 2-bit written out in NumPy for 2 workers of uneven batches, in one process:
+    # each worker's raw gradient plus its residual, quantised to +-t or 0, the residual
+    # keeping the rest; the sum of the sent values divided by the summed batch sizes
+    net = make_net()
+    params = list(net.collect_params().values())
+    residuals = [[np.zeros(p.shape, np.float32) for p in params] for _ in UNEVEN]
+    t = np.float32(THRESHOLD)
+    for step in range(STEPS):
+        total = [np.zeros(p.shape, np.float32) for p in params]
+        for worker in range(2):
+            x, y = uneven_batch(step, worker)
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            for i, p in enumerate(params):
+                r = residuals[worker][i]
+                r += p.grad().asnumpy()
+                codes = (r >= t).astype(np.float32) - (r <= -t).astype(np.float32)
+                r -= codes * t
+                total[i] += codes * t
+        for p, g in zip(params, total):
+            mx.nd.sgd_update(p.data(), mx.nd.array(g), lr=LR, wd=0.0,
+                             rescale_grad=1.0 / sum(UNEVEN), out=p.data())
+    save("numpy_2bit_uneven", net, 0)
     sys.exit(0)
 
 import dist_gluon as dg  # noqa: E402
@@ -162,6 +199,19 @@ def module_run(name, compression):
 
 for name in ("none", "2bit", "powersgd_full"):
     module_run(name, CODECS[name])
+
+# 2-bit with batch sizes that differ between the ranks (on 2 workers only)
+if workers == 2:
+    net = make_net()
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": LR},
+                                    compression=CODECS["2bit"], prefix="2bit.uneven")
+    for step in range(STEPS):
+        x, y = uneven_batch(step, rank)
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+        loss.backward()
+        trainer.step(x.shape[0])
+    save("2bit_uneven", net, rank)
 
 # resume: 3 steps, checkpoint, 3 steps == 3 steps, restore into a new trainer, 3 steps
 for name in ("2bit", "powersgd1"):
