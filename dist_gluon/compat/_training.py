@@ -1,0 +1,164 @@
+"""The trainer, optimizer and compression pieces the peers' APIs share.
+
+Both peers' DistributedTrainers are a ``gluon.Trainer`` whose gradients are summed over
+the workers and divided by the number of workers; they differ in where the division
+happens (horovod: through ``rescale_grad``; BytePS: on the gradients, before the sum)
+and in when rank 0's weights are broadcast. The sums go through dist_gluon's gradient
+path (:mod:`dist_gluon.averaging`: keys by position, priorities, fp16, row_sparse
+gradients), never through a second implementation.
+"""
+from __future__ import annotations
+
+import warnings
+
+import mxnet as mx
+from mxnet import gluon
+
+from ..averaging import _GradientAverager, check_compression, claim_prefix
+from ..backends import Backend
+from ..broadcast import broadcast_parameters as _broadcast_parameters
+from ..broadcast import parameter_list
+from ..optimizer import DistributedOptimizer as _DistributedOptimizer
+
+
+class _Compressor:
+    """A horovod/BytePS compressor object; dist_gluon runs the codec it names."""
+
+    spec: str | None = None
+
+    @staticmethod
+    def compress(tensor, *args, **kwargs):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx, *args, **kwargs):
+        return tensor
+
+
+class _NoneCompressor(_Compressor):
+    pass
+
+
+class _FP16Compressor(_Compressor):
+    """Gradients travel as float16 (dist_gluon's 'fp16' codec)."""
+
+    spec = "fp16"
+
+    @staticmethod
+    def compress(tensor, *args, **kwargs):
+        if tensor.dtype == "float16":
+            return tensor, tensor.dtype
+        return tensor.astype("float16", copy=False), tensor.dtype
+
+    @staticmethod
+    def decompress(tensor, ctx, *args, **kwargs):
+        return tensor if ctx is None or tensor.dtype == ctx else tensor.astype(ctx, copy=False)
+
+
+class Compression:
+    """Optional gradient compression: ``Compression.none`` or ``Compression.fp16``."""
+
+    none = _NoneCompressor()
+    fp16 = _FP16Compressor()
+
+
+def codec_of(compression, function: str) -> str | None:
+    """The dist_gluon codec spec of a horovod compressor object."""
+    if compression is None or isinstance(compression, _Compressor):
+        return None if compression is None else compression.spec
+    raise ValueError(
+        f"{function}: compression must be Compression.none or Compression.fp16 of this "
+        f"module, got {compression!r}; for 2-bit or PowerSGD use "
+        "dist_gluon.DistributedTrainer(..., compression='2bit' or 'powersgd')")
+
+
+class PeerTrainer(gluon.Trainer):
+    """A ``gluon.Trainer`` whose ``_sum_grads()`` sums every gradient over the workers in
+    place (dist_gluon's gradient path); subclasses scale as their peer does.
+
+    Parameters are keyed by their position in ``params`` (a ParameterDict or dict in
+    its own order, or a list), the same on every rank. One device per process.
+    """
+
+    _kind = "peer"
+
+    def __init__(self, params, optimizer, optimizer_params, kv: Backend,
+                 compression: str | None, prefix, owner: str):
+        if isinstance(optimizer, _DistributedOptimizer):
+            warnings.warn(f"{owner} does not take a DistributedOptimizer as its optimizer; "
+                          "the wrapped optimizer is used", stacklevel=3)
+            optimizer = optimizer._dg_wrapped_optimizer
+        super().__init__(parameter_list(params), optimizer, optimizer_params, kvstore=None,
+                         update_on_kvstore=False)
+        if len(self._contexts) > 1:
+            raise ValueError(f"{owner} uses one device per process, but the parameters live "
+                             f"on {self._contexts}; start one worker per device instead")
+        self._kv = kv
+        self._averager = _GradientAverager(kv, claim_prefix(prefix, self._kind, "trainer"),
+                                           check_compression(compression), owner=owner)
+
+    def _init_kvstore(self):
+        # no MXNet kvstore: the sums go through self._kv
+        self._kvstore = None
+        self._update_on_kvstore = False
+        self._distributed = False
+        self._kv_initialized = True
+
+    def _sum_grads(self, scale: float = 1.0) -> None:
+        """Multiply every gradient by ``scale``, then sum it over the workers in place."""
+        for i, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grad = param.list_grad()[0]
+            if scale != 1.0:
+                grad *= scale
+            self._averager.reduce_one(i, grad, describe=self._describe)
+
+    def _describe(self, index: int) -> str:
+        return f"parameter #{index} ({self._params[index].name!r})"
+
+
+class PeerOptimizer(_DistributedOptimizer):
+    """dist_gluon's DistributedOptimizer (Module API: forwarding, installation checks,
+    pickling) with a peer's arithmetic: each gradient is multiplied by ``prescale``,
+    summed over the workers, and divided by the number of workers if ``average``; the
+    wrapped optimizer's ``rescale_grad`` is the user's, untouched by batch sizes."""
+
+    def __init__(self, optimizer, kv: Backend, prescale: float, average: bool):
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise TypeError(f"DistributedOptimizer wraps an mx.optimizer.Optimizer, got "
+                            f"{type(optimizer).__name__}; e.g. mx.optimizer.create('sgd', "
+                            "learning_rate=0.1)")
+        super().__init__(optimizer, kv=kv)
+        self._dg_prescale = prescale
+        self._dg_average = average
+
+    def _update(self, update, index, weight, grad, state) -> None:
+        if self._dg_averager is None:
+            self._dg_averager = _GradientAverager(self.kv, self._dg_prefix,
+                                                  owner="DistributedOptimizer")
+        averager = self._dg_averager
+        if averager.distributed:
+            indices = list(index) if isinstance(index, (list, tuple)) else [index]
+            grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+            for g in grads:
+                if self._dg_prescale != 1.0:
+                    g *= self._dg_prescale
+            averager.reduce(indices, grads, describe=self._describe)
+            if self._dg_average:
+                for g in grads:
+                    g /= self.kv.num_workers
+        update(index, weight, grad, state)
+
+
+def broadcast_dict(params, root_rank: int, kv: Backend) -> None:
+    """The peers' ``broadcast_parameters`` of a dict: its values matched by key (sorted,
+    as both peers do), so ranks whose dicts were filled in another order agree."""
+    items = [params[k] for k in sorted(params)]
+    _broadcast_parameters(items, root_rank=root_rank, kv=kv)
+
+
+def broadcast_model(params, root_rank: int, kv: Backend) -> None:
+    """A ParameterDict (or list) in the model's own order: names can differ between
+    ranks in MXNet 1.x, positions do not."""
+    _broadcast_parameters(params, root_rank=root_rank, kv=kv)
