@@ -110,6 +110,22 @@ def test_mnist_gluon_gives_the_same_accuracy_on_one_process_and_on_p3(tmp_path):
     assert abs(float(single["val_acc"]) - float(p3["val_acc"])) <= 2 / 359
 
 
+@pytest.mark.parametrize("script,compression,backend", [
+    ("train_gluon.py", "2bit", "p3"), ("train_gluon.py", "powersgd", "horovod"),
+    ("train_module.py", "2bit", "dist_sync")])
+def test_mnist_learns_digits_with_gradient_compression_in_the_demos_epochs(
+        script, compression, backend, tmp_path):
+    """MXNet's 2-bit (threshold 0.5) and PowerSGD (rank 4) reach the accuracy of
+    uncompressed training in make demo's 12 epochs on 2 workers."""
+    lines = rank0_lines(run(f"mnist/{script}", "--compression", compression,
+                            backend=backend, cwd=tmp_path))
+    assert any(f"compression {compression}" in line or f"compression: {compression}" in line
+               for line in lines)
+    result = summary(lines)
+    assert result["epochs"] == "12"
+    assert float(result["val_acc"]) >= 0.97, result
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mnist_module_learns_digits(backend, tmp_path):
     lines = rank0_lines(run("mnist/train_module.py", "--epochs", "2", backend=backend,

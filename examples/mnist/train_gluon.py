@@ -52,9 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=12, help="training epochs (default: 12)")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="batch size of each worker (default: 32)")
-    parser.add_argument("--lr", type=float, default=0.02,
+    parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of one worker; N workers use N times this "
-                             "(default: 0.02)")
+                             "(default: 0.02, or 0.04 with --compression 2bit, which runs "
+                             "without momentum)")
     parser.add_argument("--compression", default="none",
                         choices=("none", "fp16", "2bit", "powersgd"),
                         help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
@@ -63,7 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="epochs of linear warmup from --lr to the scaled rate "
                              "(default: 1)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help="SGD momentum (default: 0.9, or 0 with --compression 2bit: its "
+                             "error feedback already carries past gradients forward, and "
+                             "momentum on top of it overshoots)")
     parser.add_argument("--wd", type=float, default=1e-4, help="weight decay (default: 1e-4)")
     parser.add_argument("--val-fraction", type=float, default=0.2,
                         help="share of the bundled digits held out for validation "
@@ -79,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and accuracy curves to PATH")
     args = parser.parse_args(argv)
+    two_bit = args.compression == "2bit"
+    if args.lr is None:
+        args.lr = 0.04 if two_bit else 0.02
+    if args.momentum is None:
+        args.momentum = 0.0 if two_bit else 0.9
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
@@ -187,10 +196,14 @@ def main(argv=None) -> None:
 
     # N workers train on N times the batch, so they take N times the step (Goyal et al.,
     # 2017), reached by a linear warmup from the one-worker rate, then a cosine decay.
+    # On dist_async each worker's push is one step of its own batch on the servers, which
+    # run the schedule and count the pushes of all workers: the one-worker rate, over N
+    # times the steps.
     steps_per_epoch = len(train_loader)
-    total_steps = args.epochs * steps_per_epoch
-    warmup_steps = min(int(args.warmup_epochs * steps_per_epoch), total_steps - 1)
-    lr = args.lr * workers
+    pushes = workers if kv.type == "dist_async" else 1
+    total_steps = args.epochs * steps_per_epoch * pushes
+    warmup_steps = min(int(args.warmup_epochs * steps_per_epoch) * pushes, total_steps - 1)
+    lr = args.lr if kv.type == "dist_async" else args.lr * workers
     schedule = mx.lr_scheduler.CosineScheduler(
         max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
         warmup_steps=warmup_steps, warmup_begin_lr=args.lr)
@@ -199,7 +212,8 @@ def main(argv=None) -> None:
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
          "lr_scheduler": schedule}, kv=kv, compression=args.compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, {warmup_steps} warmup steps, "
+    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, momentum {args.momentum:g}, "
+        f"{warmup_steps} warmup steps, "
         f"cosine decay over {total_steps} steps; compression: {args.compression}")
 
     history: list[dict] = []
@@ -238,6 +252,7 @@ def main(argv=None) -> None:
                     f"loss {batch_loss:.4f} acc {batch_acc:.4f} lr {trainer.learning_rate:.4f}")
         mx.nd.waitall()
         elapsed = time.time() - tic
+        trainer.sync_weights()      # dist_async: every rank evaluates the servers' weights
         train_time += elapsed
         (_, train_loss), (_, train_acc) = (m.get() for m in
                                            dg.reduce_metric(metric, kv=kv).metrics)

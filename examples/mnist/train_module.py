@@ -52,13 +52,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=12, help="training epochs (default: 12)")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="batch size of each worker (default: 32)")
-    parser.add_argument("--lr", type=float, default=0.02,
+    parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of one worker; N workers use N times this "
-                             "(default: 0.02)")
+                             "(default: 0.02, or 0.04 with --compression 2bit, which runs "
+                             "without momentum)")
+    parser.add_argument("--compression", default="none",
+                        choices=("none", "fp16", "2bit", "powersgd"),
+                        help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
+                             "or powersgd (rank 4) (default: none)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="epochs of linear warmup from --lr to the scaled rate "
                              "(default: 1)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument("--momentum", type=float, default=None,
+                        help="SGD momentum (default: 0.9, or 0 with --compression 2bit: its "
+                             "error feedback already carries past gradients forward, and "
+                             "momentum on top of it overshoots)")
     parser.add_argument("--wd", type=float, default=1e-4, help="weight decay (default: 1e-4)")
     parser.add_argument("--val-fraction", type=float, default=0.2,
                         help="share of the bundled digits held out for validation "
@@ -68,6 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=10,
                         help="print progress every this many batches (default: 10)")
     args = parser.parse_args(argv)
+    two_bit = args.compression == "2bit"
+    if args.lr is None:
+        args.lr = 0.04 if two_bit else 0.02
+    if args.momentum is None:
+        args.momentum = 0.0 if two_bit else 0.9
     if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
         parser.error("--epochs, --batch-size and --log-interval must be at least 1")
     if not 0 < args.val_fraction < 1:
@@ -182,8 +195,10 @@ def main(argv=None) -> None:
     # DistributedOptimizer averages over the workers.
     opt = dg.DistributedOptimizer(
         mx.optimizer.SGD(learning_rate=lr, momentum=args.momentum, wd=args.wd,
-                         lr_scheduler=schedule, rescale_grad=1.0 / args.batch_size), kv=kv)
-    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, {warmup_steps} warmup steps, "
+                         lr_scheduler=schedule, rescale_grad=1.0 / args.batch_size), kv=kv,
+        compression=args.compression)
+    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, momentum {args.momentum:g}, "
+        f"compression {args.compression}, {warmup_steps} warmup steps, "
         f"cosine decay over {total_steps} steps")
 
     history = []
