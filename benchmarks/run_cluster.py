@@ -146,7 +146,9 @@ def run_job(cluster, backend: str, transport: str | None, argv: list[str],
         out = open(workdir / f"job{port}-node{host.index}.out", "w+")
         err = open(workdir / f"job{port}-node{host.index}.err", "w+")
         logs.append((out, err))
-        procs.append(cluster.popen(host.index, command, cwd=REPO, env=worker_env(),
+        # the job secret that lets only this job's launchers join it
+        env = dict(worker_env(), DG_JOB_SECRET=f"bench-{port}")
+        procs.append(cluster.popen(host.index, command, cwd=REPO, env=env,
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err))
     started = time.monotonic()
     deadline = started + timeout + 30

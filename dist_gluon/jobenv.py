@@ -118,7 +118,8 @@ def worker_layout(slots_per_node: list[int], node_rank: int, local_rank: int) ->
 def horovod_worker_env(rendezvous_addr: str, rendezvous_port: int, iface: str, hostname: str,
                        rank: int, size: int, local_rank: int, local_size: int,
                        cross_rank: int, cross_size: int, *,
-                       timeout_seconds: int | None = None) -> dict[str, str]:
+                       timeout_seconds: int | None = None,
+                       rendezvous_token: str | None = None) -> dict[str, str]:
     """The ``HOROVOD_*`` variables that make a process one static Gloo worker of a job.
 
     Parameters
@@ -139,6 +140,10 @@ def horovod_worker_env(rendezvous_addr: str, rendezvous_port: int, iface: str, h
     timeout_seconds : int, optional
         How long a worker waits for its peers at each step of the rendezvous
         (``HOROVOD_GLOO_TIMEOUT_SECONDS``); horovod's default is 30.
+    rendezvous_token : str, optional
+        The token of a rendezvous that serves only its own job's workers (see
+        :class:`~dist_gluon.rendezvous.GlooRendezvous`); it travels in every request's
+        path: ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` becomes ``<addr>:<port>/<token>``.
 
     Examples
     --------
@@ -162,6 +167,12 @@ def horovod_worker_env(rendezvous_addr: str, rendezvous_port: int, iface: str, h
     if local_size > size or cross_size > size:
         raise ValueError(f"local_size ({local_size}) and cross_size ({cross_size}) cannot "
                          f"exceed size ({size})")
+    if rendezvous_token is not None:
+        if not (rendezvous_token.isascii() and rendezvous_token.isalnum()):
+            raise ValueError(f"rendezvous_token must be letters and digits, got "
+                             f"{rendezvous_token!r}")
+        # horovod appends ":<port>/<scope>/<key>" and reads the port before the first "/"
+        rendezvous_addr = f"{rendezvous_addr}:{rendezvous_port}/{rendezvous_token}"
     env = {
         "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),

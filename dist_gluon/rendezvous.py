@@ -23,12 +23,22 @@ only tells its server when a scope is complete so that it can drop it, and the
 ``rank_and_size`` scope is read by elastic jobs alone. Here a DELETE removes the key it
 names (and the scope once empty), which is safe because it comes after the barrier.
 
+Only the job's own workers get in. The C++ client cannot sign a request, but it builds
+every URL as ``http://`` + ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` + ``:`` + port + ``/`` +
+scope + ``/`` + key and parses the host and port from the text before the first ``/``:
+given the address ``<addr>:<port>/<token>`` (see ``rendezvous_token`` in
+:func:`dist_gluon.jobenv.horovod_worker_env`) it sends ``/<token>:<port>/<scope>/<key>``.
+A server made with a ``token`` (unguessable, derived from the job secret) answers 403 to
+any request whose path does not start with it, and reports the first such request from
+each address.
+
 The C++ client connects over IPv4 only, sends one request per connection and gives up
 after 3 failed attempts 500 ms apart: start the server before any worker, and have the
 launchers of other nodes check that it is reachable before they start theirs.
 """
 from __future__ import annotations
 
+import hmac
 import socketserver
 import threading
 from http import HTTPStatus
@@ -83,6 +93,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _address(self) -> tuple[str, str] | None:
         parts = self.path.split("/")
+        token = self.server.token
+        if token is not None:
+            if len(parts) != 4 or parts[0] != "" or not hmac.compare_digest(
+                    parts[1].split(":")[0].encode(), token.encode()):
+                self.server.refused(self.client_address[0], self.command)
+                self._answer(HTTPStatus.FORBIDDEN)
+                return None
+            del parts[1]
         if len(parts) != 3 or parts[0] != "":
             self._answer(HTTPStatus.BAD_REQUEST)
             return None
@@ -139,9 +157,21 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
     daemon_threads = True
     request_queue_size = _LISTEN_BACKLOG
 
-    def __init__(self, address: tuple[str, int], store: _Store):
-        self.store = store
+    def __init__(self, address: tuple[str, int], store: _Store, token: str | None,
+                 on_refused):
+        self.store, self.token, self._on_refused = store, token, on_refused
+        self._refused_from: set[str] = set()
+        self._refused_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def refused(self, host: str, method: str) -> None:
+        with self._refused_lock:
+            first = host not in self._refused_from
+            self._refused_from.add(host)
+        if first and self._on_refused is not None:
+            self._on_refused(f"the Gloo rendezvous refused a {method} request from {host} "
+                             "without this job's token (further ones from there are "
+                             "refused silently); carrying on")
 
     def handle_error(self, request, client_address) -> None:
         # A worker killed mid-request resets its connection; that is not news.
@@ -166,6 +196,12 @@ class GlooRendezvous:
         IPv4 address to listen on; the default listens on every interface.
     port : int
         TCP port, 0 for one the system picks (see the return value of :meth:`start`).
+    token : str, optional
+        When given, only requests whose path starts with ``/<token>`` are served (the
+        workers' ``rendezvous_token``); others get 403. Letters and digits only.
+    on_refused : callable, optional
+        Called with one line of text the first time a request from an address is
+        refused (from a server thread).
 
     Examples
     --------
@@ -177,9 +213,14 @@ class GlooRendezvous:
     ...     # start two workers, one with each env, and wait for them
     """
 
-    def __init__(self, bind_addr: str = "0.0.0.0", port: int = 0):
+    def __init__(self, bind_addr: str = "0.0.0.0", port: int = 0,
+                 token: str | None = None, on_refused=None):
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port must be an integer in [0, 65535], got {port!r}")
+        if token is not None and not (token.isascii() and token.isalnum()):
+            raise ValueError(f"token must be a non-empty string of letters and digits, "
+                             f"got {token!r}")
+        self._token, self._on_refused = token, on_refused
         self._bind_addr = bind_addr
         self._requested_port = port
         self._store = _Store()
@@ -190,7 +231,8 @@ class GlooRendezvous:
         """Listen and serve in a background thread; returns the port."""
         if self._server is not None:
             raise RuntimeError("this GlooRendezvous is already running")
-        self._server = _Server((self._bind_addr, self._requested_port), self._store)
+        self._server = _Server((self._bind_addr, self._requested_port), self._store,
+                               self._token, self._on_refused)
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         args=(_POLL_INTERVAL,), name="gloo-rendezvous",
                                         daemon=True)

@@ -388,5 +388,6 @@ def test_srun_variables_reach_the_parsed_arguments(monkeypatch):
     monkeypatch.setenv("SLURM_NNODES", "2")
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "cn[3-4]")
+    monkeypatch.setenv("DG_JOB_SECRET", "srun passes the environment on")
     args = launch_module._parse_args(["-n", "2", "--", "python", "x.py"])
     assert (args.nnodes, args.node_rank, args.master_addr) == (2, 1, "cn3")

@@ -60,7 +60,7 @@ def run_nodes(cluster, argv, backend="horovod", nproc=1, nodes=(0, 1), nnodes=2,
     launcher), and wait for all of them."""
     port = str(next(_ports))
     full_env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
-                "OMP_NUM_THREADS": "1", **(env or {})}
+                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"test-job-{port}", **(env or {})}
     procs = []
     for i in nodes:
         command = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", str(nnodes),
@@ -269,7 +269,7 @@ def test_a_silent_node_ends_the_job_after_the_silence_limit(cluster, tmp_path):
                       "print('READY', flush=True)\ntime.sleep(60)\n")
     port = str(next(_ports))
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": "a-silent-node"}
     procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
                                "--node-rank", str(i), "--master-addr",
                                cluster.hosts[0].address, "--master-port", port, "-n", "1",

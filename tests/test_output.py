@@ -91,7 +91,7 @@ def test_a_node_whose_output_is_blocked_keeps_its_place_in_the_job(tmp_path):
         pytest.skip(str(reason))
     (tmp_path / "chatty.py").write_text(textwrap.dedent(CHATTY))
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": "test-output-job"}
     with emulated_cluster.EmulatedCluster(num_hosts=2) as cluster:
         procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
                                    "--node-rank", str(i), "--master-addr",

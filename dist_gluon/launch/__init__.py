@@ -36,7 +36,7 @@ from .._version import __version__
 from ..rendezvous import GlooRendezvous
 from . import mpi, output, slurm, ssh
 from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_to_master
-from .node import Node, free_port
+from .node import COMPAT_ENV, Node, free_port
 from .supervisor import Supervisor
 
 BACKENDS = ("horovod", "dist_sync", "p3")
@@ -87,6 +87,10 @@ def _parse_args(argv):
     parser.add_argument("--stall-timeout", type=float, default=None, metavar="SEC",
                         help="end the job when such a stall lasts SEC seconds "
                              "(default: never)")
+    parser.add_argument("--compat", default=None, choices=("byteps",),
+                        help="byteps: run scripts written for byteps.mxnet unchanged, on any "
+                             "--backend; their `import byteps.mxnet` finds "
+                             "dist_gluon.compat.byteps (BytePS itself is not needed)")
     nodes = parser.add_argument_group("several machines: one launcher per node")
     nodes.add_argument("--nnodes", type=int, default=None,
                        help="number of nodes (default: 1, or SLURM's node count under srun)")
@@ -159,6 +163,10 @@ def _parse_args(argv):
             parser.error(f"--stacks-signal: {err}")
         # the workers, the node launchers and mpirun's ranks inherit it (DG_* is passed on)
         os.environ["DG_STACKS_SIGNAL"] = args.stacks_signal
+    if args.compat is not None:
+        # node.py puts the stand-in packages on the workers' PYTHONPATH; the node
+        # launchers and mpirun's ranks inherit it (DG_* is passed on)
+        os.environ[COMPAT_ENV] = args.compat
     if not 0 < args.heartbeat < args.silence_limit:
         parser.error(f"--heartbeat ({args.heartbeat:g}) must be positive and shorter than "
                      f"--silence-limit ({args.silence_limit:g})")

@@ -8,33 +8,130 @@ a writer thread, and a side whose message has not left after SILENCE seconds (th
 stopped reading, so TCP stopped taking data) treats the other as gone too. Both are
 launcher options (--heartbeat, --silence-limit).
 
-node -> master: hello {node, host, nproc}, status {states, service_failure,
+Only the job's own launchers get in. Every job has a secret (secret.py). Node 0 sends
+each new connection a random challenge (one plain JSON line); from then on every line
+in either direction is ``<hmac> <json>``, where the HMAC-SHA256 made with the secret
+covers the direction, the challenge, the connecting side's nonce (sent in its hello,
+then covered by every later message) and the message's sequence number in its
+direction. So a message made without the secret, altered, taken from another
+connection, replayed or reordered does not authenticate, as horovodrun's services
+sign theirs with their secret key and a nonce. Node 0 drops such a connection, or one
+that sends a line longer than HELLO_LIMIT before its hello authenticated (LINE_LIMIT
+after), or no hello within HANDSHAKE_TIMEOUT, logs it with the peer's address and goes
+on waiting for the job's own launchers; once every node has joined it listens no more.
+
+node -> master: hello {node, host, nproc, nonce}, status {states, service_failure,
 services_ended}, stacks {found}, stopped
 master -> node: start {spec}, hint {low}, verdicts {verdicts}, stacks {ranks},
 end {status, report, again}, tick
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import json
 import queue
+import secrets
 import socket
 import threading
 import time
 
+from .secret import ENV as SECRET_ENV
+from .secret import FILE_FLAG as SECRET_FILE_FLAG
+
 HEARTBEAT = 0.5        # default of --heartbeat
 SILENCE = 8.0          # default of --silence-limit
+HELLO_LIMIT = 64 << 10          # bytes of a line before the peer has authenticated
+LINE_LIMIT = 64 << 20           # after: a stacks report of many ranks can be long
+HANDSHAKE_TIMEOUT = 10.0        # seconds to send the challenge or the hello
+MAX_PENDING = 32                # connections that have not said hello yet, at most
+_DIFFERENT_SECRET = (
+    f"a launcher given a different {SECRET_ENV} or {SECRET_FILE_FLAG} than node 0's "
+    "(give every node the same one), or not one of this job's launchers at all")
+
+
+class Refused(Exception):
+    """A line that does not authenticate; the connection is dropped."""
+
+
+class _Seal:
+    """The HMACs of one connection, as seen from one side (``outgoing`` is "m" on the
+    master's side, "n" on a node's)."""
+
+    def __init__(self, secret: str, challenge: str, outgoing: str):
+        self._key = secret.encode()
+        self.challenge = challenge
+        self.nonce = ""         # the connecting side's, from its hello on
+        self._out, self._in = outgoing, "n" if outgoing == "m" else "m"
+        self.sent = self.received = 0
+
+    def _mac(self, direction: str, number: int, body: bytes) -> bytes:
+        head = f"dist_gluon {direction} {self.challenge} {self.nonce} {number}\n".encode()
+        return hmac.new(self._key, head + body, hashlib.sha256).hexdigest().encode()
+
+    def seal(self, message: dict) -> bytes:
+        body = json.dumps(message).encode()
+        line = self._mac(self._out, self.sent, body) + b" " + body + b"\n"
+        self.sent += 1
+        return line
+
+    def seal_hello(self, hello: dict) -> bytes:
+        """The connecting side's first message; its nonce covers every later one."""
+        line = self.seal(hello)
+        self.nonce = hello["nonce"]
+        return line
+
+    def open(self, line: bytes) -> dict:
+        """The message in ``line``; raises Refused unless it is the next one the other
+        side signed on this connection."""
+        mac, _, body = line.rstrip(b"\n").partition(b" ")
+        signed = len(mac) == 64 and body.startswith(b"{")
+        if not (signed and hmac.compare_digest(mac, self._mac(self._in, self.received,
+                                                               body))):
+            if self.received:
+                raise Refused(f"its message {self.received} does not authenticate "
+                              "(altered, replayed or forged)")
+            raise Refused(_unsigned_hello(body if signed else line, signed))
+        message = json.loads(body)
+        if self.received == 0 and self._in == "n":
+            if message.get("type") != "hello" or not isinstance(message.get("nonce"), str):
+                raise Refused("its first message is not a hello")
+            self.nonce = message["nonce"]
+        self.received += 1
+        return message
+
+
+def _unsigned_hello(text: bytes, signed: bool) -> str:
+    """What to say of a first message that does not authenticate."""
+    try:
+        claim = json.loads(text)
+        node = claim["node"] if claim.get("type") == "hello" else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        node = None
+    if not isinstance(node, int):
+        return ("its first message does not authenticate with this job's secret" if signed
+                else "it sent something that is not a signed dist_gluon message")
+    if not signed:
+        return f"it says it is node {node}'s launcher but its hello is not signed at all"
+    return (f"it says it is node {node}'s launcher but its hello does not authenticate "
+            f"with this job's secret: {_DIFFERENT_SECRET}, or a replayed or forged hello")
 
 
 class Link:
-    """One connection; received messages queue up in ``inbox`` (None marks the end)."""
+    """One authenticated connection; received messages queue up in ``inbox`` (None marks
+    the end). ``refusal`` says why the connection was dropped, if it was; ``say``, when
+    given, is told so with the peer's address at once."""
 
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
+    def __init__(self, sock: socket.socket, seal: _Seal, peer: str, say=None):
+        self._sock, self._seal, self.peer, self._say = sock, seal, peer, say
         self.inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         self._sending_since: float | None = None
         self.closed = False
+        self.refusal: str | None = None
         self.last_heard = time.monotonic()
+        self.opened_at = time.monotonic()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._write, daemon=True).start()
@@ -42,22 +139,64 @@ class Link:
     def _read(self):
         try:
             with self._sock.makefile("rb") as stream:
-                for line in stream:
+                while True:
+                    limit = LINE_LIMIT if self._seal.received else HELLO_LIMIT
+                    line = stream.readline(limit + 1)
+                    if len(line) > limit:
+                        raise Refused(f"it sent a line longer than {limit} bytes")
+                    if not line.endswith(b"\n"):
+                        break
+                    try:
+                        message = self._seal.open(line)
+                    except Refused:
+                        self._refused_by_master(line)
+                        raise
                     self.last_heard = time.monotonic()
-                    self.inbox.put(json.loads(line))
+                    self.inbox.put(message)
+        except Refused as err:
+            self.refusal = str(err)
+            self._tell_refused()
         except (OSError, ValueError):
             pass
         self.closed = True
+        if self.refusal is not None:
+            self._drop()
         self.inbox.put(None)
+
+    def _refused_by_master(self, line: bytes) -> None:
+        """A node whose hello node 0 could not authenticate hears so in plain text."""
+        if self._seal._in != "m" or self._seal.received:
+            return
+        try:
+            notice = json.loads(line)
+        except ValueError:
+            return
+        if isinstance(notice, dict) and notice.get("refused") == "hello":
+            raise Refused(f"node 0's launcher at {self.peer} refused this launcher: its "
+                          f"hello does not authenticate with node 0's job secret; give "
+                          f"every node the same {SECRET_ENV} or {SECRET_FILE_FLAG}")
+
+    def _tell_refused(self) -> None:
+        joining = self._seal._in == "n" and self._seal.received == 0
+        if self._say is not None:
+            self._say(f"refused the connection from {self.peer}: {self.refusal}; carrying "
+                      "on" if joining else f"dropped the connection from {self.peer}: "
+                      f"{self.refusal}")
+        if joining:
+            try:
+                self._sock.settimeout(1.0)
+                self._sock.sendall(json.dumps({"refused": "hello"}).encode() + b"\n")
+            except OSError:
+                pass
 
     def _write(self):
         while True:
-            data = self._outbox.get()
-            if data is None:
+            message = self._outbox.get()
+            if message is None:
                 return
             self._sending_since = time.monotonic()
             try:
-                self._sock.sendall(data)
+                self._sock.sendall(self._seal.seal(message))
             except OSError:
                 self.closed = True
                 return
@@ -69,7 +208,7 @@ class Link:
         """Queue ``message``; never blocks. False when the link is closed."""
         if self.closed:
             return False
-        self._outbox.put((json.dumps(message) + "\n").encode())
+        self._outbox.put(message)
         return True
 
     def stuck_for(self) -> float:
@@ -92,13 +231,15 @@ class Link:
                 and time.monotonic() < limit:
             time.sleep(0.01)
         self.closed = True
+        self._drop()
+
+    def _drop(self) -> None:
         self._outbox.put(None)
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
-
 
     def silent_for(self) -> float:
         """Seconds since the last message: a machine that vanished closes nothing."""
@@ -109,16 +250,42 @@ class JoinError(RuntimeError):
     """A node did not join the job in time."""
 
 
-def accept_nodes(port: int, nnodes: int, timeout: float, say) -> dict[int, tuple[Link, dict]]:
-    """Node 0: wait for the launchers of nodes 1..nnodes-1 to connect and say hello."""
+def listen_address(master_addr: str | None) -> str:
+    """The address node 0's launcher listens on: --master-addr's when it is an address
+    of this machine, so that only the interface that carries the job answers; else
+    every interface (''). A name that resolves to a loopback address here is not
+    trusted: the other nodes may resolve it to this machine's real address."""
+    if not master_addr:
+        return ""
+    try:
+        addr = socket.gethostbyname(master_addr)
+        literal = ipaddress.ip_address(master_addr) is not None
+    except OSError:
+        return ""
+    except ValueError:
+        literal = False
+    if ipaddress.ip_address(addr).is_loopback and not literal:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((addr, 0))
+    except OSError:
+        return ""
+    return addr
+
+
+def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
+                 bind_addr: str = "") -> dict[int, tuple[Link, dict]]:
+    """Node 0: wait for the launchers of nodes 1..nnodes-1 to connect and say hello
+    signed with the job's ``secret``; drop (and ``say``) any other connection."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server.bind(("", port))
+        server.bind((bind_addr, port))
     except OSError as err:
-        raise JoinError(f"cannot listen on port {port} for the other nodes' launchers: "
-                        f"{err}; choose another --master-port") from err
-    server.listen(nnodes)
+        raise JoinError(f"cannot listen on {bind_addr or '*'}:{port} for the other nodes' "
+                        f"launchers: {err}; choose another --master-port") from err
+    server.listen(nnodes + MAX_PENDING)
     server.settimeout(0.2)
     deadline = time.monotonic() + timeout
     joined: dict[int, tuple[Link, dict]] = {}
@@ -135,22 +302,32 @@ def accept_nodes(port: int, nnodes: int, timeout: float, say) -> dict[int, tuple
                     f"{timeout:g} s (start the same command with --node-rank "
                     f"{missing[0]} on that machine, and check that it reaches this one at "
                     f"the --master-addr and --master-port {port})")
-            try:
-                sock, _ = server.accept()
-                pending.append(Link(sock))
-            except TimeoutError:
-                pass
+            link = _accept(server, secret, say)
+            if link is not None:
+                pending.append(link)
+                if len(pending) > MAX_PENDING:
+                    oldest = pending.pop(0)
+                    oldest.close(flush=0)
+                    say(f"dropped the connection from {oldest.peer}: more than "
+                        f"{MAX_PENDING} connections waiting to say hello; carrying on")
             for link in list(pending):
                 try:
                     hello = link.inbox.get_nowait()
                 except queue.Empty:
+                    if time.monotonic() - link.opened_at > HANDSHAKE_TIMEOUT:
+                        pending.remove(link)
+                        link.close(flush=0)
+                        say(f"dropped the connection from {link.peer}: no hello within "
+                            f"{HANDSHAKE_TIMEOUT:g} s; carrying on")
                     continue
                 pending.remove(link)
-                if not hello or hello.get("type") != "hello":
-                    link.close()
+                if hello is None:
+                    if link.refusal is None:
+                        say(f"the connection from {link.peer} closed before its hello; "
+                            "carrying on")
                     continue
-                node = hello["node"]
-                if node in joined or not 0 < node < nnodes:
+                node = hello.get("node")
+                if node in joined or not isinstance(node, int) or not 0 < node < nnodes:
                     link.send({"type": "end", "status": 2, "again": False,
                                "report": f"node rank {node} is taken or out of range "
                                          f"[1, {nnodes}); give each machine its own "
@@ -162,24 +339,72 @@ def accept_nodes(port: int, nnodes: int, timeout: float, say) -> dict[int, tuple
                     f"({len(joined) + 1} of {nnodes} nodes)")
     finally:
         server.close()
+        for link in pending:
+            link.close(flush=0)
     return joined
 
 
-def connect_to_master(addr: str, port: int, hello: dict, timeout: float) -> Link:
-    """Nodes 1..M-1: connect to node 0's launcher, retrying until ``timeout``."""
+def _accept(server: socket.socket, secret: str, say) -> Link | None:
+    """The next connection, sent its challenge; None when there is none yet."""
+    try:
+        sock, (host, port) = server.accept()
+    except TimeoutError:
+        return None
+    challenge = secrets.token_hex(16)
+    try:
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        sock.sendall(json.dumps({"dist_gluon": "launcher", "challenge": challenge})
+                     .encode() + b"\n")
+        sock.settimeout(None)
+    except OSError:
+        sock.close()
+        return None
+    return Link(sock, _Seal(secret, challenge, "m"), f"{host}:{port}", say)
+
+
+def connect_to_master(addr: str, port: int, hello: dict, timeout: float,
+                      secret: str) -> Link:
+    """Nodes 1..M-1: connect to node 0's launcher, answer its challenge with ``hello``
+    signed with the job's ``secret``, retrying until ``timeout``."""
     deadline = time.monotonic() + timeout
     last_error = None
     while time.monotonic() < deadline:
         try:
             sock = socket.create_connection((addr, port), timeout=5)
-            sock.settimeout(None)
-            link = Link(sock)
-            link.send(hello)
-            return link
         except OSError as err:
             last_error = err
             time.sleep(0.5)
+            continue
+        try:
+            sock.settimeout(HANDSHAKE_TIMEOUT)
+            challenge = _read_challenge(sock)
+            seal = _Seal(secret, challenge, "n")
+            sock.sendall(seal.seal_hello(dict(hello, nonce=secrets.token_hex(16))))
+            sock.settimeout(None)
+        except (OSError, ValueError) as err:
+            sock.close()
+            last_error = f"no dist_gluon launcher answered there: {err}"
+            time.sleep(0.5)
+            continue
+        return Link(sock, seal, f"{addr}:{port}")
     raise JoinError(f"cannot reach the master launcher at {addr}:{port} within "
                     f"--join-timeout {timeout:g} s ({last_error}); start node 0 with the "
                     "same --master-addr/--master-port, and check the address is reachable "
                     "from this machine")
+
+
+def _read_challenge(sock: socket.socket) -> str:
+    """Node 0's first line, read byte by byte (the Link reads what follows)."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = sock.recv(1)
+        if not byte:
+            raise ValueError("the connection closed before a challenge")
+        line += byte
+        if len(line) > 1024:
+            raise ValueError("its first line is not a challenge")
+    greeting = json.loads(line)
+    if not isinstance(greeting, dict) or greeting.get("dist_gluon") != "launcher" \
+            or not isinstance(greeting.get("challenge"), str):
+        raise ValueError("its first line is not a challenge")
+    return greeting["challenge"]

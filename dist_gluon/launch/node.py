@@ -15,6 +15,12 @@ from . import mpi
 from .processes import Process, terminate
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
+# --compat byteps: stand-ins for the peers' packages (dist_gluon/compat/_shims), first on
+# the workers' PYTHONPATH, so that an unchanged `import byteps.mxnet` finds
+# dist_gluon.compat.byteps
+COMPAT_ENV = "DG_COMPAT"
+_COMPAT_SHIMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                             "compat", "_shims")
 
 
 def free_port(bind_addr: str = "") -> int:
@@ -60,6 +66,9 @@ class Node:
                      "DG_RESTART": str(spec["restart"]), "DG_NNODES": str(nnodes),
                      "DG_NODE_RANK": str(self.node_rank),
                      jobcontrol.ENV_DIR: self._control_dir})
+        if base.get(COMPAT_ENV):
+            base["PYTHONPATH"] = os.pathsep.join(
+                p for p in (_COMPAT_SHIMS, base.get("PYTHONPATH")) if p)
         if spec["backend"] == "horovod":
             self._start_horovod(base)
         else:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from . import output
+from . import output, secret
 from .processes import Process, terminate
 
 PARENT_ENV = "DG_LAUNCHED_BY"
@@ -18,7 +18,8 @@ PARENT_ENV = "DG_LAUNCHED_BY"
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 _FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PYTHON", "OMP_", "KMP_")
 _NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
-                  "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_CONTROL_DIR", PARENT_ENV}
+                  "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_CONTROL_DIR", PARENT_ENV,
+                  secret.ENV}     # a command line shows in ps: the secret goes by stdin
 END_GRACE = 20.0        # seconds the other node launchers get once one has ended
 
 
@@ -124,6 +125,7 @@ def run(args) -> int:
     """Start every host's launcher and wait for them; node 0's exit status wins."""
     master = args.master_addr or args.host_slots[0][0]
     launchers: list[Process] = []
+    job_secret = (secret.generate() + "\n").encode()
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt
@@ -134,6 +136,11 @@ def run(args) -> int:
             argv = ssh_argv(args, host) + [node_command(args, rank, master)]
             # stdin stays open: the node launcher ends when this process goes away
             launchers.append(Process("", "launcher", rank, argv, None, stdin=subprocess.PIPE))
+            try:
+                launchers[-1].popen.stdin.write(job_secret)    # its first line
+                launchers[-1].popen.stdin.flush()
+            except OSError:
+                pass        # ssh already failed; its exit status says so
         ended_at = None
         while True:
             codes = [p.returncode for p in launchers]
