@@ -34,7 +34,7 @@ import time
 from .. import jobcontrol, jobenv
 from .._version import __version__
 from ..rendezvous import GlooRendezvous
-from . import mpi, output, slurm, ssh
+from . import channel, mpi, output, secret, slurm, ssh
 from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_to_master
 from .node import COMPAT_ENV, Node, free_port
 from .supervisor import Supervisor
@@ -114,6 +114,10 @@ def _parse_args(argv):
     nodes.add_argument("--iface", default=None,
                        help="horovod: network interface for Gloo (default: the one that "
                             "carries this node's route to the master)")
+    nodes.add_argument(secret.FILE_FLAG, default=None, metavar="PATH",
+                       help="file holding the job secret, the same on every node, that "
+                            "lets only the job's own launchers join (default: "
+                            f"${secret.ENV}; a job of several nodes needs one)")
     fan = parser.add_argument_group("several machines: one command over ssh")
     fan.add_argument("-H", "--hosts", default=None,
                      help="host1:N1,host2:N2,... start a launcher on each host over ssh")
@@ -206,6 +210,11 @@ def _node_arguments(parser, args) -> None:
     if args.nnodes > 1 and not args.master_addr:
         parser.error("--nnodes > 1 needs --master-addr: the address of node 0, reachable "
                      "from every node")
+    try:
+        args.job_secret = (secret.read_from_stdin() if os.environ.get(ssh.PARENT_ENV) == "ssh"
+                           else secret.for_node(args.job_secret_file, os.environ, args.nnodes))
+    except ValueError as err:
+        parser.error(str(err))
 
 
 class _Interrupted(Exception):
@@ -334,9 +343,11 @@ def _run_master(args, out: _Output) -> int:
         if jobenv_error:
             out.say(jobenv_error)
             return 1
+        args.listen_addr = channel.listen_address(args.master_addr)
         out.say(f"waiting for {args.nnodes - 1} more node(s) on port {args.master_port}")
         try:
-            joined = accept_nodes(args.master_port, args.nnodes, args.join_timeout, out.say)
+            joined = accept_nodes(args.master_port, args.nnodes, args.join_timeout, out.say,
+                                  args.job_secret, args.listen_addr)
         except JoinError as err:
             out.say(str(err))
             return 1
@@ -363,8 +374,9 @@ def _run_once(args, spec, links, out, deadline, last: bool):
     """One run of the job on every node; returns (status, report, run again)."""
     rendezvous = None
     if spec["backend"] == "horovod":
-        rendezvous = GlooRendezvous("0.0.0.0" if spec["nnodes"] > 1 else "127.0.0.1",
-                                    spec["rendezvous_port"])
+        rendezvous = GlooRendezvous(
+            (args.listen_addr or "0.0.0.0") if spec["nnodes"] > 1 else "127.0.0.1",
+            spec["rendezvous_port"], secret.rendezvous_token(args.job_secret, spec), out.say)
         rendezvous.start()
     node = Node(args, 0, spec)
     view = _JobView(node, links, out)
@@ -462,7 +474,7 @@ def _run_agent(args, out: _Output) -> int:
              "nproc": args.num_workers}
     try:
         link = connect_to_master(args.master_addr, args.master_port, hello,
-                                 args.join_timeout)
+                                 args.join_timeout, args.job_secret)
     except JoinError as err:
         out.say(str(err))
         return 1
@@ -470,7 +482,7 @@ def _run_agent(args, out: _Output) -> int:
         while True:
             message = link.receive()
             if message is None:
-                out.say(f"lost the master launcher at {args.master_addr}:"
+                out.say(link.refusal or f"lost the master launcher at {args.master_addr}:"
                         f"{args.master_port} before the job started")
                 return 1
             if message["type"] == "end":

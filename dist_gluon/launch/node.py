@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from .. import jobcontrol, jobenv
-from . import mpi
+from . import mpi, secret
 from .processes import Process, terminate
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
@@ -60,6 +60,7 @@ class Node:
         spec = self.spec
         nproc, nnodes = spec["nproc"], spec["nnodes"]
         base = dict(os.environ)
+        base.pop(secret.ENV, None)      # the launchers' alone
         base.setdefault("PYTHONUNBUFFERED", "1")
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         base.update({"DG_NUM_WORKERS": str(nproc * nnodes), "DG_BACKEND": spec["backend"],
@@ -95,8 +96,9 @@ class Node:
         for local_rank in range(nproc):
             rank, env = self._worker_env(base, local_rank)
             layout = jobenv.worker_layout([nproc] * nnodes, self.node_rank, local_rank)
-            env.update(jobenv.horovod_worker_env(addr, spec["rendezvous_port"], iface, label,
-                                                 **layout._asdict()))
+            env.update(jobenv.horovod_worker_env(
+                addr, spec["rendezvous_port"], iface, label, **layout._asdict(),
+                rendezvous_token=secret.rendezvous_token(self.args.job_secret, spec)))
             self._spawn(str(rank), "worker", rank, self.args.command, env)
 
     def _start_pslite(self, base):
