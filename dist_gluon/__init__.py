@@ -53,5 +53,8 @@ def __dir__():
     return sorted(set(globals()) | set(_PUBLIC))
 
 
-if "mxnet" in sys.modules:
+# A ps-lite server runs its loop inside `import mxnet` and may unpickle a dist_gluon class
+# there (the optimizer of dist_async, dist_gluon/async_updates.py): MXNet is half
+# imported then (no mxnet.kv yet), so the API waits for its first use.
+if "mxnet" in sys.modules and hasattr(sys.modules["mxnet"], "kv"):
     _load()

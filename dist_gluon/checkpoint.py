@@ -182,6 +182,8 @@ class Checkpointer:
         epoch = _check_count(epoch, "epoch")
         step = _check_count(step, "step")
         params = _parameters(net)
+        if getattr(trainer, "_server_updates", None) is not None:
+            trainer.sync_weights()      # dist_async: the servers' weights, on every rank
         rng = self._kv.allgather_object(_rng_state())
         codec = _codec(trainer)
         compression = None
@@ -325,6 +327,11 @@ class Checkpointer:
         """
         params = _parameters(net)
         kv = self._kv
+        server = getattr(trainer, "_server_updates", None)
+        if server is not None and server.started:
+            raise CheckpointError(
+                "restore a dist_async trainer before its first step: its servers already "
+                "hold weights, which its next pull would bring back")
         header, arrays, failure = None, None, None
         if kv.rank == 0:
             try:

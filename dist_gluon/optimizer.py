@@ -5,6 +5,9 @@
 averages the gradients over the workers, then lets the wrapped optimizer do its usual
 update (as ``horovod.mxnet.DistributedOptimizer`` does). Everything else (learning rate
 and scheduler, lr/wd multipliers, states, multi_precision) is the wrapped optimizer's.
+On ``dist_async`` the servers run the wrapped optimizer instead: each ``update`` pushes
+the gradient scaled by ``rescale_grad`` and pulls the weights
+(:mod:`dist_gluon.async_updates`).
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sys
 import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
+from . import async_updates
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
 
@@ -157,7 +161,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._dg_predivide = predivide
         self._dg_prefix = claim_prefix(prefix, "opt", "optimizer")
         self._dg_averager = None
+        self._dg_server_updates = None
         self._dg_module_defaults = module_defaults
+        async_updates.check_options(kv, compression, predivide, "DistributedOptimizer",
+                                    optimizer)
 
     # ------------------------------------------------------------ attribute forwarding
     def __getattr__(self, name):
@@ -219,11 +226,20 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             averager = self._dg_averager = _GradientAverager(
                 self.kv, self._dg_prefix, self._dg_compression, self._dg_predivide,
                 owner="DistributedOptimizer")
+            if async_updates.asynchronous(self.kv):
+                self._dg_server_updates = async_updates.ServerUpdates(
+                    self.kv, "DistributedOptimizer")
         if not averager.distributed:
             update(index, weight, grad, state)
             return
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        if self._dg_server_updates is not None:
+            weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
+            # the servers update; this rank's rescale_grad is its own batch size
+            self._dg_server_updates.step(indices, grads, weights, inner.rescale_grad, inner,
+                                         describe=self._describe)
+            return
         rescale_grad = inner.rescale_grad
         # the averaged gradient is already divided by the sum of the batch sizes: the
         # update must not rescale it by this rank's own batch size again (rescaling by
@@ -282,6 +298,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state = {k: v for k, v in self.__dict__.items() if k.startswith("_dg_")}
         state["_dg_kv"] = None          # the copy finds its backend when first used
         state["_dg_averager"] = None
+        state["_dg_server_updates"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -188,6 +188,11 @@ class SyncBatchNorm(nn.BatchNorm):
         """This layer's communication. A layer gets the next number at its first
         training forward."""
         if self._comm is None:
+            if self.kv.type == "dist_async":
+                raise ValueError(
+                    "SyncBatchNorm needs every worker's statistics at every step, and "
+                    "dist_async workers do not step together; use nn.BatchNorm (each "
+                    "worker normalises with its own batch), or dist_sync/p3/horovod")
             self._comm = _Channel(self.kv, f"syncbn.{next(_layer_numbers)}", x.shape[axis],
                                   x.context, x.dtype)
         return self._comm

@@ -7,6 +7,7 @@ import warnings
 
 from mxnet import gluon
 
+from . import async_updates
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
@@ -52,7 +53,16 @@ class DistributedTrainer(gluon.Trainer):
     at the first forward for deferred ones. The model is checked across ranks first: a
     different parameter count, shape, dtype or grad_req raises a
     :class:`~dist_gluon.broadcast.ModelMismatchError` on every rank. Updates run on the
-    workers (never on a parameter server). On one process no collective is issued.
+    workers, except on ``dist_async``. On one process no collective is issued.
+
+    On ``dist_async`` (MXNet's asynchronous parameter server) the servers update
+    instead: ``step(batch_size)`` pushes this worker's gradient divided by its own batch
+    size, the servers apply it at once as one optimizer step, and the worker pulls the
+    current weights; nobody waits for anybody. The learning rate is then that of one
+    process on this worker's batch (not scaled with the number of workers), the
+    optimizer and its state live on the servers, and compression,
+    ``gradient_predivide_factor`` and ``allreduce_grads()``/``update()`` are refused;
+    see :mod:`dist_gluon.async_updates`.
 
     Parameters
     ----------
@@ -105,6 +115,10 @@ class DistributedTrainer(gluon.Trainer):
         self._prefix = claim_prefix(prefix, "t", "trainer")
         self._averager = _GradientAverager(self._kv, self._prefix, compression, predivide,
                                            owner="DistributedTrainer")
+        async_updates.check_options(self._kv, compression, predivide, "DistributedTrainer",
+                                    optimizer)
+        self._server_updates = (async_updates.ServerUpdates(self._kv, "DistributedTrainer")
+                                if async_updates.asynchronous(self._kv) else None)
 
         ordered = parameter_list(params)
         super().__init__(ordered, optimizer, optimizer_params, kvstore=None,
@@ -146,6 +160,13 @@ class DistributedTrainer(gluon.Trainer):
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
+        if self._server_updates is not None:
+            entries = [(i, param.list_grad()[0], param.list_data()[0])
+                       for i, param in enumerate(self._params) if param.grad_req != "null"]
+            self._server_updates.step(*(list(column) for column in zip(*entries)),
+                                      scale=self._scale / batch_size, optimizer=self._optimizer,
+                                      params=self._params, describe=self._describe)
+            return
         total = None
         if self._averager.distributed:
             total = self._averager.submit_batch_size(batch_size)
@@ -167,14 +188,42 @@ class DistributedTrainer(gluon.Trainer):
         ignore_stale_grad : bool
             As in ``gluon.Trainer.update``.
         """
+        self._refuse_on_servers("update")
         super().update(self._averager.total_batch_size(batch_size), ignore_stale_grad)
+
+    def allreduce_grads(self) -> None:
+        """Sum the gradients over the workers in place (see :meth:`update`)."""
+        self._refuse_on_servers("allreduce_grads")
+        super().allreduce_grads()
+
+    def sync_weights(self) -> None:
+        """On ``dist_async``: wait until every worker's pushes so far are applied on the
+        servers, then pull their weights, so that every rank holds the same (before an
+        evaluation, for instance). Every rank must call it. Elsewhere every rank always
+        holds the same weights and nothing happens."""
+        if self._server_updates is not None:
+            entries = [(i, param.list_data()[0]) for i, param in enumerate(self._params)
+                       if param.grad_req != "null"]
+            self._server_updates.sync_weights([i for i, _ in entries],
+                                              [w for _, w in entries])
+
+    def _refuse_on_servers(self, method: str) -> None:
+        if self._server_updates is not None:
+            raise RuntimeError(
+                f"DistributedTrainer.{method}() does not exist on dist_async: the servers "
+                "update the weights with each worker's gradient as it arrives, so there is "
+                "no summed gradient to work on. Call trainer.step(batch_size); for "
+                "clipping, give the optimizer clip_gradient")
 
     def _allreduce_grads(self):
         averager = self._averager
-        if not averager.distributed:
-            return
         entries = [(i, param.list_grad()[0]) for i, param in enumerate(self._params)
                    if param.grad_req != "null"]
+        # a gradient the codec refuses fails on one process too, not first on N
+        averager.check_input([i for i, _ in entries], [g for _, g in entries],
+                             self._describe)
+        if not averager.distributed:
+            return
         if averager.codec is not None and averager.codec.batched:
             # 2-bit and PowerSGD pack and pipeline a whole step's tensors
             indices = [i for i, _ in entries]

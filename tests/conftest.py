@@ -66,8 +66,9 @@ def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
 # or of its fixtures), or when its whole file needs emulated hosts, an example's training
 # run or fresh virtual environments.
 _SLOW_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
-               "test_packaging.py", "test_examples.py", "test_pslite_job.py"}
-_SLOW_PARAMETERS = {"dist_sync", "p3", "mpi"}
+               "test_packaging.py", "test_examples.py", "test_pslite_job.py",
+               "test_async.py", "test_server_hosts.py"}
+_SLOW_PARAMETERS = {"dist_sync", "p3", "mpi", "dist_async"}
 
 
 def _slow_parameter(value) -> bool:

@@ -272,6 +272,11 @@ def test_sigint_to_the_launcher_terminates_every_process_of_the_job(tmp_path, ba
     (["-n", "2", "--backend", "mpi", "--", "python", "x.py"], "invalid choice: 'mpi'"),
     (["-n", "2", "--backend", "dist_sync", "--servers", "0", "--", "python", "x.py"],
      "--servers must be at least 1"),
+    (["-n", "0", "--backend", "dist_sync", "--", "python", "x.py"],
+     "-n must be at least 1"),
+    (["-H", "a:2,b:0:1", "--", "python", "x.py"], "horovod has none"),
+    (["-H", "a:2:0,b:2:0", "--backend", "dist_sync", "--", "python", "x.py"],
+     "run no ps-lite server"),
 ])
 def test_bad_arguments_are_a_usage_error_with_exit_status_2(argv, complaint, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -354,8 +359,19 @@ def test_a_hostfile_lists_hosts_and_slots(tmp_path):
     from dist_gluon.launch import ssh
     path = tmp_path / "hosts"
     path.write_text("# the cluster\nnode1 slots=2\nnode2   slots=2  # second\n\n")
-    assert ssh.read_hostfile(str(path)) == [("node1", 2), ("node2", 2)]
-    assert ssh.parse_hosts("h1:4,h2:4") == [("h1", 4), ("h2", 4)]
+    assert ssh.read_hostfile(str(path)) == [("node1", 2, None), ("node2", 2, None)]
+    assert ssh.parse_hosts("h1:4,h2:4") == [("h1", 4, None), ("h2", 4, None)]
+    # server-only hosts: 0 slots, and each host's own ps-lite server count
+    assert ssh.parse_hosts("w1:2:0,w2:2:0,s1:0:2") == [("w1", 2, 0), ("w2", 2, 0),
+                                                      ("s1", 0, 2)]
+    path.write_text("w1 slots=2 servers=0\nw2 slots=2\ns1 slots=0 servers=3\n")
+    assert ssh.read_hostfile(str(path)) == [("w1", 2, 0), ("w2", 2, None), ("s1", 0, 3)]
+    for bad, complaint in (("a:0,b:0", "no host runs workers"),
+                           ("a:2,b:1,c:0", "same number of slots"),
+                           ("a:2:x", "servers must be a whole number"),
+                           ("a:-1", "slots must be at least 1")):
+        with pytest.raises(ValueError, match=complaint):
+            ssh.parse_hosts(bad)
     path.write_text("node1 cores=2\n")
     with pytest.raises(ValueError, match="expected 'host slots=N'"):
         ssh.read_hostfile(str(path))

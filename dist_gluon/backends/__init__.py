@@ -12,9 +12,10 @@ from . import pslite
 from .base import Backend
 from .horovod import Horovod, started_by_horovod
 from .local import Local
-from .pslite import P3, DistSync, started_by_pslite, uses_p3_van
+from .pslite import P3, DistAsync, DistSync, asynchronous, started_by_pslite, uses_p3_van
 
-_BACKENDS = {"local": Local, "horovod": Horovod, "dist_sync": DistSync, "p3": P3}
+_BACKENDS = {"local": Local, "horovod": Horovod, "dist_sync": DistSync, "p3": P3,
+             "dist_async": DistAsync}
 BACKEND_NAMES = tuple(_BACKENDS)
 # ps-lite can be started once per process, so each backend is created once and shared
 # by everything that asks for it (trainer, sampler, checkpointer, ...).
@@ -26,7 +27,9 @@ def detect() -> str:
     if started_by_horovod():
         return "horovod"
     if started_by_pslite():
-        return "p3" if uses_p3_van() else "dist_sync"
+        if uses_p3_van():
+            return "p3"
+        return "dist_async" if asynchronous() else "dist_sync"
     return "local"
 
 
@@ -35,10 +38,11 @@ def create(name: str | None = None) -> Backend:
 
     Parameters
     ----------
-    name : {'local', 'horovod', 'dist_sync', 'p3'} or None
+    name : {'local', 'horovod', 'dist_sync', 'p3', 'dist_async'} or None
         None chooses from the environment: started by horovodrun (or
         ``dist_gluon.launch --backend horovod``) -> 'horovod'; a ps-lite worker
-        (``DMLC_ROLE=worker``) -> 'dist_sync', or 'p3' with the P3 van; otherwise 'local'.
+        (``DMLC_ROLE=worker``) -> 'dist_sync', 'p3' with the P3 van, or 'dist_async'
+        when the launcher started it so (``DG_BACKEND=dist_async``); otherwise 'local'.
 
     Returns
     -------
@@ -99,5 +103,5 @@ def register() -> None:
     mx.kvstore.create = create
 
 
-__all__ = ["Backend", "Local", "Horovod", "DistSync", "P3", "BACKEND_NAMES", "create",
-           "detect", "resolve", "register"]
+__all__ = ["Backend", "Local", "Horovod", "DistSync", "P3", "DistAsync", "BACKEND_NAMES",
+           "create", "detect", "resolve", "register"]

@@ -1,8 +1,10 @@
-"""ps-lite backends: MXNet's own parameter server (``dist_sync``) and P3.
+"""ps-lite backends: MXNet's own parameter server (``dist_sync``, ``dist_async``) and P3.
 
 P3 (priority-based parameter propagation, MXNet PR #15124) is the same job with the P3
 van (``DMLC_PS_VAN_TYPE=p3``) in every process: large tensors are sliced and sent in
-priority order. Updates always run on the workers; the servers only sum.
+priority order. On both, updates run on the workers and the servers only sum. On
+``dist_async`` the servers run the optimizer and no worker waits for another
+(:class:`DistAsync`).
 
 The launcher's side of a ps-lite job, its environment, is in dist_gluon/jobenv.py
 (which imports neither mxnet nor horovod); only this module reads ``DMLC_*`` variables.
@@ -19,8 +21,10 @@ import threading
 
 import mxnet as mx
 import numpy as np
+from mxnet.kvstore.base import KVStoreBase
 
 from .. import jobcontrol
+from ..async_updates import ServerOptimizer
 from .base import Backend, report_connect
 
 _MXNET_CREATE = mx.kvstore.create
@@ -49,6 +53,11 @@ _LAUNCH_HELP = (
 
 def started_by_pslite(environ=os.environ) -> bool:
     return environ.get("DMLC_ROLE") == "worker"
+
+
+def asynchronous(environ=os.environ) -> bool:
+    """Started by the launcher as a dist_async worker (``DG_BACKEND=dist_async``)."""
+    return environ.get("DG_BACKEND") == "dist_async"
 
 
 def uses_p3_van(environ=os.environ) -> bool:
@@ -90,8 +99,8 @@ def connect_timeout(environ=os.environ) -> float:
     return value
 
 
-def _connect():
-    """``mx.kv.create('dist_sync')``, which blocks in C++ until the scheduler has
+def _connect(kind: str = "dist_sync"):
+    """``mx.kv.create(kind)``, which blocks in C++ until the scheduler has
     registered every worker and server of the job. A watchdog thread ends the process
     (status 1, the reason on stderr) if that takes longer than ``connect_timeout()``:
     a wrong scheduler address would otherwise hang the worker forever, silently."""
@@ -110,7 +119,7 @@ def _connect():
 
     threading.Thread(target=watchdog, name="dist_gluon-connect-watchdog", daemon=True).start()
     try:
-        return _MXNET_CREATE("dist_sync")
+        return _MXNET_CREATE(kind)
     finally:
         connected.set()
 
@@ -180,6 +189,7 @@ class DistSync(Backend):
     """
 
     _type = "dist_sync"
+    _mxnet_type = "dist_sync"
     _byte_dtype = "float16"
     _p3 = False
 
@@ -201,7 +211,8 @@ class DistSync(Backend):
                                "environment")
         claim_native_store(f"dist_gluon's {self._type!r} backend")
         report_connect(self._type)
-        self._kv = _connect()
+        self._kv = _connect(self._mxnet_type)
+        self._joined()
         # ps-lite numbers workers in the order they connect; the launcher's rank is
         # stable and matches its output prefixes, so it wins once it is checked.
         self._rank = self._kv.rank
@@ -212,6 +223,9 @@ class DistSync(Backend):
         self._slice_buffers: dict[str, mx.nd.NDArray] = {}
         super().__init__()
         self._rank = self._launcher_rank()
+
+    def _joined(self) -> None:
+        """Called once connected, before the first collective."""
 
     @property
     def rank(self) -> int:
@@ -349,3 +363,172 @@ class P3(DistSync):
 
     _type = "p3"
     _p3 = True
+
+
+class DistAsync(DistSync):
+    """Asynchronous data parallelism through MXNet's ps-lite kvstore (``dist_async``).
+
+    The servers run the optimizer (:class:`~dist_gluon.async_updates.ServerOptimizer`):
+    a worker pushes its gradient, the servers apply it at once as one optimizer step,
+    and the worker pulls the weights as they are then. No worker waits for another, so
+    a slow worker does not slow the others. DistributedTrainer and DistributedOptimizer
+    use this path on their own; see :mod:`dist_gluon.async_updates` for what it means
+    for the learning rate, the batch size and checkpoints.
+
+    dist_gluon's collectives (broadcast, pushpull sums, objects, barrier) still work, on
+    keys the servers only store: each worker writes its value into its own slot, and
+    after a barrier every worker reads all slots and sums them in rank order, so every
+    rank gets the same result bit for bit. They exist for set-up and evaluation, not
+    for gradients.
+    """
+
+    _type = "dist_async"
+    _mxnet_type = "dist_async"
+
+    def _joined(self) -> None:
+        self._int_keys: dict[str, int] = {}
+        self._int_specs: dict[str, tuple] = {}
+        self._model_keys: set[int] = set()
+        self._server_owner: str | None = None
+        # before the first collective: the servers must know how to treat its keys
+        if self._kv.rank == 0:
+            self._kv.set_optimizer(ServerOptimizer())
+        self._kv._barrier()
+
+    # ------------------------------------------------------------ collectives
+    def _collective_keys(self, names, arrays) -> list[int]:
+        """The odd server key of each name, created (a collective) on first use."""
+        new_keys, new_values, keys = [], [], []
+        for name, arr in zip(names, arrays):
+            spec = (arr.shape, np.dtype(arr.dtype))
+            key = self._int_keys.get(name)
+            if key is None:
+                key = self._int_keys[name] = 2 * len(self._int_keys) + 1
+                self._int_specs[name] = spec
+                new_keys.append(key)
+                new_values.append(mx.nd.zeros(arr.shape, dtype=arr.dtype))
+            elif self._int_specs[name] != spec:
+                known = self._int_specs[name]
+                raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
+                                 f"{known[1]}, now used with shape {spec[0]} and dtype "
+                                 f"{spec[1]}; on {self._type} a key keeps its first shape")
+            keys.append(key)
+        if new_keys:
+            self._kv.init(new_keys, new_values)
+        return keys
+
+    def _allreduce_(self, names, arrays, priority):
+        transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
+                   for a in arrays]
+        n = self._num_workers
+        slots = [self._collective_keys([f"{name}@{r}" for r in range(n)], [arr] * n)
+                 for name, arr in zip(names, transit)]
+        self._kv.push([keys[self.rank] for keys in slots], transit, priority=priority)
+        mx.nd.waitall()         # every push applied on the servers
+        self._kv._barrier()     # ... by every worker
+        parts = [[mx.nd.empty(arr.shape, dtype=arr.dtype) for _ in range(n)]
+                 for arr in transit]
+        self._kv.pull([k for keys in slots for k in keys],
+                      out=[p for row in parts for p in row], priority=priority)
+        for arr, row in zip(transit, parts):
+            mx.nd.add_n(*row, out=arr)
+            arr.wait_to_read()
+        self._kv._barrier()     # nobody overwrites a slot another still reads
+        for arr, moved in zip(arrays, transit):
+            if moved is not arr:
+                moved.astype(arr.dtype).copyto(arr)
+
+    def _broadcast_(self, names, arrays, root_rank, priority):
+        plain = [mx.nd.zeros(a.shape, ctx=a.context, dtype=a.dtype) for a in arrays]
+        transit = [p if np.dtype(p.dtype) in _SERVER_DTYPES else p.astype("float64")
+                   for p in plain]
+        keys = self._collective_keys(names, transit)
+        if self.rank == root_rank:
+            moved = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
+                     for a in arrays]
+            self._kv.push(keys, moved, priority=priority)
+            mx.nd.waitall()
+        self._kv._barrier()
+        self._kv.pull(keys, out=transit, priority=priority)
+        for t in transit:
+            t.wait_to_read()
+        self._kv._barrier()
+        for arr, t in zip(arrays, transit):
+            (t if t.dtype == arr.dtype else t.astype(arr.dtype)).copyto(arr)
+
+    # ------------------------------------------------------------ updates on the servers
+    def is_capable(self, capability: str) -> bool:
+        """The servers run the optimizer (``KVStoreBase.OPTIMIZER``)."""
+        if capability == KVStoreBase.OPTIMIZER:
+            return True
+        return super().is_capable(capability)
+
+    def claim_server_updates(self, owner: str) -> None:
+        """One trainer or optimizer per job updates on the servers: they hold a single
+        optimizer, which a second one would replace."""
+        if self._server_owner is not None:
+            raise ValueError(f"{owner}: this dist_async job's servers already update for "
+                             f"a {self._server_owner}, and they run one optimizer; use one "
+                             "DistributedTrainer (or DistributedOptimizer) per job on "
+                             "dist_async")
+        self._server_owner = owner
+
+    def set_optimizer(self, optimizer) -> None:
+        """Send ``optimizer`` to the servers (from rank 0; every rank calls it and
+        returns once the servers have it). It updates model key ``2 * i`` as its
+        parameter ``i`` (see :class:`~dist_gluon.async_updates.ServerOptimizer`); its
+        state starts empty."""
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise TypeError(f"optimizer must be an mx.optimizer.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        module = type(optimizer).__module__
+        if module == "__main__":
+            raise ValueError(
+                f"dist_async runs the optimizer on the servers, which import its class "
+                f"by module name; {type(optimizer).__name__} is defined in the script "
+                "(__main__), which the servers do not run. Define it in a module that "
+                "is importable where the servers run (on their PYTHONPATH)")
+        self._progress("set_optimizer")
+        if self.rank == 0:
+            self._kv.set_optimizer(ServerOptimizer(optimizer))
+        self._kv._barrier()
+
+    def init_model(self, indices: list[int], arrays: list[mx.nd.NDArray]) -> None:
+        """Create the server weights of parameters ``indices`` from rank 0's
+        ``arrays`` (a collective)."""
+        keys = [2 * i for i in indices]
+        known = [i for i, k in zip(indices, keys) if k in self._model_keys]
+        if known:
+            raise ValueError(f"parameters {known} already have server weights")
+        self._progress("init_model")
+        plain = [mx.nd.zeros(a.shape, ctx=a.context, dtype=a.dtype) for a in arrays]
+        for arr, copy in zip(arrays, plain):
+            arr.copyto(copy)
+        self._kv.init(keys, plain)
+        self._model_keys.update(keys)
+
+    def push_gradient(self, index: int, grad: mx.nd.NDArray, weight: mx.nd.NDArray,
+                      priority: int = 0) -> None:
+        """Push ``grad`` of parameter ``index`` (one optimizer step on the servers), then
+        pull its current weights into ``weight``. Not a collective: nobody waits for
+        anybody."""
+        key = 2 * index
+        self._kv.push(key, grad, priority=priority)
+        self._kv.pull(key, out=weight, priority=priority)
+
+    def pull_weights(self, indices: list[int], outs: list[mx.nd.NDArray]) -> None:
+        """Pull the servers' current weights of parameters ``indices`` into ``outs``."""
+        self._kv.pull([2 * i for i in indices], out=outs)
+        for out in outs:
+            out.wait_to_read()
+
+    def _barrier(self) -> None:
+        # a barrier orders pushes too: every push a worker made before it is applied
+        mx.nd.waitall()
+        self._kv._barrier()
+
+    def set_gradient_compression(self, compression_params: dict) -> None:
+        raise ValueError("the dist_async backend does not compress gradients: each push is "
+                         "applied by the servers as it arrives, and dist_gluon's codecs "
+                         "sum compressed values, which needs synchronous workers. Use "
+                         "dist_sync or p3 (or horovod) for compression")

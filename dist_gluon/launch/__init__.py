@@ -39,7 +39,7 @@ from .channel import HEARTBEAT, SILENCE, JoinError, Link, accept_nodes, connect_
 from .node import COMPAT_ENV, Node, free_port
 from .supervisor import Supervisor
 
-BACKENDS = ("horovod", "dist_sync", "p3")
+BACKENDS = ("horovod", "dist_sync", "p3", "dist_async")
 SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers
 STATUS_EVERY = 0.1      # seconds between a node's status reports
 DEFAULT_MASTER_PORT = 29500
@@ -59,7 +59,8 @@ def _parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"dist_gluon {__version__}")
     parser.add_argument("-n", "--num-workers", "--nproc-per-node", type=int, default=None,
-                        help="worker processes per node (>= 1); with -H/--hostfile, "
+                        help="worker processes per node (>= 1; 0 on a node of a ps-lite "
+                             "job that only runs servers); with -H/--hostfile, "
                              "the slots of each host")
     parser.add_argument("--backend", default="horovod", choices=BACKENDS,
                         help="communication backend (default: horovod)")
@@ -68,7 +69,8 @@ def _parse_args(argv):
                              "started by OpenMPI's mpirun, faster on dedicated cores "
                              "(default: gloo)")
     parser.add_argument("--servers", type=int, default=1,
-                        help="ps-lite servers per node for dist_sync and p3 (default: 1)")
+                        help="ps-lite servers per node for dist_sync, p3 and dist_async "
+                             "(default: 1; 0 on worker nodes when other nodes serve)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds the whole job may run; then everything is "
                              "terminated and the launcher exits 124")
@@ -111,6 +113,10 @@ def _parse_args(argv):
                        help="a launcher that hears nothing from another for SEC seconds, "
                             "or cannot send to it for as long, ends the job naming it "
                             f"(default: {SILENCE:g}; give every node the same value)")
+    nodes.add_argument("--server-nodes", type=int, default=None, metavar="K",
+                       help="ps-lite: the last K nodes only run servers (--servers each) "
+                            "and the others only workers; one command for every node, "
+                            "e.g. under srun")
     nodes.add_argument("--iface", default=None,
                        help="horovod: network interface for Gloo (default: the one that "
                             "carries this node's route to the master)")
@@ -145,13 +151,13 @@ def _parse_args(argv):
             parser.error("-H/--hostfile starts one launcher per host itself; do not add "
                          "--nnodes or --node-rank")
         if args.num_workers is None:
-            args.num_workers = args.host_slots[0][1]
+            args.num_workers = max(host.slots for host in args.host_slots)
     if args.num_workers is None:
         parser.error("-n is required: the number of workers per node")
-    if args.num_workers < 1:
-        parser.error(f"-n must be at least 1, got {args.num_workers}")
-    if args.servers < 1:
-        parser.error(f"--servers must be at least 1, got {args.servers}")
+    if args.num_workers < 0:
+        parser.error(_AT_LEAST_ONE_WORKER.format(args.num_workers))
+    if args.servers < 0:
+        parser.error(_AT_LEAST_ONE_SERVER.format(args.servers))
     if args.transport == "mpi" and args.backend != "horovod":
         parser.error(f"--transport mpi is for --backend horovod, not {args.backend}")
     if args.transport == "mpi" and not mpi.mpirun_path():
@@ -186,7 +192,57 @@ def _parse_args(argv):
         parser.error(f"--master-port must be in [1, 65535], got {args.master_port}")
     if not (args.hosts or args.hostfile):
         _node_arguments(parser, args)
+    _server_arguments(parser, args)
     return args
+
+
+_AT_LEAST_ONE_WORKER = ("-n must be at least 1 (0 only on a node of a ps-lite job of several "
+                        "nodes that runs servers alone), got {}")
+_AT_LEAST_ONE_SERVER = ("--servers must be at least 1 (0 only on worker nodes of a job of "
+                        "several nodes whose other nodes serve), got {}")
+
+
+def _server_arguments(parser, args) -> None:
+    """Nodes that only serve or only work (ps-lite): -n 0 or --servers 0 on one node,
+    hosts with 0 slots in -H/--hostfile, or --server-nodes K for the last K nodes."""
+    pslite = args.backend != "horovod"
+    if args.hosts or args.hostfile:
+        if args.server_nodes is not None:
+            parser.error("--server-nodes is for one launcher per node; with -H/--hostfile "
+                         "give each server-only host 0 slots and its servers: host:0:S, "
+                         "or 'host slots=0 servers=S'")
+        if not pslite and any(host.slots == 0 for host in args.host_slots):
+            parser.error("a host with 0 slots only runs ps-lite servers, and --backend "
+                         "horovod has none: use --backend dist_sync, p3 or dist_async")
+        servers = sum(args.servers if host.servers is None else host.servers
+                      for host in args.host_slots)
+        if pslite and servers < 1:
+            parser.error("the hosts run no ps-lite server: give some host servers "
+                         "(host:N:S, 'servers=S' in a hostfile, or --servers)")
+        return
+    if args.server_nodes is not None:
+        if not pslite:
+            parser.error("--server-nodes needs a ps-lite backend (dist_sync, p3 or "
+                         "dist_async); horovod has no servers")
+        if not 0 < args.server_nodes < args.nnodes:
+            parser.error(f"--server-nodes must be in [1, {args.nnodes - 1}] (some nodes "
+                         f"must run workers), got {args.server_nodes}")
+        if args.servers < 1:
+            parser.error(_AT_LEAST_ONE_SERVER.format(args.servers))
+        if args.node_rank >= args.nnodes - args.server_nodes:
+            args.num_workers = 0
+        else:
+            args.servers = 0
+    if args.nnodes == 1 and args.num_workers == 0:
+        parser.error(_AT_LEAST_ONE_WORKER.format(0))
+    if args.num_workers == 0 and not pslite:
+        parser.error("-n 0 makes a node that only runs ps-lite servers, and --backend "
+                     "horovod has none: use --backend dist_sync, p3 or dist_async")
+    if args.nnodes == 1 and args.servers == 0 and pslite:
+        parser.error(_AT_LEAST_ONE_SERVER.format(0))
+    if args.num_workers == 0 and args.servers == 0:
+        parser.error("-n 0 with --servers 0: this node would run neither workers nor "
+                     "servers")
 
 
 def _node_arguments(parser, args) -> None:
@@ -329,11 +385,32 @@ class _JobView:
 def _job_spec(args, restart: int, master_addr: str) -> dict:
     spec = {"backend": args.backend, "nnodes": args.nnodes, "nproc": args.num_workers,
             "servers": args.servers, "restart": restart, "master_addr": master_addr,
-            "transport": args.transport, "hosts": getattr(args, "node_hosts", None)}
+            "transport": args.transport, "hosts": getattr(args, "node_hosts", None),
+            "slots": args.node_slots, "server_counts": args.node_servers}
     bind = "" if args.nnodes > 1 else "127.0.0.1"
     port = free_port(bind)
     spec["rendezvous_port" if args.backend == "horovod" else "scheduler_port"] = port
     return spec
+
+
+def _node_layout(args, hellos: dict[int, dict]) -> str | None:
+    """Each node's workers and ps-lite servers (``args.node_slots``,
+    ``args.node_servers``), from node 0's arguments and the other nodes' hellos; or
+    what is wrong with them. Ranks are numbered node by node, over the nodes that run
+    workers. On horovod every node runs node 0's -n."""
+    others = [hellos[n] for n in sorted(hellos)]
+    if args.backend == "horovod":
+        args.node_slots = [args.num_workers] * args.nnodes
+        args.node_servers = [0] * args.nnodes
+        return None
+    args.node_slots = [args.num_workers] + [h["nproc"] for h in others]
+    args.node_servers = [args.servers] + [h.get("servers", args.servers) for h in others]
+    if sum(args.node_slots) < 1:
+        return "no node of this job runs workers (every node was given -n 0)"
+    if sum(args.node_servers) < 1:
+        return ("no node of this job runs a ps-lite server (every node was given "
+                "--servers 0): give the server nodes --servers S")
+    return None
 
 
 def _run_master(args, out: _Output) -> int:
@@ -353,6 +430,16 @@ def _run_master(args, out: _Output) -> int:
             return 1
         links = {n: link for n, (link, _) in joined.items()}
         args.node_hosts = [None] + [joined[n][1]["host"] for n in range(1, args.nnodes)]
+    problem = _node_layout(args, {n: hello for n, (_, hello) in joined.items()}
+                           if args.nnodes > 1 else {})
+    if problem:
+        for link in links.values():
+            link.send({"type": "end", "status": 2, "report": problem, "again": False})
+        out.say(problem)
+        time.sleep(0.5)     # the links' writers deliver it before they close
+        for link in links.values():
+            link.close()
+        return 2
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     status = 1
     try:
@@ -471,7 +558,7 @@ def _run_agent(args, out: _Output) -> int:
         out.say(error)
         return 1
     hello = {"type": "hello", "node": args.node_rank, "host": socket.gethostname(),
-             "nproc": args.num_workers}
+             "nproc": args.num_workers, "servers": args.servers}
     try:
         link = connect_to_master(args.master_addr, args.master_port, hello,
                                  args.join_timeout, args.job_secret)

@@ -48,22 +48,28 @@ class Node:
                                               else None)
 
     @property
+    def nproc(self) -> int:
+        """This node's workers (0 on a node that only runs ps-lite servers)."""
+        return self.spec["slots"][self.node_rank]
+
+    @property
     def first_rank(self) -> int:
-        return self.node_rank * self.spec["nproc"]
+        # ranks are numbered node by node, over the nodes that run workers
+        return sum(self.spec["slots"][:self.node_rank])
 
     @property
     def ranks(self) -> list[int]:
-        return list(range(self.first_rank, self.first_rank + self.spec["nproc"]))
+        return list(range(self.first_rank, self.first_rank + self.nproc))
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         spec = self.spec
-        nproc, nnodes = spec["nproc"], spec["nnodes"]
+        nproc, nnodes = self.nproc, spec["nnodes"]
         base = dict(os.environ)
         base.pop(secret.ENV, None)      # the launchers' alone
         base.setdefault("PYTHONUNBUFFERED", "1")
-        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        base.update({"DG_NUM_WORKERS": str(nproc * nnodes), "DG_BACKEND": spec["backend"],
+        base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
+        base.update({"DG_NUM_WORKERS": str(sum(spec["slots"])), "DG_BACKEND": spec["backend"],
                      "DG_RESTART": str(spec["restart"]), "DG_NNODES": str(nnodes),
                      "DG_NODE_RANK": str(self.node_rank),
                      jobcontrol.ENV_DIR: self._control_dir})
@@ -103,7 +109,8 @@ class Node:
 
     def _start_pslite(self, base):
         spec = self.spec
-        nproc, nnodes, servers = spec["nproc"], spec["nnodes"], spec["servers"]
+        nproc, nnodes = self.nproc, spec["nnodes"]
+        counts = spec["server_counts"]
         if nnodes == 1:
             root, node_host = "127.0.0.1", "127.0.0.1"
         else:
@@ -111,15 +118,15 @@ class Node:
             root = socket.gethostbyname(spec["master_addr"])
             node_host = jobenv.route_source_addr(root)
         common = dict(base)
-        common.update(jobenv.pslite_env(root, spec["scheduler_port"], nproc * nnodes,
-                                        servers * nnodes, node_host,
+        common.update(jobenv.pslite_env(root, spec["scheduler_port"], sum(spec["slots"]),
+                                        sum(counts), node_host,
                                         p3=spec["backend"] == "p3"))
         service = [sys.executable, "-c", "import mxnet"]
         if self.node_rank == 0:
             self._spawn("scheduler", "scheduler", None, service,
                         dict(common, **jobenv.pslite_role_env("scheduler")))
-        for s in range(servers):
-            index = self.node_rank * servers + s
+        for s in range(counts[self.node_rank]):
+            index = sum(counts[:self.node_rank]) + s
             self._spawn(f"server{index}", "server", None, service,
                         dict(common, **jobenv.pslite_role_env("server")))
         for local_rank in range(nproc):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 from . import output, secret
 from .processes import Process, terminate
@@ -23,20 +24,35 @@ _NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
 END_GRACE = 20.0        # seconds the other node launchers get once one has ended
 
 
-def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """'host1:2,host2:2' -> [('host1', 2), ('host2', 2)] (slots default to 1)."""
+class Host(NamedTuple):
+    """A host of -H/--hostfile: its workers (slots; 0 for a host that only runs ps-lite
+    servers) and its ps-lite servers (None: the launcher's --servers)."""
+
+    name: str
+    slots: int
+    servers: int | None = None
+
+
+def parse_hosts(text: str) -> list[Host]:
+    """'host1:2,host2:2' -> [Host('host1', 2), Host('host2', 2)] (slots default to 1);
+    'host:N:S' also gives the host's number of ps-lite servers ('srv:0:2': a host that
+    runs 2 servers and no worker)."""
     hosts = []
     for item in text.split(","):
         item = item.strip()
         if not item:
             continue
-        host, _, slots = item.partition(":")
-        hosts.append((host, _slots(slots or "1", item)))
+        host, _, rest = item.partition(":")
+        slots, _, servers = rest.partition(":")
+        hosts.append(Host(host, _slots(slots or "1", item),
+                          _servers(servers, item) if servers else None))
     return _checked(hosts, "-H")
 
 
-def read_hostfile(path: str) -> list[tuple[str, int]]:
-    """Lines 'host slots=N' (or 'host:N', or 'host'); '#' starts a comment."""
+def read_hostfile(path: str) -> list[Host]:
+    """Lines 'host slots=N' (or 'host:N', or 'host'), optionally with 'servers=S' (the
+    host's ps-lite servers; 'slots=0 servers=S': a host that only serves); '#' starts a
+    comment."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
@@ -47,16 +63,19 @@ def read_hostfile(path: str) -> list[tuple[str, int]]:
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        host, slots = words[0], "1"
+        host, slots, servers = words[0], "1", None
         if ":" in host:
             host, slots = host.split(":", 1)
         for word in words[1:]:
             key, _, value = word.partition("=")
-            if key not in ("slots", "max_slots") or not value:
-                raise ValueError(f"{path}:{number}: expected 'host slots=N', got {line!r}")
+            if key not in ("slots", "max_slots", "servers") or not value:
+                raise ValueError(f"{path}:{number}: expected 'host slots=N' (and "
+                                 f"optionally 'servers=S'), got {line!r}")
             if key == "slots":
                 slots = value
-        hosts.append((host, _slots(slots, f"{path}:{number}")))
+            elif key == "servers":
+                servers = _servers(value, f"{path}:{number}")
+        hosts.append(Host(host, _slots(slots, f"{path}:{number}"), servers))
     return _checked(hosts, f"--hostfile {path}")
 
 
@@ -65,21 +84,35 @@ def _slots(text: str, where: str) -> int:
         slots = int(text)
     except ValueError:
         raise ValueError(f"{where}: slots must be a whole number, got {text!r}") from None
-    if slots < 1:
-        raise ValueError(f"{where}: slots must be at least 1, got {slots}")
+    if slots < 0:
+        raise ValueError(f"{where}: slots must be at least 1 (0 for a host that only runs "
+                         f"ps-lite servers), got {slots}")
     return slots
 
 
-def _checked(hosts, where) -> list[tuple[str, int]]:
+def _servers(text: str, where: str) -> int:
+    try:
+        servers = int(text)
+    except ValueError:
+        raise ValueError(f"{where}: servers must be a whole number, got {text!r}") from None
+    if servers < 0:
+        raise ValueError(f"{where}: servers must be at least 0, got {servers}")
+    return servers
+
+
+def _checked(hosts: list[Host], where) -> list[Host]:
     if not hosts:
         raise ValueError(f"{where} names no host")
-    names = [h for h, _ in hosts]
+    names = [h.name for h in hosts]
     if len(set(names)) != len(names):
         raise ValueError(f"{where} names a host twice: {names}")
-    if len({s for _, s in hosts}) != 1:
-        raise ValueError(f"{where}: every host must have the same number of slots "
-                         f"(global rank = node rank * slots + local rank), got "
-                         f"{', '.join(f'{h}:{s}' for h, s in hosts)}")
+    workers = [h for h in hosts if h.slots > 0]
+    if not workers:
+        raise ValueError(f"{where}: no host runs workers (every host has 0 slots)")
+    if len({h.slots for h in workers}) != 1:
+        raise ValueError(f"{where}: every host that runs workers must have the same number "
+                         f"of slots (ranks are numbered host by host), got "
+                         f"{', '.join(f'{h.name}:{h.slots}' for h in hosts)}")
     return hosts
 
 
@@ -90,13 +123,15 @@ def _forwarded_env() -> dict[str, str]:
 
 def node_command(args, node_rank: int, master_addr: str) -> str:
     """The shell command that starts node ``node_rank``'s launcher on its host."""
+    host = args.host_slots[node_rank]
     argv = [sys.executable, "-m", "dist_gluon.launch",
             "--nnodes", str(len(args.host_slots)), "--node-rank", str(node_rank),
             "--master-addr", master_addr, "--master-port", str(args.master_port),
             "--join-timeout", f"{args.join_timeout:g}",
             "--heartbeat", f"{args.heartbeat:g}", "--silence-limit", f"{args.silence_limit:g}",
-            "-n", str(args.num_workers), "--backend", args.backend,
-            "--servers", str(args.servers), "--max-restarts", str(args.max_restarts),
+            "-n", str(host.slots), "--backend", args.backend,
+            "--servers", str(args.servers if host.servers is None else host.servers),
+            "--max-restarts", str(args.max_restarts),
             "--stall-warning", f"{args.stall_warning or 0:g}"]
     for flag, value in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
                         ("--iface", args.iface), ("--transport", args.transport),
@@ -132,7 +167,7 @@ def run(args) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank, (host, _) in enumerate(args.host_slots):
+        for rank, (host, *_) in enumerate(args.host_slots):
             argv = ssh_argv(args, host) + [node_command(args, rank, master)]
             # stdin stays open: the node launcher ends when this process goes away
             launchers.append(Process("", "launcher", rank, argv, None, stdin=subprocess.PIPE))
