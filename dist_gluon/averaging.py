@@ -91,6 +91,7 @@ class _GradientAverager:
         self._batch_key = f"{prefix}.batch"
         self._step_indices: set[int] = set()
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
+        self._codec_checked: set = set()
 
     @property
     def distributed(self) -> bool:
@@ -130,6 +131,7 @@ class _GradientAverager:
         describe : callable, optional
             ``describe(index)`` names a parameter in errors.
         """
+        self.check_input(indices, grads, describe)
         if not self.distributed:
             return
         if any(g.stype != "default" for g in grads):
@@ -144,13 +146,6 @@ class _GradientAverager:
             for g in grads:
                 g *= 1.0 / self._predivide
         if self.codec is not None:
-            for index, grad in zip(indices, grads):
-                if np.dtype(grad.dtype).kind != "f":
-                    what = describe(index) if describe else f"parameter #{index}"
-                    raise TypeError(f"compression {self.codec.name!r} works on float16, "
-                                    f"float32 and float64 gradients; {what} has a gradient "
-                                    f"of dtype {np.dtype(grad.dtype).name} (use "
-                                    "compression=None for it)")
             self.codec.reduce(self.kv, indices, keys, grads, priority)
         elif len(keys) == 1:
             self.kv.pushpull(keys[0], grads[0], priority=priority)
@@ -190,17 +185,24 @@ class _GradientAverager:
     def reduce_sparse(self, index: int, grad: mx.nd.NDArray, describe=None) -> dict:
         """Sum the row_sparse ``grad`` of parameter ``index`` over the workers, in place,
         as one process on the concatenated batches would hold it (the union of the
-        rows); see :mod:`dist_gluon.sparse`. Not compressed; no predivision."""
+        rows); see :mod:`dist_gluon.sparse`. No predivision; of the codecs only fp16
+        applies (the rows travel as float16), 2-bit and PowerSGD refuse it."""
         if grad.stype != "row_sparse":
             what = describe(index) if describe else f"parameter #{index}"
             raise TypeError(f"{self._owner} averages dense and row_sparse gradients; {what} "
                             f"has a {grad.stype} gradient")
+        wire_dtype = None
+        if self.codec is not None and np.dtype(grad.dtype) != np.float16:
+            wire_dtype = np.float16      # check_input let only fp16 through
         return sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
-                              priority=-index if isinstance(index, int) else 0)
+                              priority=-index if isinstance(index, int) else 0,
+                              wire_dtype=wire_dtype)
 
     def reduce_one(self, index: int, grad: mx.nd.NDArray, describe=None) -> None:
         """``reduce([index], [grad])``, DistributedTrainer's call for each parameter,
         with a short path for the common case (no compression, no predivision)."""
+        if self.codec is not None:
+            self.check_input([index], [grad], describe)
         if grad.stype != "default":
             if self.distributed:
                 self.reduce_sparse(index, grad, describe)
@@ -210,6 +212,28 @@ class _GradientAverager:
             self.kv.pushpull(key, grad, priority=-index)
         else:
             self.reduce([index], [grad], describe=describe)
+
+    def check_input(self, indices, grads, describe) -> None:
+        """Refuse, on any number of workers, a gradient the codec cannot compress (once
+        per parameter): an integer one, or a row_sparse one for 2-bit and PowerSGD."""
+        if self.codec is None:
+            return
+        for index, grad in zip(indices, grads):
+            if index in self._codec_checked:
+                continue
+            what = describe(index) if describe else f"parameter #{index}"
+            if np.dtype(grad.dtype).kind != "f":
+                raise TypeError(f"compression {self.codec.name!r} works on float16, float32 "
+                                f"and float64 gradients; {what} has a gradient of dtype "
+                                f"{np.dtype(grad.dtype).name} (use compression=None for it)")
+            if grad.stype != "default" and self.codec.name != "fp16":
+                raise TypeError(
+                    f"compression {self.codec.name!r} works on dense gradients; {what} has a "
+                    f"{grad.stype} gradient (Embedding(..., sparse_grad=True)). Accepted for "
+                    "row_sparse gradients: compression=None or 'fp16' (the rows travel as "
+                    f"float16); or give the sparse parameters a {self._owner} of their own "
+                    "without compression, or use sparse_grad=False")
+            self._codec_checked.add(index)
 
     def _track_step(self, indices: list[int], weight: float) -> None:
         if self._step_indices and self._step_indices.isdisjoint(indices):

@@ -229,11 +229,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             if async_updates.asynchronous(self.kv):
                 self._dg_server_updates = async_updates.ServerUpdates(
                     self.kv, "DistributedOptimizer")
+        indices = list(index) if isinstance(index, (list, tuple)) else [index]
+        grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        # a gradient the codec refuses fails on one process too, not first on N
+        averager.check_input(indices, grads, self._describe)
         if not averager.distributed:
             update(index, weight, grad, state)
             return
-        indices = list(index) if isinstance(index, (list, tuple)) else [index]
-        grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if self._dg_server_updates is not None:
             weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
             # the servers update; this rank's rescale_grad is its own batch size

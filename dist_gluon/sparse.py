@@ -14,7 +14,9 @@ The block's rows are rounded up to a power of two, so a ps-lite key (which keeps
 first shape) serves every step of similar size and a job uses a handful of keys. When
 the rounded block would hold at least half of the table, the dense gradient is summed
 instead (no larger, and one key), and its rows ``U`` are taken from the sum: the
-semantics do not depend on the choice. Compression does not apply to these sums.
+semantics do not depend on the choice. Of the codecs only fp16 applies to these sums
+(the block travels as float16); 2-bit and PowerSGD need the whole dense tensor and
+refuse a row_sparse gradient (dist_gluon/averaging.py).
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ def bucket(rows: int) -> int:
     return 1 << max(0, int(rows) - 1).bit_length()
 
 
-def sum_row_sparse(kv, key: str, grad: mx.nd.NDArray, priority: int = 0) -> dict:
+def sum_row_sparse(kv, key: str, grad: mx.nd.NDArray, priority: int = 0,
+                   wire_dtype=None) -> dict:
     """Sum the row_sparse ``grad`` over the workers in place (see the module docstring).
-    Call it on every rank, in the same order as every other collective.
+    Call it on every rank, in the same order as every other collective. With
+    ``wire_dtype`` (float16 for the fp16 codec) the summed block travels in that dtype.
 
     Returns
     -------
@@ -45,16 +49,16 @@ def sum_row_sparse(kv, key: str, grad: mx.nd.NDArray, priority: int = 0) -> dict
     height, width = grad.shape[0], int(np.prod(grad.shape[1:]))
     size = bucket(len(union))
     if size >= DENSE_FRACTION * height:
-        dense = grad.tostype("default")
-        kv.pushpull(f"{key}.dense", dense, priority=priority)
+        dense = _on_the_wire(grad.tostype("default"), wire_dtype)
+        kv.pushpull(_wire_key(f"{key}.dense", wire_dtype), dense, priority=priority)
         values = dense.asnumpy()[union] if len(union) else np.zeros((0,) + grad.shape[1:])
         sent = dense.size
     else:
-        block = np.zeros((size,) + grad.shape[1:], dtype=grad.dtype)
+        block = np.zeros((size,) + grad.shape[1:], dtype=wire_dtype or grad.dtype)
         if len(own):
             block[np.searchsorted(union, own)] = grad.data.asnumpy()
-        wire = mx.nd.array(block, dtype=grad.dtype)
-        kv.pushpull(f"{key}.rows{size}", wire, priority=priority)
+        wire = mx.nd.array(block, dtype=block.dtype)
+        kv.pushpull(_wire_key(f"{key}.rows{size}", wire_dtype), wire, priority=priority)
         values = wire.asnumpy()[:len(union)]
         sent = size * width
     total = mx.nd.sparse.row_sparse_array(
@@ -62,3 +66,12 @@ def sum_row_sparse(kv, key: str, grad: mx.nd.NDArray, priority: int = 0) -> dict
         shape=grad.shape, ctx=grad.context, dtype=grad.dtype)
     total.copyto(grad)
     return {"rows": int(len(union)), "sent": int(sent), "dense": size >= DENSE_FRACTION * height}
+
+
+def _on_the_wire(array: mx.nd.NDArray, wire_dtype) -> mx.nd.NDArray:
+    return array if wire_dtype is None else array.astype(wire_dtype)
+
+
+def _wire_key(key: str, wire_dtype) -> str:
+    # on ps-lite a key keeps its first dtype
+    return key if wire_dtype is None else f"{key}.{np.dtype(wire_dtype).name}"

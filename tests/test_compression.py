@@ -254,3 +254,45 @@ def test_compressing_an_integer_gradient_is_a_clear_error():
     with pytest.raises(TypeError, match="works on float16, float32 and float64 gradients; "
                                         "parameter #0 has a gradient of dtype int32"):
         averager.reduce([0], [mx.nd.zeros((4,), dtype="int32")])
+
+
+def _embedding_model(sparse_grad: bool, dtype: str = "float32"):
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Embedding(50, 4, sparse_grad=sparse_grad, dtype=dtype),
+            mx.gluon.nn.Dense(3, flatten=True))
+    net.initialize()
+    return net
+
+
+def _one_step(net, compression):
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                    kv="local", compression=compression)
+    with mx.autograd.record():
+        loss = net(mx.nd.array([[1, 2], [3, 4]])).sum()
+    loss.backward()
+    trainer.step(2)
+
+
+@pytest.mark.parametrize("codec", ["2bit", "powersgd"])
+def test_compressing_a_sparse_gradient_is_a_clear_error_even_on_one_process(codec):
+    """A script that would fail on 2 workers fails the same way on 1, at its first step,
+    naming the parameter and what is accepted."""
+    with pytest.raises(TypeError, match=rf"compression '{codec}' works on dense gradients; "
+                                        r"parameter #0 \('embedding\d+_weight'\) has a row_sparse "
+                                        r"gradient .*compression=None or 'fp16'"):
+        _one_step(_embedding_model(sparse_grad=True), codec)
+
+
+def test_fp16_and_dense_embeddings_are_accepted_with_compression():
+    _one_step(_embedding_model(sparse_grad=True), "fp16")
+    _one_step(_embedding_model(sparse_grad=False), "2bit")
+
+
+def test_compressing_an_integer_gradient_fails_on_one_process_too():
+    net = mx.gluon.nn.Dense(2, in_units=2)
+    net.initialize()
+    net.collect_params().setattr("dtype", "int32")
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", kv="local",
+                                    compression="2bit")
+    with pytest.raises(TypeError, match="works on float16, float32 and float64 gradients"):
+        trainer.step(1, ignore_stale_grad=True)

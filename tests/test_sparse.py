@@ -65,3 +65,29 @@ def test_what_travels_grows_with_the_rows_in_use_not_the_vocabulary(distributed)
                                            (32, 32), (33, 64)])
 def test_blocks_are_rounded_up_to_powers_of_two(rows, expected):
     assert sparse.bucket(rows) == expected
+
+
+class _RecordingKV:
+    """One of two workers whose peer sent nothing: records what it is asked to sum."""
+    num_workers, rank = 2, 0
+
+    def __init__(self):
+        self.sent = []
+
+    def allgather_object(self, obj):
+        return [obj, np.zeros(0, dtype=np.int64)]
+
+    def pushpull(self, key, value, priority=0):
+        self.sent.append((key, value.dtype))
+
+
+@pytest.mark.parametrize("wire_dtype,expected", [(None, np.float32), (np.float16, np.float16)])
+def test_fp16_compression_sends_the_sparse_rows_as_float16(wire_dtype, expected):
+    import mxnet as mx
+    grad = mx.nd.sparse.row_sparse_array(
+        (mx.nd.ones((2, 4)), mx.nd.array([3, 7], dtype="int64")), shape=(1000, 4))
+    kv = _RecordingKV()
+    sparse.sum_row_sparse(kv, "emb", grad, wire_dtype=wire_dtype)
+    assert [dtype for _, dtype in kv.sent] == [expected]
+    assert grad.indices.asnumpy().tolist() == [3, 7]
+    assert grad.data.asnumpy().tolist() == [[1.0] * 4] * 2
