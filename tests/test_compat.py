@@ -10,6 +10,7 @@ from weights of its own (tests/workers/record_weights.py seeds each rank differe
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 
@@ -69,6 +70,20 @@ def test_peer_semantics_on_two_workers(backend, tmp_path):
         lines = worker_lines(proc.stdout, rank)
         assert f"identity: rank {rank} of 2" in lines
         assert lines[-1] == "compat cases passed"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not found: install "
+                    "OpenMPI (make setup does it as root)")
+def test_peer_semantics_over_mpi(tmp_path):
+    """horovod's MPI-only calls (mpi_threads_supported) when the ranks run under mpirun."""
+    proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", "horovod",
+                "--transport", "mpi", "--", sys.executable, str(WORKERS / "compat_cases.py")],
+               tmp_path)
+    assert_ok(proc)
+    for rank in range(2):
+        lines = worker_lines(proc.stdout, rank)
+        assert "mpi_enabled: True" in lines and lines[-1] == "compat cases passed"
 
 
 @pytest.mark.slow

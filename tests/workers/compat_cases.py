@@ -128,8 +128,11 @@ expect_error(NotImplementedError, ["init(comm=...)"], hvd.init, comm=[0])
 if os.environ.get("DG_BACKEND", "local") != "horovod":
     expect_error(NotImplementedError, ["start_timeline", "mx.profiler"], hvd.start_timeline,
                  "timeline.json")
-if not hvd.mpi_enabled():
+if hvd.mpi_enabled():                                             # --transport mpi
+    assert isinstance(hvd.mpi_threads_supported(), bool) and not hvd.gloo_enabled()
+else:
     expect_error(ValueError, ["MPI is not enabled", "--transport mpi"], hvd.mpi_threads_supported)
+print(f"mpi_enabled: {hvd.mpi_enabled()}")
 expect_error(NotImplementedError, ["suspend", "--max-restarts"], bps.suspend)
 expect_error(NotImplementedError, ["byteps_compressor_type", "compression="],
              bps.byteps_declare_tensor, "c", byteps_compressor_type="onebit")
