@@ -55,7 +55,8 @@ def test_an_unsigned_hello_and_garbage_are_refused():
     with pytest.raises(channel.Refused, match="node 1's launcher but its hello is not "
                                               "signed at all"):
         master.open(json.dumps(HELLO).encode() + b"\n")
-    for garbage in (b"\x00\xff\xfe garbage\n", b"a" * 64 + b" {not json\n", b"\n"):
+    for garbage in (b"\x00\xff\xfe garbage\n", b"a" * 64 + b" {not json\n", b"\n",
+                    b"[" * 50000 + b"\n"):
         with pytest.raises(channel.Refused):
             channel._Seal(SECRET, "c0ffee", "m").open(garbage)
 

@@ -107,7 +107,7 @@ def _unsigned_hello(text: bytes, signed: bool) -> str:
     try:
         claim = json.loads(text)
         node = claim["node"] if claim.get("type") == "hello" else None
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         node = None
     if not isinstance(node, int):
         return ("its first message does not authenticate with this job's secret" if signed
@@ -169,7 +169,7 @@ class Link:
             return
         try:
             notice = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):
             return
         if isinstance(notice, dict) and notice.get("refused") == "hello":
             raise Refused(f"node 0's launcher at {self.peer} refused this launcher: its "
@@ -403,7 +403,10 @@ def _read_challenge(sock: socket.socket) -> str:
         line += byte
         if len(line) > 1024:
             raise ValueError("its first line is not a challenge")
-    greeting = json.loads(line)
+    try:
+        greeting = json.loads(line)
+    except RecursionError:
+        raise ValueError("its first line is not a challenge") from None
     if not isinstance(greeting, dict) or greeting.get("dist_gluon") != "launcher" \
             or not isinstance(greeting.get("challenge"), str):
         raise ValueError("its first line is not a challenge")
