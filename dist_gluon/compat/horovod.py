@@ -75,8 +75,11 @@ global_process_set = ProcessSet()
 
 
 def _check_process_set(process_set) -> None:
-    if process_set is not global_process_set:
-        raise NotImplementedError(f"process_set={process_set!r}: {_PROCESS_SETS}")
+    if process_set is global_process_set:
+        return
+    if isinstance(process_set, ProcessSet) and process_set.ranks == list(range(size())):
+        return                                  # all workers: the global set by another name
+    raise NotImplementedError(f"process_set={process_set!r}: {_PROCESS_SETS}")
 
 
 def add_process_set(process_set):
