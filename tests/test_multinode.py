@@ -8,6 +8,7 @@ launchers' channel and ssh all travel over the emulated network, never loopback.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import subprocess
 import sys
@@ -305,3 +306,82 @@ def test_heartbeat_must_be_shorter_than_the_silence_limit(tmp_path):
     assert proc.returncode == 2
     assert "--heartbeat (5) must be positive and shorter than --silence-limit (2)" \
         in proc.stderr
+
+
+STRANGER = """
+import json, socket, sys, time
+deadline = time.monotonic() + 60
+while True:
+    try:
+        sock = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=30)
+        break
+    except ConnectionRefusedError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.1)
+stream = sock.makefile("rb")
+stream.readline()                                   # node 0's challenge
+sock.sendall(json.dumps({"type": "hello", "node": 1, "host": "stranger",
+                         "nproc": 1}).encode() + b"\\n")
+print("STRANGER", sock.getsockname()[1], stream.readline().decode().strip())
+"""
+
+TOKEN_WORKER = """
+import http.client, os
+import mxnet as mx
+import dist_gluon as dg
+
+kv = dg.create()
+if kv.rank == 1:    # from node 1's host, a request without the job's rendezvous token
+    host, port = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", "/global/rank_0")
+    print("WITHOUT TOKEN", conn.getresponse().status, flush=True)
+out = mx.nd.zeros(2)
+kv.pushpull("x", mx.nd.full((2,), kv.rank + 1.0), out)
+print("SUM", out.asnumpy().tolist(), flush=True)
+"""
+
+
+def test_a_stranger_on_another_host_cannot_take_node_1s_place(cluster, tmp_path):
+    (tmp_path / "stranger.py").write_text(STRANGER)
+    (tmp_path / "worker.py").write_text(TOKEN_WORKER)
+    port = str(next(_ports))
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1"}
+    master, other = cluster.hosts[0], cluster.hosts[1]
+
+    def node(i):
+        return cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
+                                 "--node-rank", str(i), "--master-addr", master.address,
+                                 "--master-port", port, "-n", "1", "--",
+                                 sys.executable, "worker.py"],
+                             cwd=tmp_path, env={**env, "DG_JOB_SECRET": "across hosts"},
+                             text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    node0 = node(0)
+    node1 = None
+    try:
+        stranger = cluster.run(1, [sys.executable, "stranger.py", master.address, port],
+                               cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=120)
+        node1 = node(1)
+        out1, err1 = node1.communicate(timeout=240)
+        out0, err0 = node0.communicate(timeout=240)
+    finally:
+        for p in (node0, node1):
+            if p is not None:
+                p.kill()
+    report = f"{stranger.stdout}{stranger.stderr}\n--- node 0\n{out0}{err0}\n--- node 1\n" \
+             f"{out1}{err1}"
+    assert node0.returncode == 0 and node1.returncode == 0, report
+    assert worker_lines(out0, 0) == ["SUM [3.0, 3.0]"], report
+    assert worker_lines(out1, 1) == ["WITHOUT TOKEN 403", "SUM [3.0, 3.0]"], report
+    _, stranger_port, answer = stranger.stdout.split(" ", 2)
+    assert json.loads(answer) == {"refused": "hello"}, report
+    assert (f"dist_gluon.launch[node 0]: refused the connection from {other.address}:"
+            f"{stranger_port}: it says it is node 1's launcher but its hello is not signed "
+            "at all; carrying on") in err0, report
+    assert (f"dist_gluon.launch[node 0]: the Gloo rendezvous refused a GET request from "
+            f"{other.address} without this job's token") in err0, report
+    assert f"node 1 ({other.name}) joined (2 of 2 nodes)" in err0, report
