@@ -246,11 +246,38 @@ for api, expected in ((hvd, 1.0 - LR * sum(grads) / (N * (r + 1))),
     weight = mx.nd.ones((3,))
     updater(0, mx.nd.array(grads[r]), weight)
     close(weight, expected)
+# Module.fit with each peer's optimizer (kvstore=None) trains a linear regression like
+# one process on the N workers' batches together, from rank 0's broadcast weights
+B, STEPS = 4, 3
+x_all = np.random.RandomState(0).uniform(-1, 1, (STEPS * N * B, 3)).astype("float32")
+y_all = x_all @ np.array([1.0, -2.0, 0.5], dtype="float32")
+w_ref = np.ones(3)                                                # rank 0's start
+for step in range(STEPS):
+    xs, ys = x_all[step * N * B:(step + 1) * N * B], y_all[step * N * B:(step + 1) * N * B]
+    w_ref = w_ref - LR * ((xs @ w_ref - ys)[:, None] * xs).sum(0) / (N * B)
+my_rows = np.concatenate([np.arange(s * N * B + r * B, s * N * B + (r + 1) * B)
+                       for s in range(STEPS)])
+symbol = mx.sym.LinearRegressionOutput(
+    mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=1, no_bias=True, name="fc"),
+    name="lro")
+for api in (hvd, bps):
+    data = mx.io.NDArrayIter(x_all[my_rows], y_all[my_rows], B, label_name="lro_label")
+    mod = mx.mod.Module(symbol, label_names=["lro_label"], context=mx.cpu())
+    mod.bind(data.provide_data, data.provide_label)
+    mod.init_params(mx.init.Constant(r + 1))                      # differs between ranks
+    arg_params, aux_params = mod.get_params()
+    api.broadcast_parameters(arg_params, root_rank=0)
+    mod.set_params(arg_params, aux_params)
+    opt = api.DistributedOptimizer(mx.optimizer.SGD(learning_rate=LR, rescale_grad=1.0 / B))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")                           # Module on rescale_grad
+        mod.fit(data, kvstore=None, optimizer=opt, num_epoch=1)
+    close(mod.get_params()[0]["fc_weight"].asnumpy()[0], w_ref, 1e-5)
 os.environ["BYTEPS_ENABLE_ASYNC"] = "1"
 expect_error(NotImplementedError, ["BYTEPS_ENABLE_ASYNC"], bps.DistributedOptimizer,
              mx.optimizer.SGD())
 del os.environ["BYTEPS_ENABLE_ASYNC"]
-print("DistributedOptimizer: horovod's rescale_grad / size, BytePS's average")
+print("DistributedOptimizer: horovod's rescale_grad / size, BytePS's average, Module.fit")
 
 hvd.shutdown()
 assert not hvd.is_initialized()
