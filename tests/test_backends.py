@@ -168,6 +168,14 @@ for dtype in ("float32", "float64", "float16", "int32"):
     kv.pushpull(f"inplace_{dtype}", value)
     emit(f"pushpull inplace {dtype}", {"sent": sent, "out": describe(value)})
 
+# values float32 cannot hold: ps-lite's servers sum at float32 precision
+for dtype, data in (("float64", np.arange(12) / 3 + 2.0 ** 30 * (rank + 1) + 1 / 7),
+                    ("int64", 2 ** 40 + 7 * np.arange(12) + rank)):
+    value = mx.nd.array(data, dtype=dtype)
+    sent = describe(value)
+    kv.pushpull(f"precise_{dtype}", value)
+    emit(f"pushpull precise {dtype}", {"sent": sent, "out": describe(value)})
+
 value = pattern((5,), "float32", 2 + 3 * rank)
 out = mx.nd.zeros((5,))
 kv.pushpull("into_out", value, out=out, priority=-3)
@@ -355,6 +363,16 @@ def test_pushpull_in_place_sums_over_workers_and_keeps_the_dtype(api_run, dtype)
         out = found[check]["out"]
         assert out["dtype"] == dtype and out["shape"] == [3, 4]
         np.testing.assert_array_equal(_array(out), expected)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int64"])
+def test_float64_and_int64_sums_are_exact_to_the_last_bit(api_run, dtype):
+    _, (rank0, rank1) = api_run
+    check = f"pushpull precise {dtype}"
+    expected = _array(rank0[check]["sent"]) + _array(rank1[check]["sent"])
+    assert expected.dtype == dtype
+    for found in (rank0, rank1):
+        np.testing.assert_array_equal(_array(found[check]["out"]), expected)
 
 
 def test_pushpull_into_out_leaves_the_value_untouched(api_run):

@@ -270,12 +270,8 @@ def test_gluoncv_resnet18_v1b_with_syncbn_norm_layer_keeps_every_rank_identical(
 
 
 def test_gluoncv_resnet18_v1b_with_syncbn_trains_like_one_process_in_float64(
-        distributed, reference, request):
-    backend, out = distributed
-    if backend in ("dist_sync", "p3"):
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="ps-lite backends carry float64 values at float32 precision "
-                                "(1/3 comes back as 0.33333334)"))
+        distributed, reference):
+    _, out = distributed
     assert _max_error(_params(out, "resnet18_float64"),
                       _params(reference, "resnet18_float64")) < 1e-8
 

@@ -31,6 +31,10 @@ _MXNET_CREATE = mx.kvstore.create
 
 # ps-lite servers only aggregate floating point values.
 _SERVER_DTYPES = {np.dtype("float16"), np.dtype("float32"), np.dtype("float64")}
+# ... and MXNet 1.9's servers sum float64 at float32 precision (1/3 + 1/3 comes back as
+# 0.6666666865348816, 2**40 + 1 loses its 1). Other dtypes are summed by DistSync's
+# _exact_sum instead.
+_EXACT_ON_SERVERS = {np.dtype("float16"), np.dtype("float32")}
 # The plain van moves a key as one message through one server, so the push, the sum and
 # the pull of a large tensor run one after the other. Cut into slices of at most this
 # many elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes
@@ -176,8 +180,8 @@ class DistSync(Backend):
 
     Keys are created on the servers the first time they are used (a collective: every
     worker must use keys in the same order, as with any collective). A key keeps the
-    shape and dtype of its first use. Integer arrays travel as float64, because the
-    servers only sum floating point values (exact below 2**53).
+    shape and dtype of its first use. The servers sum float16 and float32 arrays;
+    float64 and integer arrays are summed exactly by :meth:`_exact_sum`.
 
     Creating it joins the job: a worker that has not joined after ``DG_CONNECT_TIMEOUT``
     seconds (default 60), e.g. because the scheduler address is wrong, prints why,
@@ -266,11 +270,17 @@ class DistSync(Backend):
         return int(given)
 
     def _allreduce_(self, names, arrays, priority):
-        transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
-                   for a in arrays]
-        self._create_keys(names, transit)
+        exact = [np.dtype(a.dtype) not in _EXACT_ON_SERVERS for a in arrays]
+        if any(exact):
+            self._exact_sum([n for n, e in zip(names, exact) if e],
+                            [a for a, e in zip(arrays, exact) if e], priority)
+            names = [n for n, e in zip(names, exact) if not e]
+            arrays = [a for a, e in zip(arrays, exact) if not e]
+            if not names:
+                return
+        self._create_keys(names, arrays)
         wire_names, wire, slices = [], [], []
-        for name, arr in zip(names, transit):
+        for name, arr in zip(names, arrays):
             for wire_name, part in self._wire(name, arr):
                 if part is not arr:
                     # Views of one array share its engine variable, so MXNet would run
@@ -286,9 +296,28 @@ class DistSync(Backend):
         self._kv.pushpull(wire_names, wire, out=wire, priority=priority)
         for buffer, part in slices:
             buffer.copyto(part)
-        for arr, moved in zip(arrays, transit):
-            if moved is not arr:
-                moved.astype(arr.dtype).copyto(arr)
+
+    def _exact_sum(self, names, arrays, priority) -> None:
+        """Sum float64 and integer arrays exactly, which the servers cannot (they sum at
+        float32 precision): each worker's values travel bit for bit, as 16-bit pieces in
+        float32 (exact below 2**24), in a row of their own that the other workers leave
+        at zero; every worker then adds the rows in rank order in float64 (or int64).
+        Exact, the same on every rank, at 16 N bytes per element instead of 8."""
+        rows = []
+        for arr in arrays:
+            values = arr.asnumpy().reshape(-1)
+            wide = values.astype(np.float64 if values.dtype.kind == "f" else np.int64)
+            pieces = np.zeros((self._num_workers, 4 * wide.size), dtype=np.float32)
+            pieces[self.rank] = wide.view(np.uint16)
+            rows.append((arr, wide.dtype, mx.nd.array(pieces, dtype="float32")))
+        self._allreduce_([f"{name}.exact" for name in names], [w for *_, w in rows],
+                         priority)
+        for arr, dtype, wire in rows:
+            parts = wire.asnumpy().astype(np.uint16).view(dtype)     # (workers, size)
+            total = parts[0].copy()
+            for part in parts[1:]:
+                total += part
+            arr[:] = total.reshape(arr.shape).astype(arr.dtype)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
         # A sum in which only the root contributes is a broadcast, and it reuses the
