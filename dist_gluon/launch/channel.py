@@ -70,8 +70,9 @@ class _Seal:
         head = f"dist_gluon {direction} {self.challenge} {self.nonce} {number}\n".encode()
         return hmac.new(self._key, head + body, hashlib.sha256).hexdigest().encode()
 
-    def seal(self, message: dict) -> bytes:
-        body = json.dumps(message).encode()
+    def seal(self, message: dict | bytes) -> bytes:
+        """The line that carries ``message`` (or its JSON text) as the next one."""
+        body = message if isinstance(message, bytes) else json.dumps(message).encode()
         line = self._mac(self._out, self.sent, body) + b" " + body + b"\n"
         self.sent += 1
         return line
@@ -208,7 +209,8 @@ class Link:
         """Queue ``message``; never blocks. False when the link is closed."""
         if self.closed:
             return False
-        self._outbox.put(message)
+        # the text as it is now (callers may change the dict later); the writer signs it
+        self._outbox.put(json.dumps(message).encode())
         return True
 
     def stuck_for(self) -> float:
