@@ -23,6 +23,11 @@ scheduler on host 0. In every cluster:
    (cluster/lm.py) on 2 hosts at 1 Gbit/s: DistributedTrainer with sparse against dense
    embedding gradients on horovod, dist_sync and p3, and gluon.Trainer(kvstore=
    'dist_sync') with MXNet's own row_sparse path.
+5. Server hosts: 4 hosts at 1 Gbit/s; 2 worker hosts with 2 server-only hosts (BytePS's
+   topology, dist_sync) against the same 2 hosts with a server each and against
+   horovod's ring: 100 MiB sums and ResNet-50 steps, each against its layout's bound.
+6. Asynchronous: 2 hosts at 1 Gbit/s, ResNet-50 with rank 1 slowed to half speed (it
+   sleeps as long as each step took): dist_async's throughput against dist_sync's.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -108,6 +113,19 @@ TRAIN_JOBS = {"horovod": ("dist_gluon,horovod.mxnet,compute",),
               "dist_sync": ("dist_gluon,compute", "gluon,compute"),
               "p3": ("dist_gluon,compute", "gluon,compute")}
 
+# Part 5: (label, backend, [(workers, servers) of host 0, 1, ...]); hosts beyond the
+# list stay idle. With N worker hosts and S server-only hosts a sum of B bytes is bound
+# by max(1, N/S) x B/R; a server on each worker host, or a ring, by 2(N-1)/N x B/R.
+SERVER_HOSTS = {"hosts": 4, "rate": "1gbit"}
+SERVER_LAYOUTS = (
+    ("2 workers + 2 server-only hosts (dist_sync)", "dist_sync",
+     [(1, 0), (1, 0), (0, 1), (0, 1)]),
+    ("2 hosts, a server each (dist_sync)", "dist_sync", [(1, 1), (1, 1)]),
+    ("horovod ring (Gloo)", "horovod", [(1, 1), (1, 1)]),
+)
+# Part 6: a worker slowed to half speed, on 2 hosts.
+ASYNC = {"hosts": 2, "rate": "1gbit"}
+
 _ports = itertools.count(29700)
 
 
@@ -125,10 +143,11 @@ def worker_env() -> dict[str, str]:
 
 
 def run_job(cluster, backend: str, transport: str | None, argv: list[str],
-            timeout: float, workdir: Path) -> dict:
+            timeout: float, workdir: Path, layout=None) -> dict:
     """Run ``argv`` (after the python executable) as one dist_gluon job with one worker
-    on each host; return rank 0's ``BENCH`` payload, or {'error': ...}, with the job's
-    wall time."""
+    on each host (``layout``: the (workers, servers) of hosts 0, 1, ... instead; the
+    other hosts stay idle); return rank 0's ``BENCH`` payload, or {'error': ...}, with
+    the job's wall time."""
     port = str(next(_ports))
     logs = []
     procs = []
@@ -137,10 +156,12 @@ def run_job(cluster, backend: str, transport: str | None, argv: list[str],
         # node 0's mpirun starts every node's ranks over ssh (the hosts' sshd)
         extra = ["--transport", "mpi", "--ssh-port", str(cluster.ssh_port),
                  "--ssh-identity-file", cluster.identity_file]
-    for host in cluster.hosts:
-        command = [PY, "-m", "dist_gluon.launch", "--nnodes", str(cluster.num_hosts),
+    layout = layout or [(1, 1)] * cluster.num_hosts
+    for host, (workers, servers) in zip(cluster.hosts, layout):
+        command = [PY, "-m", "dist_gluon.launch", "--nnodes", str(len(layout)),
                    "--node-rank", str(host.index), "--master-addr", cluster.hosts[0].address,
-                   "--master-port", port, "-n", "1", "--backend", backend,
+                   "--master-port", port, "-n", str(workers), "--servers", str(servers),
+                   "--backend", backend,
                    "--timeout", str(timeout), "--join-timeout", "60", *extra,
                    "--", PY, *argv]
         out = open(workdir / f"job{port}-node{host.index}.out", "w+")
@@ -329,6 +350,55 @@ def run_lm(cluster, variants, timeout: float, workdir) -> dict:
     return out
 
 
+def run_server_hosts(cfg, cases_path: Path, timeout: float) -> dict:
+    """Part 5: the layouts of SERVER_LAYOUTS on one 4-host cluster."""
+    setting = dict(SERVER_HOSTS, load_start=os.getloadavg(), layouts={})
+    log(f"server hosts: {SERVER_HOSTS['hosts']} hosts at {SERVER_HOSTS['rate']}")
+    opts = cfg["models"]["resnet50"]
+    model_args = ["--model", "resnet50", *itertools.chain.from_iterable(
+        (f"--{k}", str(v)) for k, v in opts.items())]
+    with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+            emulated_cluster.EmulatedCluster(num_hosts=SERVER_HOSTS["hosts"],
+                                             rate=SERVER_HOSTS["rate"]) as cluster:
+        workdir = Path(tmp)
+        setting["link"] = run_link(cluster, cfg["link_mib"])
+        for label, backend, layout in SERVER_LAYOUTS:
+            transport = "gloo" if backend == "horovod" and launcher_has_transport() else None
+            comm = run_job(cluster, backend, transport,
+                           [str(HERE / "cluster" / "comm.py"), "--cases", str(cases_path),
+                            "--reps", str(cfg["comm_reps"]), "--warmup",
+                            str(cfg["comm_warmup"])], timeout, workdir, layout=layout)
+            log(f"  sums, {label}: {describe(comm)}")
+            train = run_job(cluster, backend, transport,
+                            [str(HERE / "cluster" / "train.py"), *model_args, "--impls",
+                             "dist_gluon,compute"], timeout, workdir, layout=layout)
+            log(f"  ResNet-50, {label}: {describe(train)}")
+            setting["layouts"][label] = {"layout": layout, "comm": comm, "train": train}
+    setting["load_end"] = os.getloadavg()
+    return setting
+
+
+def run_async(cfg, timeout: float) -> dict:
+    """Part 6: dist_sync and dist_async with rank 1 at half speed, on 2 hosts."""
+    setting = dict(ASYNC, load_start=os.getloadavg(), jobs={})
+    log(f"asynchronous: {ASYNC['hosts']} hosts at {ASYNC['rate']}, rank 1 at half speed")
+    opts = dict(cfg["models"]["resnet50"], rounds=1)
+    opts["steps"] = max(opts["steps"], 4)
+    model_args = ["--model", "resnet50", *itertools.chain.from_iterable(
+        (f"--{k}", str(v)) for k, v in opts.items())]
+    with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+            emulated_cluster.EmulatedCluster(num_hosts=ASYNC["hosts"],
+                                             rate=ASYNC["rate"]) as cluster:
+        for backend in ("dist_sync", "dist_async"):
+            payload = run_job(cluster, backend, None,
+                              [str(HERE / "cluster" / "train.py"), *model_args, "--impls",
+                               "dist_gluon", "--slow-rank", "1"], timeout, Path(tmp))
+            log(f"  ResNet-50, {backend}: {describe(payload)}")
+            setting["jobs"][backend] = payload
+    setting["load_end"] = os.getloadavg()
+    return setting
+
+
 def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                 timeout: float) -> dict:
     ssh = any(transport == "mpi" for _, _, transport in variants)
@@ -370,9 +440,10 @@ def parse_args(argv=None):
                              "minutes); writes RESULTS-cluster-quick.md unless --out is "
                              "given")
     parser.add_argument("--only", action="append",
-                        choices=("comm", "train", "compress", "lm"),
-                        help="run only this part (repeatable); default: all four "
-                             "(compress and lm run in the 2 hosts at 1 Gbit/s setting)")
+                        choices=("comm", "train", "compress", "lm", "servers", "async"),
+                        help="run only this part (repeatable); default: all six "
+                             "(compress and lm run in the 2 hosts at 1 Gbit/s setting, "
+                             "servers on 4 hosts, async on 2)")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
@@ -400,8 +471,10 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train", "compress", "lm"]
-    if not set(parts) & {"comm", "train"}:
+    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async"]
+    if not set(parts) & {"comm", "train", "compress", "lm"}:
+        cfg["settings"] = []
+    elif not set(parts) & {"comm", "train"}:
         cfg["settings"] = [s for s in cfg["settings"]
                            if (s["hosts"], s["rate"]) == (COMPRESS["hosts"], COMPRESS["rate"])]
     if "compress" in parts and not any(
@@ -429,6 +502,20 @@ def main(argv=None) -> int:
         results["cases"] = [{"name": c["name"], "tensors": len(c["shapes"]),
                              "bytes": sum(report.numel(s) for s in c["shapes"]) * 4}
                             for c in cases]
+        results["minutes"], results["load_end"] = 0.0, os.getloadavg()
+        if "servers" in parts:
+            # the 100 MiB sum and ResNet-50's shapes
+            server_cases = Path(tmp) / "server-cases.json"
+            server_cases.write_text(json.dumps(local_bench.comm_cases((100,))))
+            results["server_hosts"] = run_server_hosts(cfg, server_cases, args.job_timeout)
+        if "async" in parts:
+            results["async"] = run_async(cfg, args.job_timeout)
+        if "servers" in parts or "async" in parts:
+            results["minutes"] = (time.monotonic() - started) / 60
+            results["load_end"] = os.getloadavg()
+            results["others_cpu_share"] = local_bench.others_share(
+                cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
+            report.write(results, args.out)
         for setting in cfg["settings"]:
             results["settings"].append(run_setting(setting, cfg, cases_path, variants,
                                                    parts, args.job_timeout))

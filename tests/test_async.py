@@ -66,17 +66,46 @@ print("RESULT " + json.dumps(results), flush=True)
 """
 
 
+RESUME_JOB = f"""
+import json
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+
+kv = dg.create()
+net = gluon.nn.Dense(3, in_units=4)
+net.initialize(mx.init.Constant(42.0))
+net.bias.lr_mult = {BIAS_LR_MULT}
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {{"learning_rate": 1.0}})
+state = dg.Checkpointer("ckpt", kv=kv).restore(net, trainer)
+results = {{"epoch": state["epoch"], "restored": net.weight.data().asnumpy().tolist(),
+            "lr": trainer.learning_rate}}
+data = mx.nd.array([{X_ROW}])
+with autograd.record():
+    loss = net(data).sum()
+loss.backward()
+trainer.step(1)
+trainer.sync_weights()
+results["weight"] = net.weight.data().asnumpy().tolist()
+print("RESULT " + json.dumps(results), flush=True)
+"""
+
+
 def _results(proc, rank):
     lines = [line for line in worker_lines(proc.stdout, rank) if line.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def _one_process_reference(steps: int):
-    """One process, plain gluon.Trainer: ``steps`` SGD steps of the mean gradient."""
+def _one_process_reference(steps: int, weight=None, bias=None):
+    """One process, plain gluon.Trainer: ``steps`` SGD steps of the mean gradient, from
+    the initial values or from ``weight`` and ``bias`` with a fresh optimizer."""
     net = gluon.nn.Dense(3, in_units=4)
     net.initialize(mx.init.Constant(0.3))
     net.bias.lr_mult = BIAS_LR_MULT
+    if weight is not None:
+        net.weight.set_data(mx.nd.array(weight))
+        net.bias.set_data(mx.nd.array(bias))
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": LR, "momentum": MOMENTUM, "wd": WD})
     data = mx.nd.array([X_ROW])
@@ -105,6 +134,18 @@ def test_two_async_workers_end_where_one_process_ends_after_all_their_pushes(tmp
         assert "before its first step" in got["late restore"]
     # a one-process run after half the pushes is elsewhere: the test can fail
     assert not np.allclose(_one_process_reference(STEPS)[0], weight, atol=1e-3)
+
+    # Resume: the weights are the checkpoint's, the optimizer its settings (not the
+    # new run's lr=1.0) with a fresh state on the new servers
+    resumed = launch(RESUME_JOB, tmp_path, backend="dist_async", timeout=240,
+                     name="resume.py")
+    assert_ok(resumed)
+    expected, _ = _one_process_reference(2, weight, bias)
+    for rank in (0, 1):
+        got = _results(resumed, rank)
+        assert got["epoch"] == 1 and got["lr"] == LR
+        np.testing.assert_allclose(got["restored"], weight, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["weight"], expected, rtol=1e-5, atol=1e-6)
 
 
 MODULE_AND_REFUSALS_JOB = f"""

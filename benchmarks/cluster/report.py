@@ -441,7 +441,75 @@ def write(results: dict, path: Path) -> None:
         for s in results["settings"]:
             if "lm" in s:
                 text += [f"### {setting_name(s)}", "", *lm_table(s), ""]
+    if "server_hosts" in results:
+        text += server_hosts_section(results)
+    if "async" in results:
+        text += async_section(results)
     text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
              "What was changed because of these numbers, and why the targets that are not "
              "met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated cluster\".", ""]
     path.write_text("\n".join(text))
+
+
+def _load(s: dict) -> str:
+    start, end = s["load_start"], s.get("load_end", s["load_start"])
+    return f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end"
+
+
+def server_hosts_section(results: dict) -> list[str]:
+    """Part 5: worker hosts with server-only hosts, against a server on each worker host
+    and against horovod's ring, each against its own layout's bound."""
+    s = results["server_hosts"]
+    bits = rate_bits(s["rate"])
+    lines = ["## Server-only hosts (BytePS's topology)", "",
+             f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')} "
+             f"({_load(s)}). {link_line(dict(s, rate_bits=bits))} Layouts as (workers, "
+             "ps-lite servers) per host. Bound of a sum of B bytes over N worker hosts: "
+             "max(1, N/S) x B/R with S server-only hosts; 2(N-1)/N x B/R with a server on "
+             "every worker host or a ring. At N = 2 both are B/R: the layouts differ only in "
+             "where the servers' work runs. ResNet-50: DistributedTrainer's step against the "
+             "compute-only step of the same job.", "",
+             "| layout | hosts | sum | bound ms | measured ms | share of bound | "
+             "ResNet-50 step ms | compute-only ms |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for label, entry in s["layouts"].items():
+        layout = entry["layout"]
+        workers = sum(1 for n, _ in layout if n)
+        servers = sum(1 for n, k in layout if not n and k)
+        factor = max(1, workers / servers) if servers else 2 * (workers - 1) / workers
+        comm, train = entry["comm"], entry["train"]
+        step = compute = None
+        if "error" not in train:
+            step = train["times"]["dist_gluon"]["median"]
+            compute = train["times"]["compute"]["median"]
+        if "error" in comm:
+            lines.append(f"| {label} | {layout} | job failed: {comm['error'][:200]} | | | | "
+                         f"{ms(step)} | {ms(compute)} |")
+            continue
+        for r in comm["results"]:
+            bound = factor * r["bytes"] * 8 / bits if bits else None
+            got = r["times"]["dist_gluon"]["median"]
+            lines.append(f"| {label} | {layout} | {r['case']} | {ms(bound)} | {ms(got)} | "
+                         f"{pct(bound / got if bound else None)} | {ms(step)} | "
+                         f"{ms(compute)} |")
+    return lines + [""]
+
+
+def async_section(results: dict) -> list[str]:
+    """Part 6: dist_sync against dist_async when one worker runs at half speed."""
+    s = results["async"]
+    lines = ["## Asynchronous training with a slow worker", "",
+             f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')} "
+             f"({_load(s)}). ResNet-50 with DistributedTrainer; rank 1 computes every "
+             "forward and backward twice (half speed). On dist_sync every step waits for "
+             "the slow worker; on dist_async each worker pushes at its own pace. "
+             "Throughput = sum over the workers of batch / their median step time.", "",
+             "| backend | rank 0 step ms | rank 1 step ms | samples/s |",
+             "|---|---:|---:|---:|"]
+    for backend, job in s["jobs"].items():
+        if "error" in job:
+            lines.append(f"| {backend} | job failed: {job['error'][:200]} | | |")
+            continue
+        steps = [r["dist_gluon"]["median"] for r in job["rank_times"]]
+        rate = sum(job["batch"] / t for t in steps)
+        lines.append(f"| {backend} | {ms(steps[0])} | {ms(steps[1])} | {rate:.1f} |")
+    return lines + [""]

@@ -21,11 +21,16 @@ training loop. The order of the trainers rotates every round.
 - ``compute``: the same step with no communication (``gluon.Trainer(kvstore=None)``),
   while the other workers do the same: the step time of perfect scaling on this machine.
 
+``--slow-rank R``: rank R computes every forward and backward twice (half speed), and
+the payload holds every rank's step times (``rank_times``), for the throughput of a job
+whose workers need not wait for each other (dist_async).
+
 Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import mxnet as mx
@@ -154,6 +159,9 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=2, help="timed blocks per trainer")
+    parser.add_argument("--slow-rank", type=int, default=None,
+                        help="this rank computes each step twice (half speed); report "
+                             "every rank's step times")
     args = parser.parse_args()
     args.impls = args.impls.split(",")
     unknown = set(args.impls) - set(IMPLS)
@@ -170,14 +178,18 @@ def main():
     steps, barrier = make_trainers(args.impls, net, args.batch, wire)
     setup_seconds = time.perf_counter() - started
 
+    slow = args.slow_rank is not None and \
+        int(os.environ.get("DG_RANK", "0")) == args.slow_rank
+
     def block(impl, count):
         """Seconds per step of ``count`` consecutive steps of ``impl``."""
         mx.nd.waitall()
         t0 = time.perf_counter()
         for _ in range(count):
-            with autograd.record():
-                loss = loss_fn(net(data), label)
-            loss.backward()
+            for _ in range(2 if slow else 1):
+                with autograd.record():
+                    loss = loss_fn(net(data), label)
+                loss.backward()
             steps[impl]()
         mx.nd.waitall()
         return (time.perf_counter() - t0) / count
@@ -193,7 +205,14 @@ def main():
             barrier()
             times[impl].append(block(impl, args.steps))
     params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    rank_times = None
+    if args.slow_rank is not None:
+        import dist_gluon as dg
+
+        rank_times = dg.create().allgather_object(
+            {impl: summarise(t) for impl, t in times.items()})
     report({"kind": "train", "backend": launcher_backend(), "model": args.model,
+            "rank_times": rank_times, "slow_rank": args.slow_rank,
             "batch": args.batch, "image": args.image, "tensors": len(params),
             "parameters": int(sum(p.data().size for p in params)),
             "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
