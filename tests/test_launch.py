@@ -355,6 +355,58 @@ def test_bad_multi_node_arguments_are_usage_errors(argv, complaint, capsys):
     assert complaint in capsys.readouterr().err
 
 
+_NODE_1 = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+
+
+@pytest.mark.parametrize("argv,complaint", [
+    (["-n", "0", *_NODE_1], "horovod has none"),
+    (["-n", "0", "--servers", "0", "--backend", "dist_async", *_NODE_1],
+     "neither workers nor servers"),
+    (["-n", "2", "--server-nodes", "1", *_NODE_1], "--server-nodes needs a ps-lite"),
+    (["-n", "2", "--backend", "p3", "--server-nodes", "2", *_NODE_1],
+     "--server-nodes must be in [1, 1]"),
+    (["-n", "2", "--backend", "p3", "--server-nodes", "1", "--servers", "0", *_NODE_1],
+     "--servers must be at least 1"),
+    (["-H", "a:2,b:0:1", "--backend", "p3", "--server-nodes", "1"],
+     "with -H/--hostfile give each server-only host 0 slots"),
+])
+def test_bad_server_only_layouts_are_usage_errors(argv, complaint, capsys, monkeypatch):
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    with pytest.raises(SystemExit) as stop:
+        launch_module.main([*argv, "--", "python", "x.py"])
+    assert stop.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_server_nodes_picks_each_nodes_role_from_its_rank(monkeypatch):
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    roles = []
+    for rank in range(4):
+        args = launch_module._parse_args(
+            ["--nnodes", "4", "--node-rank", str(rank), "--master-addr", "10.0.0.1", "-n",
+             "3", "--servers", "2", "--server-nodes", "2", "--backend", "dist_sync", "--",
+             "python", "x.py"])
+        roles.append((args.num_workers, args.servers))
+    assert roles == [(3, 0), (3, 0), (0, 2), (0, 2)]
+
+
+def test_a_job_whose_nodes_all_refuse_servers_ends_with_a_clear_error(tmp_path):
+    """Each node may run --servers 0, but not all of them: node 0 sees it once every
+    node has joined and tells them all."""
+    port = str(29400 + os.getpid() % 90)
+    env = _launcher_env({"DG_JOB_SECRET": "a-test-secret-of-enough-length-0123456789"})
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank",
+         str(rank), "--master-addr", "127.0.0.1", "--master-port", port, "-n", "1",
+         "--servers", "0", "--backend", "dist_sync", "--", sys.executable, "-c", "pass"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)]
+    outputs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], outputs
+    for _, err in outputs:
+        assert "no node of this job runs a ps-lite server" in err, outputs
+
+
 def test_a_hostfile_lists_hosts_and_slots(tmp_path):
     from dist_gluon.launch import ssh
     path = tmp_path / "hosts"
