@@ -216,6 +216,8 @@ class Reporter:
                               chain=callable(previous))
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
+        self._previous_thread_hook = threading.excepthook
+        threading.excepthook = self._thread_excepthook
         atexit.register(self.depart)
 
     def submitted(self, key: str) -> None:
@@ -264,6 +266,25 @@ class Reporter:
         self._previous_hook(exc_type, exc, tb)
         if hint:
             print(f"dist_gluon: {hint}", file=sys.stderr, flush=True)
+
+
+    def _thread_excepthook(self, args) -> None:
+        """An exception that ends one of the script's threads ends the worker, as one in
+        the main thread does, and the launcher names it: the rank would otherwise go on
+        without the thread's work and leave its peers waiting for it."""
+        if args.exc_type is SystemExit:
+            return
+        name = args.thread.name if args.thread is not None else "a thread"
+        text = f"{args.exc_type.__name__} in thread {name!r}"
+        message = str(args.exc_value).strip() if args.exc_value is not None else ""
+        if message:
+            text += ": " + message.splitlines()[0]
+        self._record._set_exception(text, time.time())
+        self._previous_thread_hook(args)
+        print(f"dist_gluon: an uncaught exception ended thread {name!r}; this worker ends "
+              "with status 1, as for one in the main thread", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _concurrent_block_hint(exc_type, tb) -> str | None:

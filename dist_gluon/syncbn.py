@@ -19,7 +19,6 @@ match collectives by key.
 from __future__ import annotations
 
 import itertools
-import threading
 
 import mxnet as mx
 import numpy as np
@@ -32,9 +31,6 @@ from .backends import Backend, resolve
 # with the batch sizes (1).
 _PRIORITY = 1
 _layer_numbers = itertools.count()
-# Collectives of different layers' backward passes start in MXNet's custom-operator
-# threads; one at a time keeps each backend call whole.
-_submit_lock = threading.Lock()
 
 _HYBRIDIZE_HELP = (
     "dist_gluon.SyncBatchNorm cannot run in a hybridized graph when training on {n} "
@@ -244,8 +240,8 @@ class _Channel:
 
 
 def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
-    with _submit_lock:
-        kv.pushpull(key, value, priority=_PRIORITY)
+    # from autograd's threads too: the backend's submission is thread-safe
+    kv.pushpull(key, value, priority=_PRIORITY)
 
 
 class _LocalSums(autograd.Function):

@@ -207,6 +207,36 @@ def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
     assert "transform.hybridize(False)" in proc.stderr
 
 
+def test_an_exception_in_a_scripts_thread_ends_the_job_and_names_the_thread(tmp_path):
+    script = """
+    import threading
+
+    import mxnet as mx
+
+    import dist_gluon as dg
+
+    kv = dg.create()
+    kv.barrier()
+
+    def prefetch():
+        raise OSError("shard 7 is unreadable")
+
+    if kv.rank == 1:
+        worker = threading.Thread(target=prefetch, name="prefetcher")
+        worker.start()
+        worker.join()
+    never = mx.nd.ones((4,))
+    kv.pushpull("never", never)          # rank 0 would wait here for rank 1 forever
+    never.wait_to_read()
+    print("rank 1 went on without its thread", flush=True)
+    """
+    proc = launch(script, tmp_path, "horovod", n=2, timeout=120)
+    assert proc.returncode == 1, _report(proc)
+    assert "rank 1 (" in proc.stderr and "failed (OSError in thread 'prefetcher': shard 7 " \
+        "is unreadable)" in proc.stderr, _report(proc)
+    assert "went on without its thread" not in proc.stdout
+
+
 USER_HANDLER = """
 import os
 import signal

@@ -13,6 +13,7 @@ import ctypes
 import os
 import pickle
 import sys
+import threading
 from typing import Any
 
 import mxnet as mx
@@ -81,6 +82,11 @@ class Backend(KVStoreBase):
     def __init__(self):
         self._closed = False
         self._codec = None           # set_gradient_compression
+        # Collectives are submitted from several threads (SyncBatchNorm's backward runs
+        # in MXNet's autograd threads while the script's thread sums gradients): the
+        # transports' submission calls and key creation are not thread-safe, so every
+        # backend makes them under this lock. Never held while waiting for the engine.
+        self._submit_lock = threading.RLock()
         self._in_flight: dict[str, mx.nd.NDArray] = {}
         self._reporter = jobcontrol.reporter()
         # registered after the transport's own exit handlers (horovod's shutdown), so

@@ -94,8 +94,10 @@ class Horovod(Backend):
         return self._hvd.local_rank()
 
     def _allreduce_(self, names, arrays, priority):
-        for name, arr in zip(names, arrays):
-            self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority, op=self._hvd.Sum)
+        with self._submit_lock:
+            for name, arr in zip(names, arrays):
+                self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority,
+                                     op=self._hvd.Sum)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
         # Weights used by a hybridized forward (static_alloc) may hold MKLDNN-layout
@@ -104,11 +106,13 @@ class Horovod(Backend):
         for name, arr in zip(names, arrays):
             plain = mx.nd.empty(arr.shape, ctx=arr.context, dtype=arr.dtype)
             arr.copyto(plain)
-            self._hvd.broadcast_(plain, root_rank=root_rank, name=f"dg.bc.{name}",
-                                 priority=priority)
+            with self._submit_lock:
+                self._hvd.broadcast_(plain, root_rank=root_rank, name=f"dg.bc.{name}",
+                                     priority=priority)
             plain.copyto(arr)
 
     def _barrier(self) -> None:
         token = mx.nd.zeros((1,))
-        self._hvd.allreduce_(token, name="dg.__barrier", op=self._hvd.Sum)
+        with self._submit_lock:
+            self._hvd.allreduce_(token, name="dg.__barrier", op=self._hvd.Sum)
         token.wait_to_read()

@@ -278,6 +278,10 @@ class DistSync(Backend):
             arrays = [a for a, e in zip(arrays, exact) if not e]
             if not names:
                 return
+        with self._submit_lock:
+            self._submit_sums(names, arrays, priority)
+
+    def _submit_sums(self, names, arrays, priority):
         self._create_keys(names, arrays)
         wire_names, wire, slices = [], [], []
         for name, arr in zip(names, arrays):
@@ -372,7 +376,8 @@ class DistSync(Backend):
         return buffer
 
     def _barrier(self) -> None:
-        self._kv._barrier()
+        with self._submit_lock:
+            self._kv._barrier()
 
     def _abandon(self) -> None:
         # The kvstore's destructor runs ps-lite's exit barrier, which peers that are
