@@ -312,3 +312,37 @@ def test_mnist_example_reaches_97_percent_on_dist_async(tmp_path):
     fields = dict(item.split("=", 1) for item in summary[0].split()[1:])
     assert (fields["backend"], fields["workers"]) == ("dist_async", "2")
     assert float(fields["val_acc"]) >= 0.97
+
+
+STALLING_RANK_JOB = """
+import time
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+
+def load_next_batch():
+    time.sleep(300)
+
+kv = dg.create()
+net = gluon.nn.Dense(2, in_units=4)
+net.initialize()
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01})
+for step in range(3):
+    with autograd.record():
+        loss = net(mx.nd.ones((2, 4))).sum()
+    loss.backward()
+    trainer.step(2)
+if kv.rank == 1:
+    load_next_batch()
+trainer.sync_weights()          # a barrier: rank 0 waits here for rank 1
+"""
+
+
+def test_a_rank_that_stalls_is_named_with_its_stack(tmp_path):
+    proc = launch(STALLING_RANK_JOB, tmp_path, backend="dist_async", timeout=240,
+                  launcher_args=["--stall-warning", "2", "--stall-timeout", "6"])
+    assert proc.returncode == 124, proc.stderr[-3000:]
+    assert re.search(r"stall: rank 0 has waited \d+ s in collective #\d+ \(key 'barrier'\) "
+                     r"that rank 1 \(.*\) has not reached", proc.stderr), proc.stderr[-3000:]
+    assert "Python stacks of rank 1 (every thread):" in proc.stderr
+    assert "in load_next_batch" in proc.stderr
