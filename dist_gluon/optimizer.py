@@ -94,6 +94,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         construction order (which must be the same on every rank), so several models
         trained in one program never share keys; a prefix already used in this process
         is a ValueError.
+    loss_scale : float, default 1
+        The factor this rank's loss was multiplied by (static or dynamic loss scaling),
+        which its ``rescale_grad`` divides out: ``rescale_grad = 1 / (batch_size *
+        loss_scale)``. Each rank's gradient is unscaled by its own ``loss_scale`` before
+        the sum, and the rank is weighed by its batch size ``1 / (rescale_grad *
+        loss_scale)``, so ranks whose scales differ still train like one process. Set
+        ``opt.loss_scale`` whenever the scale changes.
     **optimizer_params
         Arguments of ``mx.optimizer.create`` when ``optimizer`` is a name.
 
@@ -132,7 +139,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __init__(self, optimizer, kv=None, compression=None,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None,
-                 **optimizer_params):
+                 loss_scale: float = 1.0, **optimizer_params):
         # Optimizer.__init__ is not called on purpose: every attribute it would set
         # belongs to the wrapped optimizer and is reached through __getattr__.
         if isinstance(optimizer, DistributedOptimizer):
@@ -163,6 +170,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._dg_averager = None
         self._dg_server_updates = None
         self._dg_module_defaults = module_defaults
+        self.loss_scale = loss_scale
         async_updates.check_options(kv, compression, predivide, "DistributedOptimizer",
                                     optimizer)
 
@@ -177,10 +185,22 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def __setattr__(self, name, value):
         # Module sets idx2name, gluon sets param_dict and rescale_grad, users set lr...:
         # all of it configures the wrapped optimizer, which is the one that updates.
-        if name.startswith("_dg_"):
-            object.__setattr__(self, name, value)
+        own = getattr(type(self), name, None)
+        if name.startswith("_dg_") or (isinstance(own, property) and own.fset is not None):
+            object.__setattr__(self, name, value)      # _dg_*, loss_scale
         else:
             setattr(self._dg_wrapped_optimizer, name, value)
+
+    @property
+    def loss_scale(self) -> float:
+        """This rank's loss scale (see the class docstring)."""
+        return self._dg_loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"loss_scale must be a positive number, got {value!r}")
+        self._dg_loss_scale = float(value)
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({self._dg_wrapped_optimizer!r}, "
@@ -242,11 +262,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             self._dg_server_updates.step(indices, grads, weights, inner.rescale_grad, inner,
                                          describe=self._describe)
             return
-        rescale_grad = inner.rescale_grad
+        rescale_grad, scale = inner.rescale_grad, self._dg_loss_scale
+        if scale != 1.0:
+            for g in grads:
+                g *= 1.0 / scale
         # the averaged gradient is already divided by the sum of the batch sizes: the
         # update must not rescale it by this rank's own batch size again (rescaling by
         # 1 keeps every rank's update identical, bit for bit)
-        averager.reduce(indices, grads, weight=1.0 / rescale_grad, describe=self._describe)
+        averager.reduce(indices, grads, weight=1.0 / (rescale_grad * scale),
+                        describe=self._describe)
         inner.rescale_grad = 1.0
         try:
             update(index, weight, grad, state)

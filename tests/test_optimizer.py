@@ -371,3 +371,46 @@ def test_distributed_trainer_unwraps_it_with_a_warning():
         trainer = dg.DistributedTrainer(net.collect_params(),
                                         DistributedOptimizer(inner, kv="local"), kv="local")
     assert trainer._optimizer is inner
+
+
+LOSS_SCALES = """
+import json
+
+import mxnet as mx
+import numpy as np
+
+import dist_gluon as dg
+
+kv = dg.create()
+rank = kv.rank
+batch, scale = (5, 128.0) if rank == 0 else (3, 1024.0)    # per-rank dynamic scales
+rng = np.random.RandomState(rank)
+per_sample = rng.randn(batch, 4)
+opt = dg.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.5,
+                                               rescale_grad=1.0 / (batch * scale)),
+                              kv=kv, loss_scale=scale)
+updater = mx.optimizer.get_updater(opt)
+weight = mx.nd.ones((4,))
+for step in range(2):
+    grad = mx.nd.array(per_sample.sum(axis=0) * scale)     # the scaled loss's gradient
+    updater(0, grad, weight)
+    if step == 0:
+        opt.loss_scale = scale = scale / 2                   # the scaler backs off
+        opt.rescale_grad = 1.0 / (batch * scale)
+json.dump({"weight": weight.asnumpy().tolist(), "sent": per_sample.sum(axis=0).tolist()},
+          open(f"rank{rank}.json", "w"))
+"""
+
+
+def test_ranks_with_different_loss_scales_are_weighed_by_their_batch_sizes(tmp_path):
+    assert_ok(launch(LOSS_SCALES, tmp_path, "horovod", n=2))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    mean = (np.array(ranks[0]["sent"]) + np.array(ranks[1]["sent"])) / (5 + 3)
+    expected = 1.0 - 2 * 0.5 * mean
+    for found in ranks:
+        np.testing.assert_allclose(found["weight"], expected, rtol=1e-6)
+
+
+def test_a_bad_loss_scale_is_a_clear_error():
+    with pytest.raises(ValueError, match="loss_scale must be a positive number, got 0"):
+        dg.DistributedOptimizer("sgd", kv="local", loss_scale=0)
