@@ -417,3 +417,14 @@ def test_the_rendezvous_of_a_launched_job_refuses_requests_without_its_token(tmp
             "GET without token 403", "GET with token served", "SUM [3.0, 3.0]"], proc.stdout
     assert ("dist_gluon.launch: the Gloo rendezvous refused a GET request from 127.0.0.1 "
             "without this job's token") in proc.stderr
+
+
+def test_over_ssh_the_secret_never_travels_on_a_command_line(monkeypatch):
+    from dist_gluon import launch as launch_module
+    from dist_gluon.launch import ssh
+    monkeypatch.setenv(secret.ENV, "visible-in-ps-if-forwarded")
+    args = launch_module._parse_args(["-H", "h1:1,h2:1", "--", "python", "x.py"])
+    for rank in (0, 1):
+        command = ssh.node_command(args, rank, "h1")
+        assert "visible-in-ps-if-forwarded" not in command and secret.ENV not in command
+        assert f"{ssh.PARENT_ENV}=ssh" in command     # so it reads the secret from stdin
