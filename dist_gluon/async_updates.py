@@ -19,7 +19,8 @@ the kvstore):
   there: its state (momentum, Adam's moments) lives on the servers and its update
   count is the servers' count of pushes, which a learning-rate schedule reads (so
   ``max_update`` counts the pushes of all workers). Changing the optimizer on a worker
-  after the first step has no effect on the servers.
+  after the first step has no effect on the servers (``set_learning_rate`` then raises).
+  The gradients are divided by the batch size in place before they are pushed.
 - A checkpoint holds the weights rank 0 last pulled, the optimizer's settings and the
   loop's position; the optimizer's state stays on the servers and is not saved.
   Resuming restores the weights exactly, starts the servers' optimizer state afresh

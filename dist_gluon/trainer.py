@@ -196,6 +196,17 @@ class DistributedTrainer(gluon.Trainer):
         self._refuse_on_servers("allreduce_grads")
         super().allreduce_grads()
 
+    def set_learning_rate(self, lr: float) -> None:
+        """As ``gluon.Trainer.set_learning_rate``. On ``dist_async`` only before the first
+        step: the optimizer then runs on the servers, which a worker's change would not
+        reach (a RuntimeError says to use an ``lr_scheduler``, which runs there)."""
+        if self._server_updates is not None and self._server_updates.started:
+            raise RuntimeError(
+                "on dist_async the optimizer runs on the servers since the first step, and "
+                "set_learning_rate() on a worker would not reach them; give the optimizer "
+                "an lr_scheduler (it runs on the servers, counting every worker's pushes)")
+        super().set_learning_rate(lr)
+
     def sync_weights(self) -> None:
         """On ``dist_async``: wait until every worker's pushes so far are applied on the
         servers, then pull their weights, so that every rank holds the same (before an

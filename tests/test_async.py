@@ -54,6 +54,10 @@ try:
     trainer.allreduce_grads()
 except RuntimeError as err:
     results["allreduce_grads"] = str(err)
+try:
+    trainer.set_learning_rate(0.5)
+except RuntimeError as err:
+    results["set_learning_rate"] = str(err)
 ckpt = dg.Checkpointer("ckpt", kv=kv)
 ckpt.save(net, trainer, epoch=1)       # pulls the servers' weights on every rank first
 results["weight"] = net.weight.data().asnumpy().tolist()
@@ -131,6 +135,7 @@ def test_two_async_workers_end_where_one_process_ends_after_all_their_pushes(tmp
         np.testing.assert_allclose(got["weight"], weight, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(got["bias"], bias, rtol=1e-5, atol=1e-6)
         assert "does not exist on dist_async" in got["allreduce_grads"]
+        assert "lr_scheduler" in got["set_learning_rate"]
         assert "before its first step" in got["late restore"]
     # a one-process run after half the pushes is elsewhere: the test can fail
     assert not np.allclose(_one_process_reference(STEPS)[0], weight, atol=1e-3)
