@@ -215,7 +215,8 @@ def main(argv=None) -> None:
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
          "lr_scheduler": schedule}, kv=kv, compression=args.compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    log(f"lr: {args.lr} x {workers} worker(s) = {lr:g}, momentum {args.momentum:g}, "
+    scaling = "/" if kv.type == "dist_async" else "x"
+    log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, momentum {args.momentum:g}, "
         f"{warmup_steps} warmup steps, "
         f"cosine decay over {total_steps} steps; compression: {args.compression}")
 
