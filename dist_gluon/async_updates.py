@@ -153,7 +153,7 @@ class ServerUpdates:
                                 "gradient; the servers update dense gradients only (use "
                                 "sparse_grad=False, or dist_sync/p3/horovod)")
         if not self.started:
-            self.kv.set_optimizer(server_optimizer(optimizer, params))
+            self.kv.send_optimizer(server_optimizer(optimizer, params))
             self.started = True
         new = [(i, w) for i, w in zip(indices, weights) if i not in self._known]
         if new:

@@ -166,7 +166,7 @@ results = {{}}
 def refused(name, call):
     try:
         call()
-    except (ValueError, TypeError, RuntimeError) as err:
+    except (ValueError, TypeError, RuntimeError, NotImplementedError) as err:
         results[name] = f"{{type(err).__name__}}: {{err}}"
 
 params = lambda: gluon.nn.Dense(2, in_units=4).collect_params()
@@ -208,6 +208,10 @@ for step in range({STEPS}):
 mx.nd.waitall()
 results["fc_weight"] = mod.get_params()[0]["fc_weight"].asnumpy().tolist()
 refused("second trainer", lambda: dg.DistributedTrainer(params(), "sgd").step(1))
+plain = gluon.nn.Dense(2, in_units=4)
+plain.initialize()
+refused("plain gluon.Trainer",
+        lambda: gluon.Trainer(plain.collect_params(), "sgd", kvstore=kv).step(1))
 print("RESULT " + json.dumps(results), flush=True)
 """
 
@@ -234,6 +238,7 @@ def test_module_updates_on_the_servers_and_what_cannot_work_async_is_refused(tmp
         assert "defined in the script (__main__)" in got["optimizer in the script"]
         assert "SyncBatchNorm" in got["syncbn"] and "dist_async" in got["syncbn"]
         assert "one optimizer" in got["second trainer"]
+        assert "use dist_gluon.DistributedTrainer" in got["plain gluon.Trainer"]
 
 
 SLOW_RANK_JOB = """

@@ -508,6 +508,15 @@ class DistAsync(DistSync):
         self._server_owner = owner
 
     def set_optimizer(self, optimizer) -> None:
+        """Refused: ``gluon.Trainer`` and ``Module`` call it for a kvstore that runs
+        optimizers, then key weights and collectives their own way; dist_gluon's trainers
+        send the optimizer themselves (:meth:`send_optimizer`)."""
+        raise NotImplementedError(
+            "gluon.Trainer and Module cannot update on dist_gluon's dist_async backend; use "
+            "dist_gluon.DistributedTrainer (or DistributedOptimizer with kvstore=None), "
+            "which run the optimizer on its servers, or MXNet's own kvstore='dist_async'")
+
+    def send_optimizer(self, optimizer) -> None:
         """Send ``optimizer`` to the servers (from rank 0; every rank calls it and
         returns once the servers have it). It updates model key ``2 * i`` as its
         parameter ``i`` (see :class:`~dist_gluon.async_updates.ServerOptimizer`); its
