@@ -452,6 +452,11 @@ class DistAsync(DistSync):
         return keys
 
     def _allreduce_(self, names, arrays, priority):
+        # whole, also when autograd's threads submit too (as on the other backends)
+        with self._submit_lock:
+            self._sum_in_slots(names, arrays, priority)
+
+    def _sum_in_slots(self, names, arrays, priority):
         transit = [a if np.dtype(a.dtype) in _SERVER_DTYPES else a.astype("float64")
                    for a in arrays]
         n = self._num_workers
@@ -473,6 +478,10 @@ class DistAsync(DistSync):
                 moved.astype(arr.dtype).copyto(arr)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
+        with self._submit_lock:
+            self._copy_from_root(names, arrays, root_rank, priority)
+
+    def _copy_from_root(self, names, arrays, root_rank, priority):
         plain = [mx.nd.zeros(a.shape, ctx=a.context, dtype=a.dtype) for a in arrays]
         transit = [p if np.dtype(p.dtype) in _SERVER_DTYPES else p.astype("float64")
                    for p in plain]
@@ -567,8 +576,9 @@ class DistAsync(DistSync):
 
     def _barrier(self) -> None:
         # a barrier orders pushes too: every push a worker made before it is applied
-        mx.nd.waitall()
-        self._kv._barrier()
+        with self._submit_lock:
+            mx.nd.waitall()
+            self._kv._barrier()
 
     def set_gradient_compression(self, compression_params: dict) -> None:
         raise ValueError("the dist_async backend does not compress gradients: each push is "
