@@ -499,9 +499,10 @@ def async_section(results: dict) -> list[str]:
     s = results["async"]
     lines = ["## Asynchronous training with a slow worker", "",
              f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')} "
-             f"({_load(s)}). ResNet-50 with DistributedTrainer; rank 1 computes every "
-             "forward and backward twice (half speed). On dist_sync every step waits for "
-             "the slow worker; on dist_async each worker pushes at its own pace. "
+             f"({_load(s)}). ResNet-50 with DistributedTrainer; rank 1 runs at half speed "
+             "(after each forward and backward it sleeps as long as they took). On "
+             "dist_sync every step waits for the slow worker; on dist_async each worker "
+             "pushes at its own pace. "
              "Throughput = sum over the workers of batch / their median step time.", "",
              "| backend | rank 0 step ms | rank 1 step ms | samples/s |",
              "|---|---:|---:|---:|"]

@@ -21,9 +21,11 @@ training loop. The order of the trainers rotates every round.
 - ``compute``: the same step with no communication (``gluon.Trainer(kvstore=None)``),
   while the other workers do the same: the step time of perfect scaling on this machine.
 
-``--slow-rank R``: rank R computes every forward and backward twice (half speed), and
-the payload holds every rank's step times (``rank_times``), for the throughput of a job
-whose workers need not wait for each other (dist_async).
+``--slow-rank R``: rank R runs at half speed: after each forward and backward it sleeps
+as long as they took (sleeping, not computing twice, so that on a machine whose cores
+the workers share the slow rank does not take CPU from the others), and the payload
+holds every rank's step times (``rank_times``), for the throughput of a job whose
+workers need not wait for each other (dist_async).
 
 Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
 """
@@ -160,8 +162,8 @@ def parse_args():
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=2, help="timed blocks per trainer")
     parser.add_argument("--slow-rank", type=int, default=None,
-                        help="this rank computes each step twice (half speed); report "
-                             "every rank's step times")
+                        help="this rank runs at half speed (it sleeps as long as each "
+                             "forward and backward took); report every rank's step times")
     args = parser.parse_args()
     args.impls = args.impls.split(",")
     unknown = set(args.impls) - set(IMPLS)
@@ -186,10 +188,13 @@ def main():
         mx.nd.waitall()
         t0 = time.perf_counter()
         for _ in range(count):
-            for _ in range(2 if slow else 1):
-                with autograd.record():
-                    loss = loss_fn(net(data), label)
-                loss.backward()
+            computed = time.perf_counter()
+            with autograd.record():
+                loss = loss_fn(net(data), label)
+            loss.backward()
+            if slow:
+                mx.nd.waitall()
+                time.sleep(time.perf_counter() - computed)
             steps[impl]()
         mx.nd.waitall()
         return (time.perf_counter() - t0) / count
