@@ -8,6 +8,9 @@
     dist-gluon-run -H host1:4,host2:4 --backend p3 -- python train.py
 
 ``-n`` is the number of workers per node; global rank = node rank * N + local rank.
+On ps-lite a node may run servers only (``-n 0 --servers S``, ``host:0:S`` with -H,
+``--server-nodes K`` for the last K nodes) or workers only (``--servers 0``); ranks are
+then numbered over the nodes that run workers.
 Every line a process prints is prefixed with its rank (``[0]``, ``[server1]``,
 ``[scheduler]``). Workers report their progress and how they ended over a job-control
 channel (dist_gluon/jobcontrol.py), and the launchers of one job report to node 0's: the
