@@ -1,0 +1,359 @@
+"""Train a word-level LSTM language model with Gluon, on one process or on N workers.
+
+The same script runs alone or under any dist_gluon backend:
+
+    python examples/language_model/train_lm.py
+    python -m dist_gluon.launch -n 2 --backend horovod -- \\
+        python examples/language_model/train_lm.py --plot runs/lm.png
+
+Data: the English text that ships with Python itself, Python's documentation topics
+and the docstrings and comments of the standard library (PSF licence; see
+``corpus.py`` beside this script for exactly what is read, how it is split and how the
+vocabulary is built): about 540,000 training words over a vocabulary of about 13,400
+words. Nothing is downloaded.
+
+The model is the classic one of Zaremba et al. (2014): an embedding, a 2-layer LSTM
+and a decoder over the vocabulary, trained with truncated back-propagation through
+time (the hidden state is carried from one window of ``--bptt`` words to the next and
+detached), SGD with gradient clipping, and the learning rate divided by 4 after an
+epoch that did not improve the validation perplexity.
+
+What makes it distributed (everything else is a plain Gluon training loop):
+- the embedding has row_sparse gradients (``sparse_grad=True``): a batch touches a few
+  hundred of its rows, and ``dg.DistributedTrainer`` sums only the rows the workers'
+  batches used;
+- each worker trains on its own contiguous slice of the token stream, of equal length,
+  cut into ``--batch-size`` columns: N workers hold the N x B columns one process with
+  batch N x B would, so they train like it;
+- ``trainer.allreduce_grads()``, the clipping of the summed gradients, then
+  ``trainer.update()``;
+- the validation stream is sharded the same way and the loss sums and word counts are
+  summed over the workers with ``dg.reduce_metric``: the perplexity is that of every
+  validation word, exactly;
+- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import mxnet as mx
+import numpy as np
+from corpus import load_corpus  # examples/language_model/corpus.py, beside this script
+from mxnet import autograd, gluon
+from mxnet.gluon import nn, rnn
+
+import dist_gluon as dg
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Train a word-level LSTM language model on the English text that "
+                    "ships with Python, with dist_gluon.",
+        epilog="example: python -m dist_gluon.launch -n 2 --backend horovod -- "
+               "python examples/language_model/train_lm.py --plot runs/lm.png")
+    parser.add_argument("--epochs", type=int, default=6, help="training epochs (default: 6)")
+    parser.add_argument("--train-fraction", type=float, default=1.0,
+                        help="train on the first this fraction of every training "
+                             "document, a smaller corpus of the same kind of text "
+                             "(default: 1, all of it); the vocabulary is always that of the "
+                             "whole training set")
+    parser.add_argument("--batch-size", type=int, default=20,
+                        help="columns of the token stream each worker trains on "
+                             "(default: 20)")
+    parser.add_argument("--bptt", type=int, default=35,
+                        help="words per window of truncated back-propagation through time "
+                             "(default: 35)")
+    parser.add_argument("--eval-batch-size", type=int, default=10,
+                        help="columns of the validation stream per worker (default: 10)")
+    parser.add_argument("--emsize", type=int, default=200,
+                        help="size of the word embeddings (default: 200)")
+    parser.add_argument("--nhid", type=int, default=200,
+                        help="size of each LSTM layer (default: 200)")
+    parser.add_argument("--nlayers", type=int, default=2, help="LSTM layers (default: 2)")
+    parser.add_argument("--dropout", type=float, default=0.2,
+                        help="dropout after the embedding, between the LSTM layers and "
+                             "before the decoder (default: 0.2)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+                        help="sgd (plain, as Zaremba et al.) or adam (lazy: only the "
+                             "embedding rows in use are updated) (default: sgd)")
+    parser.add_argument("--lr", type=float, default=None,
+                        help="learning rate on the gradient averaged over every worker's "
+                             "words, the same for any number of workers (default: 20 for "
+                             "sgd, 0.002 for adam)")
+    parser.add_argument("--clip", type=float, default=0.25,
+                        help="largest global norm of that averaged gradient (default: 0.25)")
+    parser.add_argument("--compression", default="none",
+                        choices=("none", "fp16", "2bit", "powersgd"),
+                        help="compression of the dense gradients: none, fp16, 2bit (MXNet's, "
+                             "threshold 0.5) or powersgd (rank 4); the embedding's "
+                             "row_sparse gradients are never compressed (default: none)")
+    parser.add_argument("--val-fraction", type=float, default=0.05,
+                        help="share of the corpus's words held out for validation, in "
+                             "whole documents (default: 0.05)")
+    parser.add_argument("--min-count", type=int, default=1,
+                        help="words seen fewer times in the training set become <unk> "
+                             "(default: 1, every training word is in the vocabulary)")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="seed of the initial weights and of dropout "
+                             "(default: 42)")
+    parser.add_argument("--log-interval", type=int, default=50,
+                        help="print progress every this many batches (default: 50)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="write a checkpoint there after every epoch")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in --checkpoint-dir, if any")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG of the loss and perplexity curves to PATH")
+    args = parser.parse_args(argv)
+    if args.resume and not args.checkpoint_dir:
+        parser.error("--resume needs --checkpoint-dir")
+    for name in ("epochs", "batch_size", "bptt", "eval_batch_size", "emsize", "nhid",
+                 "nlayers", "min_count", "log_interval"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 < args.train_fraction <= 1:
+        parser.error(f"--train-fraction must be in (0, 1], got {args.train_fraction}")
+    if not 0 <= args.dropout < 1:
+        parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
+    if not 0 < args.val_fraction < 1:
+        parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if args.lr is None:
+        args.lr = 20.0 if args.optimizer == "sgd" else 0.002
+    if args.lr <= 0 or args.clip <= 0:
+        parser.error("--lr and --clip must be positive")
+    return args
+
+
+class WordLSTM(gluon.HybridBlock):
+    """Embedding (row_sparse gradients) -> LSTM layers -> Dense decoder over the
+    vocabulary, on (time, batch) word ids. The embedding and the decoder are separate
+    weights: tying them would make the embedding's gradient dense."""
+
+    def __init__(self, vocab: int, emsize: int, nhid: int, nlayers: int, dropout: float,
+                 **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.embedding = nn.Embedding(vocab, emsize, sparse_grad=True)
+            self.drop = nn.Dropout(dropout)
+            self.lstm = rnn.LSTM(nhid, num_layers=nlayers, dropout=dropout,
+                                 input_size=emsize)
+            self.decoder = nn.Dense(vocab, flatten=False, in_units=nhid)
+
+    def begin_state(self, batch_size: int) -> list:
+        return self.lstm.begin_state(batch_size=batch_size, func=mx.nd.zeros)
+
+    def hybrid_forward(self, F, words, *state):
+        output, state = self.lstm(self.drop(self.embedding(words)), list(state))
+        return self.decoder(self.drop(output)), state
+
+
+def batchify(ids: np.ndarray, columns: int, workers: int, rank: int) -> mx.nd.NDArray:
+    """This worker's share of a token stream as a (length, columns) array.
+
+    The stream is cut into ``workers * columns`` contiguous, equally long pieces (the
+    last ``len(ids) % (workers * columns)`` words are dropped); worker ``rank`` gets
+    pieces ``rank * columns`` to ``(rank + 1) * columns - 1``, its own contiguous
+    slice of the stream, one piece per column. All workers together hold exactly the
+    columns one process with ``workers * columns`` columns would."""
+    length = len(ids) // (workers * columns)
+    if length < 2:
+        raise SystemExit(f"{len(ids)} words cannot fill {workers} worker(s) x {columns} "
+                         f"columns of at least 2 words; use fewer columns or more words")
+    share = ids[rank * columns * length:(rank + 1) * columns * length]
+    return mx.nd.array(share.reshape(columns, length).T, dtype="float32")
+
+
+def windows(stream: mx.nd.NDArray, bptt: int):
+    """(input, target) windows of at most ``bptt`` time steps; the target is the input
+    shifted by one word."""
+    length = stream.shape[0]
+    for start in range(0, length - 1, bptt):
+        size = min(bptt, length - 1 - start)
+        yield stream[start:start + size], stream[start + 1:start + 1 + size]
+
+
+def num_windows(stream: mx.nd.NDArray, bptt: int) -> int:
+    return -(-(stream.shape[0] - 1) // bptt)
+
+
+def word_losses(loss_fn, output, targets) -> mx.nd.NDArray:
+    """The cross-entropy of every word: (time * batch,) from (time, batch, vocab)
+    scores (gluon's losses would average over all axes but the first)."""
+    return loss_fn(output.reshape((-1, output.shape[-1])), targets.reshape((-1,)))
+
+
+def clip_global_norm(params, max_norm: float) -> float:
+    """``gluon.utils.clip_global_norm`` over every gradient, row_sparse ones included.
+
+    The norm of a row_sparse gradient is that of its stored rows, and it is rescaled in
+    place as row_sparse (gluon's version would make it dense, the whole table, first).
+    Returns the norm before clipping."""
+    grads = [p.grad() for p in params if p.grad_req != "null"]
+    squares = [(g.data if g.stype == "row_sparse" else g).norm().square() for g in grads]
+    norm = math.sqrt(mx.nd.add_n(*squares).asscalar())
+    if norm > max_norm:
+        for grad in grads:
+            grad *= max_norm / norm
+    return norm
+
+
+def evaluate(net, stream, bptt: int, kv) -> float:
+    """The mean cross-entropy over every worker's validation words (the same on every
+    worker)."""
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    metric = mx.metric.Loss("loss")
+    state = net.begin_state(stream.shape[1])
+    for words, targets in windows(stream, bptt):
+        output, state = net(words, *state)
+        metric.update(None, [word_losses(loss_fn, output, targets)])
+    return dg.reduce_metric(metric, kv=kv).get()[1]
+
+
+def save_plot(history: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    epochs = [h["epoch"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((left, "loss", "cross-entropy per word"),
+                           (right, "ppl", "perplexity")):
+        ax.plot(epochs, [h[f"train_{key}"] for h in history], "o-", label="train")
+        ax.plot(epochs, [h[f"val_{key}"] for h in history], "o-", label="validation")
+        ax.set(xlabel="epoch", ylabel=label, title=label.capitalize())
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    right.set_yscale("log")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    started = time.time()
+    kv = dg.create()
+    workers, rank = kv.num_workers, kv.rank
+
+    def log(message: str) -> None:
+        if rank == 0:
+            print(message, flush=True)
+
+    corpus = load_corpus(args.val_fraction, args.min_count)
+    vocab = len(corpus.vocab)
+    train_ids = corpus.train_part(args.train_fraction)
+    log(f"data: {corpus.source}; nothing is downloaded")
+    log(f"data: {corpus.documents} documents, {len(corpus.train)} training words "
+        f"(training on {len(train_ids)}), {len(corpus.val)} validation words in "
+        f"{corpus.val_documents} documents ({corpus.unknown_val_words} of them <unk>); "
+        f"vocabulary {vocab} words (<unk>, <eos> and every training word seen at least "
+        f"{args.min_count} time(s))")
+    train_data = batchify(train_ids, args.batch_size, workers, rank)
+    val_data = batchify(corpus.val, args.eval_batch_size, workers, rank)
+    steps_per_epoch = num_windows(train_data, args.bptt)
+    log(f"data: backend {kv.type}, {workers} worker(s), each on a slice of "
+        f"{train_data.size} training words in {args.batch_size} columns, "
+        f"{steps_per_epoch} windows of {args.bptt} per epoch")
+
+    mx.random.seed(args.seed)
+    net = WordLSTM(vocab, args.emsize, args.nhid, args.nlayers, args.dropout)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    params = list(net.collect_params().values())
+    trainer = dg.DistributedTrainer(net.collect_params(), args.optimizer,
+                                    {"learning_rate": args.lr},
+                                    kv=kv, compression=args.compression)
+    # rank 0's weights reach every rank; dropout masks should differ between workers
+    mx.random.seed(args.seed * 1000 + rank + 1)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    log(f"model: {sum(p.data().size for p in params)} parameters, embedding {vocab} x "
+        f"{args.emsize} with row_sparse gradients; {args.optimizer}, lr {args.lr:g}, "
+        f"clip {args.clip:g}; "
+        f"compression: {args.compression}")
+
+    history: list[dict] = []
+    best_val = math.inf
+    start_epoch = 0
+    checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
+    if checkpointer is not None and args.resume:
+        state = checkpointer.restore(net, trainer)
+        if state is None:
+            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
+        else:
+            start_epoch = state["epoch"]
+            extra = state.get("extra") or {}
+            history = list(extra.get("history", []))
+            best_val = extra.get("best_val", math.inf)
+            log(f"resume: continuing after epoch {start_epoch} from {args.checkpoint_dir} "
+                f"(lr {trainer.learning_rate:g})")
+
+    train_time = 0.0
+    words_seen = 0
+    for epoch in range(start_epoch, args.epochs):
+        metric = mx.metric.Loss("loss")
+        state = net.begin_state(args.batch_size)
+        tic = time.time()
+        for batch, (words, targets) in enumerate(windows(train_data, args.bptt), start=1):
+            state = [s.detach() for s in state]
+            with autograd.record():
+                output, state = net(words, *state)
+                loss = word_losses(loss_fn, output, targets)
+            loss.backward()
+            # The gradients are summed over every worker's words; clipping the sum at
+            # clip x (all workers' words) clips their average at clip.
+            trainer.allreduce_grads()
+            clip_global_norm(params, args.clip * loss.size * workers)
+            trainer.update(loss.size)
+            metric.update(None, [loss])
+            words_seen += loss.size * workers
+            if batch % args.log_interval == 0 or batch == steps_per_epoch:
+                batch_loss = metric.get()[1]
+                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>4}/{steps_per_epoch}] "
+                    f"loss {batch_loss:.3f} ppl {math.exp(batch_loss):8.1f} "
+                    f"lr {trainer.learning_rate:g}")
+        mx.nd.waitall()
+        elapsed = time.time() - tic
+        train_time += elapsed
+        train_loss = dg.reduce_metric(metric, kv=kv).get()[1]
+        val_loss = evaluate(net, val_data, args.bptt, kv)
+        speed = train_data.size * workers / elapsed
+        history.append({"epoch": epoch + 1, "train_loss": train_loss,
+                        "train_ppl": math.exp(train_loss), "val_loss": val_loss,
+                        "val_ppl": math.exp(val_loss), "lr": trainer.learning_rate})
+        log(f"epoch {epoch + 1}/{args.epochs}: train_ppl={math.exp(train_loss):.2f} "
+            f"val_ppl={math.exp(val_loss):.2f} val_loss={val_loss:.4f} "
+            f"lr={trainer.learning_rate:g} time={elapsed:.1f}s words/s={speed:.0f}")
+        if val_loss < best_val:
+            best_val = val_loss
+        else:
+            trainer.set_learning_rate(trainer.learning_rate / 4)
+            log(f"validation perplexity did not improve: lr -> {trainer.learning_rate:g}")
+        if checkpointer is not None:
+            checkpointer.save(net, trainer, epoch + 1,
+                              extra={"history": history, "best_val": best_val})
+        if args.plot and rank == 0:
+            save_plot(history, args.plot)
+
+    if start_epoch >= args.epochs or not history:
+        log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
+            "nothing to train, evaluating it")
+        val_loss = evaluate(net, val_data, args.bptt, kv)
+        history.append({"epoch": start_epoch, "val_loss": val_loss,
+                        "val_ppl": math.exp(val_loss)})
+    elif args.plot:
+        log(f"plot: {args.plot}")
+    final = history[-1]
+    speed = words_seen / train_time if train_time else float("nan")
+    log(f"summary: val_ppl={final['val_ppl']:.2f} val_loss={final['val_loss']:.4f} "
+        f"epochs={final['epoch']} vocab={vocab} backend={kv.type} workers={workers} "
+        f"words/s={speed:.0f} time={time.time() - started:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
