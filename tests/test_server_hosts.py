@@ -1,8 +1,9 @@
 """Server-only hosts (BytePS's topology on ps-lite), across 3 emulated hosts: 2 hosts run
 the workers and no server, 1 host runs the ps-lite servers and no worker.
 
-The jobs train tests/workers/cluster_train.py (SGD with momentum, then Adam, 4 workers)
-and must end with the weights of one process on the concatenated batches. Where the
+The synchronous jobs train tests/workers/cluster_train.py (SGD with momentum, then Adam,
+4 workers) and must end with the weights of one process on the concatenated batches; the
+dist_async job, tests/test_async.py's, with one process's weights after all its pushes. Where the
 servers run is read from the scheduler's own log (``PS_VERBOSE=1``: every node it admits,
 with its role and address), not from the launcher.
 """
@@ -11,8 +12,11 @@ from __future__ import annotations
 import itertools
 import re
 import sys
+import textwrap
 
+import numpy as np
 import pytest
+from test_async import STEPS, TRAINER_JOB, _one_process_reference, _results
 from test_multinode import _max_error, _params, run_nodes
 
 from conftest import REPO, assert_ok, run, worker_lines
@@ -98,3 +102,28 @@ def test_server_nodes_makes_the_last_node_serve_with_one_command_on_every_node(
                                           + [cluster.hosts[1].address] * 2)
     assert not worker_lines(result.stdout[2], 0) and "[0] " in result.stdout[0]
     _assert_trained_like_one_process(tmp_path, reference)
+
+
+def test_dist_async_runs_its_optimizer_on_a_server_only_host(cluster, tmp_path):
+    """dist_async across hosts: the servers (and so the optimizer) on host 2 alone, one
+    worker on each of hosts 0 and 1. Every push of the same gradient is one optimizer
+    step there, so both ranks end with one process's weights after all 2 x STEPS."""
+    script = tmp_path / "async_job.py"
+    script.write_text(textwrap.dedent(TRAINER_JOB))
+    first, second, server = cluster.hosts
+    hosts = f"{first.name}:1:0,{second.name}:1:0,{server.name}:0:1"
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-H", hosts, "--backend",
+            "dist_async", "--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
+            cluster.identity_file, "--master-port", str(next(_ports)), "--",
+            sys.executable, str(script)]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1", "PS_VERBOSE": "1"}
+    proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert _admitted(proc.stdout + proc.stderr)["server"] == [server.address]
+    weight, bias = _one_process_reference(2 * STEPS)
+    for rank in (0, 1):
+        got = _results(proc, rank)
+        np.testing.assert_allclose(got["weight"], weight, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["bias"], bias, rtol=1e-5, atol=1e-6)
