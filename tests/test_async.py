@@ -279,9 +279,11 @@ def test_a_rank_that_sleeps_does_not_stop_the_other(tmp_path):
              (re.match(r"step \d+ at ([\d.]+)", line) for line in worker_lines(proc.stdout, 0))
              if m]
     assert len(steps) == 150
-    # rank 0 kept pushing and pulling while rank 1 slept (on dist_sync it would wait)
+    # rank 0 kept pushing and pulling while rank 1 slept (on dist_sync it would wait in
+    # its next step, finishing at most one during the sleep); a loaded machine still
+    # gives it several
     during = [t for t in steps if start < t < end]
-    assert len(during) >= 10, (start, end, steps)
+    assert len(during) >= 3, (start, end, steps)
 
 
 FAILING_RANK_JOB = """
