@@ -85,11 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "sgd, 0.002 for adam)")
     parser.add_argument("--clip", type=float, default=0.25,
                         help="largest global norm of that averaged gradient (default: 0.25)")
-    parser.add_argument("--compression", default="none",
-                        choices=("none", "fp16", "2bit", "powersgd"),
-                        help="compression of the dense gradients: none, fp16, 2bit (MXNet's, "
-                             "threshold 0.5) or powersgd (rank 4); the embedding's "
-                             "row_sparse gradients are never compressed (default: none)")
+    parser.add_argument("--compression", default="none", choices=("none", "fp16"),
+                        help="gradient compression: none or fp16 (every gradient, the "
+                             "embedding's rows too, travels as float16); 2-bit and PowerSGD "
+                             "take dense gradients only (default: none)")
     parser.add_argument("--val-fraction", type=float, default=0.05,
                         help="share of the corpus's words held out for validation, in "
                              "whole documents (default: 0.05)")
