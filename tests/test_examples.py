@@ -1,7 +1,8 @@
 """The example programs train for real on tiny data, as plain processes and as 2 workers
 through the real launcher on horovod, dist_sync and p3: they print their progress from
-rank 0 only and end with a summary line holding the exact validation accuracy and the
-throughput; checkpoints written under one backend resume under another."""
+rank 0 only and end with a summary line holding the exact validation accuracy (or
+perplexity) and the throughput; checkpoints written under one backend resume under
+another."""
 from __future__ import annotations
 
 import gzip
