@@ -60,9 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "document, a smaller corpus of the same kind of text "
                              "(default: 1, all of it); the vocabulary is always that of the "
                              "whole training set")
-    parser.add_argument("--batch-size", type=int, default=20,
-                        help="columns of the token stream each worker trains on "
-                             "(default: 20)")
+    parser.add_argument("--batch-size", type=int, default=10,
+                        help="columns of the token stream each worker trains on; fewer "
+                             "columns, more (clipped) steps per epoch (default: 10)")
     parser.add_argument("--bptt", type=int, default=35,
                         help="words per window of truncated back-propagation through time "
                              "(default: 35)")
