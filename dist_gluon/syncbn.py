@@ -161,6 +161,14 @@ class SyncBatchNorm(nn.BatchNorm):
             return super().hybrid_forward(F, x, gamma, beta, running_mean, running_var)
         kwargs = self._kwargs
         axis = kwargs["axis"] % x.ndim
+        if x.size == 0:
+            # MXNet 1.9 runs no operator on a zero-size batch (shape inference fails):
+            # say what to do rather than fail inside BatchNorm, and never divide 0 by 0
+            raise ValueError(
+                f"SyncBatchNorm got an empty batch {x.shape} on rank {self.kv.rank}; every "
+                "rank needs at least one sample in every training step (the others wait "
+                "for its statistics). Shard with dist_gluon.ShardSampler, which pads the "
+                "shares to equal length, or skip the step on every rank")
         channel = self._channel(x, axis)
         dtype = x.dtype
         if dtype != gamma.dtype:

@@ -13,7 +13,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run
+from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run
 from dist_gluon.backends import Backend
 
 WORKERS = REPO / "tests" / "workers"
@@ -302,3 +302,27 @@ def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
     assert any("SyncBatchNorm: statistics over all 2 workers' samples, not hybridized" in line
                for line in lines), lines
     assert lines[-1].startswith("summary:") and "workers=2" in lines[-1]
+
+
+def test_an_empty_batch_on_one_rank_is_a_clear_error_not_nan(tmp_path):
+    script = """
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd
+
+    import dist_gluon as dg
+
+    kv = dg.create()
+    bn = dg.SyncBatchNorm(in_channels=4)
+    bn.initialize()
+    x = mx.nd.array(np.ones((3, 4)) if kv.rank == 0 else np.ones((0, 4)))
+    with autograd.record():
+        y = bn(x)
+    print("mean", float(y.mean().asscalar()), flush=True)
+    """
+    proc = launch(script, tmp_path, "horovod", n=2, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "rank 1 (" in proc.stderr
+    assert "SyncBatchNorm got an empty batch (0, 4) on rank 1; every rank needs at least " \
+        "one sample" in proc.stderr, proc.stderr[-3000:]
+    assert "nan" not in proc.stdout
