@@ -179,6 +179,16 @@ class Backend(KVStoreBase):
                 self._one_at_a_time(names, [value])
                 self._allreduce_(names, [value], priority)
             return
+        names, targets, outs = self._local_sums(key, value, out)
+        if self.num_workers > 1:
+            self._progress(names[0])
+            self._one_at_a_time(names, targets)
+            self._allreduce_(names, targets, priority)
+        self._write_outputs(targets, outs)
+
+    def _local_sums(self, key, value, out):
+        """pushpull's arguments checked, and each key's device copies summed into the
+        array its collective runs on: (names, targets, outputs)."""
         names, values, outs = self._normalise(key, value, out, "pushpull")
         targets = self._targets(values, outs)
         for vals, target in zip(values, targets):
@@ -187,11 +197,7 @@ class Backend(KVStoreBase):
                     vals[0].copyto(target)
             else:
                 mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
-        if self.num_workers > 1:
-            self._progress(names[0])
-            self._one_at_a_time(names, targets)
-            self._allreduce_(names, targets, priority)
-        self._write_outputs(targets, outs)
+        return names, targets, outs
 
     @staticmethod
     def _targets(values: list[list], outs: list[list]) -> list[mx.nd.NDArray]:
@@ -348,14 +354,7 @@ class Backend(KVStoreBase):
         self._codec = None if spec is None else compression.create(spec)
 
     def _compressed_pushpull(self, key, value, out, priority) -> None:
-        names, values, outs = self._normalise(key, value, out, "pushpull")
-        targets = self._targets(values, outs)
-        for vals, target in zip(values, targets):
-            if len(vals) == 1:
-                if target is not vals[0]:
-                    vals[0].copyto(target)
-            else:
-                mx.nd.add_n(*[v.as_in_context(target.context) for v in vals], out=target)
+        names, targets, outs = self._local_sums(key, value, out)
         for name, target in zip(names, targets):
             if np.dtype(target.dtype).kind != "f" or target.stype != "default":
                 raise TypeError(f"gradient compression works on dense float arrays; key "
