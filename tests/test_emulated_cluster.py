@@ -211,18 +211,22 @@ def test_without_root_the_cluster_says_it_needs_root():
     system_python = "/usr/bin/python3"   # the venv's interpreter lives in root's home
     if os.geteuid() != 0 or not os.access(system_python, os.X_OK):
         pytest.skip("needs root (to drop to nobody) and /usr/bin/python3")
-    script = textwrap.dedent(f"""
+    # the module's source comes on stdin: nobody may not be able to read the checkout
+    # (a clone in a mktemp directory is root's alone)
+    script = textwrap.dedent("""
         import sys
-        sys.path.insert(0, {str(TOOLS)!r})
-        from emulated_cluster import EmulatedCluster, skip_reason
-        print(skip_reason())
+        import types
+        module = sys.modules["emulated_cluster"] = types.ModuleType("emulated_cluster")
+        exec(compile(sys.stdin.read(), "emulated_cluster.py", "exec"), module.__dict__)
+        print(module.skip_reason())
         try:
-            EmulatedCluster(num_hosts=2).__enter__()
+            module.EmulatedCluster(num_hosts=2).__enter__()
         except RuntimeError as error:
             print(error)
         """)
     out = subprocess.run([system_python, "-c", script], capture_output=True, text=True,
-                         cwd="/", preexec_fn=lambda: os.setuid(65534), timeout=30)
+                         input=(TOOLS / "emulated_cluster.py").read_text(), cwd="/",
+                         preexec_fn=lambda: os.setuid(65534), timeout=30)
     assert out.stdout.splitlines() == [
         "needs root to create network namespaces",
         "cannot create an emulated cluster: needs root to create network namespaces"], out
