@@ -251,8 +251,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                     self.kv, "DistributedOptimizer")
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
-        # a gradient the codec refuses fails on one process too, not first on N
-        averager.check_input(indices, grads, self._describe)
+        if averager.codec is not None:
+            # a gradient the codec refuses fails on one process too, not first on N
+            averager.check_input(indices, grads, self._describe)
         if not averager.distributed:
             update(index, weight, grad, state)
             return

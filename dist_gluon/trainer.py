@@ -230,9 +230,10 @@ class DistributedTrainer(gluon.Trainer):
         averager = self._averager
         entries = [(i, param.list_grad()[0]) for i, param in enumerate(self._params)
                    if param.grad_req != "null"]
-        # a gradient the codec refuses fails on one process too, not first on N
-        averager.check_input([i for i, _ in entries], [g for _, g in entries],
-                             self._describe)
+        if averager.codec is not None:
+            # a gradient the codec refuses fails on one process too, not first on N
+            averager.check_input([i for i, _ in entries], [g for _, g in entries],
+                                 self._describe)
         if not averager.distributed:
             return
         if averager.codec is not None and averager.codec.batched:
