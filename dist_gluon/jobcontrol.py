@@ -77,7 +77,16 @@ _EXCEPTION_BYTES = 512
 _RING_AT = _EXCEPTION_AT + _EXCEPTION_BYTES
 _RING = 512
 _KEY_BYTES = 64
-RECORD_SIZE = _RING_AT + _RING * _KEY_BYTES
+# elastic jobs (launch/elastic.py): the launcher's request to stop at the next step
+# boundary (a number, 0: none), the worker's acknowledgement (the job agreed to stop,
+# dist_gluon.stop_requested() returned True), and the checkpoints it saved: how many,
+# and the epoch and step of the newest
+_CONTROL_AT = _RING_AT + _RING * _KEY_BYTES
+_STOP_AT, _ACK_AT = _CONTROL_AT, _CONTROL_AT + 4          # uint32 each
+_SAVES_AT = _CONTROL_AT + 8                                # uint64
+_SAVED_EPOCH_AT, _SAVED_STEP_AT = _CONTROL_AT + 16, _CONTROL_AT + 24   # int64 each
+RECORD_SIZE = _CONTROL_AT + 32
+_I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _U32 = struct.Struct("<I")
@@ -152,6 +161,29 @@ class Record:
         at = _RING_AT + (n % _RING) * _KEY_BYTES
         return self._map[at:at + _KEY_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace")
 
+    @property
+    def stop_request(self) -> int:
+        """The launcher's request to stop at the next step boundary (0: none)."""
+        return _U32.unpack_from(self._map, _STOP_AT)[0]
+
+    @property
+    def stop_acknowledged(self) -> bool:
+        """The worker agreed with every other rank to stop (and then saves and exits)."""
+        return bool(_U32.unpack_from(self._map, _ACK_AT)[0])
+
+    @property
+    def saves(self) -> int:
+        """How many checkpoints this worker has saved (dist_gluon.Checkpointer)."""
+        return _U64.unpack_from(self._map, _SAVES_AT)[0]
+
+    @property
+    def saved_position(self) -> tuple[int, int] | None:
+        """The (epoch, step) of the newest checkpoint this worker saved, or None."""
+        if not self.saves:
+            return None
+        return (_I64.unpack_from(self._map, _SAVED_EPOCH_AT)[0],
+                _I64.unpack_from(self._map, _SAVED_STEP_AT)[0])
+
     def snapshot(self) -> dict:
         """Everything a launcher reports about this rank, as plain values."""
         count = self.count
@@ -163,6 +195,19 @@ class Record:
     # ------------------------------------------------------------------ writing
     def set_verdict(self, verdict: int) -> None:
         _U32.pack_into(self._map, _VERDICT_AT, verdict)
+
+    def request_stop(self, number: int) -> None:
+        """Launcher side: ask the worker to stop at its next step boundary."""
+        _U32.pack_into(self._map, _STOP_AT, number)
+
+    def _acknowledge_stop(self) -> None:
+        _U32.pack_into(self._map, _ACK_AT, 1)
+
+    def _saved(self, epoch: int, step: int) -> None:
+        # the position first: a launcher that sees the new count reads the new position
+        _I64.pack_into(self._map, _SAVED_EPOCH_AT, epoch)
+        _I64.pack_into(self._map, _SAVED_STEP_AT, step)
+        _U64.pack_into(self._map, _SAVES_AT, self.saves + 1)
 
     def stamp(self, now: float) -> None:
         """Launcher side: it is alive and supervising (``time.monotonic()``)."""
@@ -224,6 +269,18 @@ class Reporter:
         """A collective under ``key`` was submitted (called by the backends)."""
         with self._lock:
             self._record._submit(key)
+
+    def stop_request(self) -> int:
+        """The launcher's pending request to stop at the next step boundary (0: none)."""
+        return self._record.stop_request
+
+    def stop_acknowledged(self) -> None:
+        """Every rank agreed to stop here: the launcher re-forms the job once they exit."""
+        self._record._acknowledge_stop()
+
+    def checkpoint_saved(self, epoch: int, step: int) -> None:
+        """A checkpoint of (epoch, step) is on disk (called by dist_gluon.Checkpointer)."""
+        self._record._saved(epoch, step)
 
     def depart(self) -> None:
         """The script has ended (interpreter exit): record when, once."""
