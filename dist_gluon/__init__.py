@@ -28,6 +28,7 @@ _PUBLIC = {
     "ModelMismatchError": ".broadcast", "broadcast_parameters": ".broadcast",
     "CheckpointError": ".checkpoint", "Checkpointer": ".checkpoint",
     "ShardSampler": ".data", "reduce_metric": ".data", "shard_kwargs": ".data",
+    "stop_requested": ".elastic",
     "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",
     "SyncBatchNorm": ".syncbn", "convert_sync_batchnorm": ".syncbn",
 }

@@ -51,6 +51,7 @@ import numpy as np
 from mxnet import gluon
 from mxnet.gluon.parameter import Parameter
 
+from . import jobcontrol
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
@@ -82,14 +83,20 @@ class Checkpointer:
     trainer's optimizer states, ``epoch``, ``step``, the Python and NumPy random states
     of every rank, a picklable ``extra`` and a metadata record with a checksum per file.
     Only rank 0 writes, atomically (see the module docstring); every rank returns once
-    the checkpoint is on disk. The newest ``keep`` checkpoints are kept.
+    the checkpoint is on disk, and tells its launcher the ``epoch`` and ``step`` it
+    saved (an elastic launcher re-forms the job at the newest checkpoint). The newest
+    ``keep`` checkpoints are kept.
 
     ``restore`` loads the newest checkpoint that is intact into the model (and trainer)
     on every rank. Only rank 0 reads files, so the directory need not be visible to the
     other ranks. A truncated or corrupt checkpoint is skipped with a warning naming the
     bad file, and the one before it is used. Nothing in a checkpoint depends on the
-    number of workers, so it can be restored on a different number (the data position
-    ``step`` then refers to other shards: resume is exact on the same number).
+    number of workers, so it can be restored on a different number. The position in
+    the data is the script's to keep: with :class:`ShardSampler`, save how many
+    positions of the epoch's order are done, ``skip + steps * batch_size *
+    num_workers`` (per-worker batch size, ``skip`` the value this run started the epoch
+    with), and resume with ``sampler.set_epoch(epoch, skip=done)``: exact on any
+    number of workers (see the example).
 
     Each rank gets back its own Python and NumPy random state (a rank that did not
     exist at save time keeps its current one). MXNet's own generator (``mx.random``,
@@ -111,16 +118,19 @@ class Checkpointer:
     --------
     >>> ckpt = dg.Checkpointer('checkpoints', keep=3)
     >>> state = ckpt.restore(net, trainer)            # None on the first run
-    >>> start, skip = (state['epoch'], state['step']) if state else (0, 0)
+    >>> start, done = (state['epoch'], state['extra']['done']) if state else (0, 0)
     >>> for epoch in range(start, epochs):
-    ...     sampler.set_epoch(epoch)
+    ...     skip = done if epoch == start else 0      # positions of this epoch done
+    ...     sampler.set_epoch(epoch, skip=skip)       # ShardSampler: only the rest
     ...     for i, (data, label) in enumerate(loader):
-    ...         if epoch == start and i < skip:
-    ...             continue                          # done before the restart
     ...         ...                                   # forward, backward, trainer.step
-    ...         if (i + 1) % 100 == 0:
-    ...             ckpt.save(net, trainer, epoch, step=i + 1)
-    ...     ckpt.save(net, trainer, epoch + 1)
+    ...         done = skip + (i + 1) * batch_size * kv.num_workers
+    ...         stop = dg.stop_requested()            # elastic jobs; the same on every rank
+    ...         if stop or (i + 1) % 100 == 0:
+    ...             ckpt.save(net, trainer, epoch, step=i + 1, extra={'done': done})
+    ...         if stop:
+    ...             sys.exit(0)                       # the launcher re-forms the job
+    ...     ckpt.save(net, trainer, epoch + 1, extra={'done': 0})
     """
 
     def __init__(self, directory: str | os.PathLike, kv: Backend | str | None = None,
@@ -206,6 +216,10 @@ class Checkpointer:
             status = self._kv.broadcast_object(status)
         if status[0] == "error":
             raise CheckpointError(status[1]) from failure
+        reporter = jobcontrol.reporter()
+        if reporter is not None:
+            # an elastic launcher re-forms the job at the newest checkpoint
+            reporter.checkpoint_saved(epoch, step)
         return status[1]
 
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
@@ -317,7 +331,12 @@ class Checkpointer:
         -------
         dict or None
             ``{'epoch', 'step', 'extra', 'path', 'num_workers'}`` (``num_workers`` at save
-            time), or None when the directory holds no checkpoint.
+            time), or None when the directory holds no checkpoint. To continue inside
+            ``epoch`` with :class:`ShardSampler`, on any number of workers, call
+            ``sampler.set_epoch(epoch, skip=done)`` with the number of positions of
+            the epoch's order that were done: ``step * batch_size * num_workers`` when
+            the run that saved began the epoch at its start (per-worker batch size),
+            or in general what the script kept in ``extra`` (see the class example).
 
         Raises
         ------

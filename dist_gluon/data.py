@@ -64,6 +64,15 @@ class ShardSampler(mx.gluon.data.Sampler):
     Call :meth:`set_epoch` at the start of every epoch, before iterating, to get a new
     order; otherwise every epoch repeats the first one.
 
+    Resuming inside an epoch, on any number of workers: ``set_epoch(epoch, skip=S)``
+    leaves out the first ``S`` positions of the epoch's order (those trained on before,
+    by however many workers) and shares out the rest, ``order[S:]``, as above (padded or
+    dropped to a multiple of ``N``). Since worker ``rank`` takes positions ``rank, rank +
+    N, ...``, the workers' ``j``-th batches of ``B`` together are always the
+    consecutive positions ``j*B*N .. (j+1)*B*N - 1`` of the shared order: after ``k``
+    steps, ``S + k*B*N`` positions are done, whatever ``N`` was, and that is the
+    ``skip`` to resume from (see :class:`Checkpointer`).
+
     Parameters
     ----------
     length : int
@@ -99,6 +108,13 @@ class ShardSampler(mx.gluon.data.Sampler):
     1
     >>> list(dg.ShardSampler(5, num_workers=2, rank=1, shuffle=False, last_batch='drop'))
     [1, 3]
+
+    Resuming an epoch of which 3 workers trained the first 6 positions, on 2 workers:
+
+    >>> sampler = dg.ShardSampler(10, num_workers=2, rank=0, shuffle=False)
+    >>> sampler.set_epoch(0, skip=6)
+    >>> list(sampler)
+    [6, 8]
     """
 
     def __init__(self, length: int, kv: Backend | str | None = None,
@@ -117,10 +133,18 @@ class ShardSampler(mx.gluon.data.Sampler):
         self._last_batch = last_batch
         self._shuffle = bool(shuffle)
         self._epoch = 0
-        if last_batch == "pad":
-            self._per_worker = -(-self._length // self._num_workers)
-        else:
-            self._per_worker = self._length // self._num_workers
+        self._skip = 0
+
+    @property
+    def _remaining(self) -> int:
+        """How many positions of the epoch's order this epoch shares out."""
+        return max(0, self._length - self._skip)
+
+    @property
+    def _per_worker(self) -> int:
+        if self._last_batch == "pad":
+            return -(-self._remaining // self._num_workers)
+        return self._remaining // self._num_workers
 
     @property
     def num_workers(self) -> int:
@@ -134,25 +158,45 @@ class ShardSampler(mx.gluon.data.Sampler):
     def epoch(self) -> int:
         return self._epoch
 
-    def set_epoch(self, epoch: int) -> None:
+    @property
+    def skip(self) -> int:
+        """How many positions of the current epoch's order are left out (set_epoch)."""
+        return self._skip
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
         """Use the order of ``epoch`` (>= 0) from the next iteration on.
 
-        Call it with the same value on every worker at the start of each epoch.
+        Call it with the same values on every worker at the start of each epoch.
+
+        Parameters
+        ----------
+        epoch : int
+            The epoch (>= 0); it alone decides the shuffled order.
+        skip : int, default 0
+            How many positions at the start of this epoch's order were trained on
+            already, by any number of workers (>= 0), e.g. ``S * B * N`` after a
+            checkpoint saved at step ``S`` by ``N`` workers with per-worker batch ``B``
+            that began the epoch at its start. Only the rest, ``order[skip:]``, is
+            shared out, padded or dropped to a multiple of the workers as usual. It
+            applies to this epoch only: the next ``set_epoch(e)`` is a whole epoch. A
+            ``skip`` of ``length`` or more leaves nothing (the epoch is done: positions
+            past the end are the padding of its last batches).
         """
         self._epoch = _check_int(epoch, "epoch", low=0)
+        self._skip = _check_int(skip, "skip", low=0)
 
     @property
     def num_padded(self) -> int:
         """How many of the indices this worker yields are padding (always the last ones).
 
         They repeat samples another worker (or this one) also yields; they exist only in
-        ``'pad'`` mode and do not depend on the epoch.
+        ``'pad'`` mode and depend on the ``skip`` of :meth:`set_epoch`, not on the epoch.
         """
         if self._last_batch == "drop":
             return 0
-        # Position p of this worker is position rank + p*N of the padded global order,
-        # which is padding from position `length` on.
-        real = max(0, -(-(self._length - self._rank) // self._num_workers))
+        # Position p of this worker is position rank + p*N of the padded shared order,
+        # which is padding from position `remaining` on.
+        real = max(0, -(-(self._remaining - self._rank) // self._num_workers))
         return self._per_worker - real
 
     def indices(self) -> np.ndarray:
@@ -165,7 +209,8 @@ class ShardSampler(mx.gluon.data.Sampler):
             order = rng.permutation(self._length)
         else:
             order = np.arange(self._length, dtype=np.int64)
-        order = np.resize(order, total)  # repeats from the start when padding
+        # repeats the rest from its own start when padding
+        order = np.resize(order[self._skip:], total)
         return order[self._rank::self._num_workers].astype(np.int64)
 
     def __iter__(self) -> Iterator[int]:
@@ -219,7 +264,8 @@ class ShardSampler(mx.gluon.data.Sampler):
     def __repr__(self) -> str:
         return (f"ShardSampler(length={self._length}, num_workers={self._num_workers}, "
                 f"rank={self._rank}, shuffle={self._shuffle}, seed={self._seed}, "
-                f"last_batch={self._last_batch!r}, epoch={self._epoch})")
+                f"last_batch={self._last_batch!r}, epoch={self._epoch}"
+                + (f", skip={self._skip})" if self._skip else ")"))
 
 
 def _first_array(batch):

@@ -67,6 +67,19 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
+def _count_variable(name: str) -> int:
+    """A count the launcher passes in the environment: an int >= 0, 0 when unset."""
+    text = os.environ.get(name, "").strip()
+    try:
+        value = int(text or 0)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{name}={text!r} must be an int >= 0 (the launcher sets it; "
+                         f"unset it when you start workers yourself)")
+    return value
+
+
 class Backend(KVStoreBase):
     """Base class of dist_gluon's communication backends.
 
@@ -114,6 +127,20 @@ class Backend(KVStoreBase):
     @property
     def local_rank(self) -> int:
         raise NotImplementedError
+
+    @property
+    def restart(self) -> int:
+        """How many times the launcher has restarted this job's workers so far, for any
+        reason (a failure with ``--max-restarts``, or a re-formation of an elastic
+        job): 0 in the first run, and without a launcher (``DG_RESTART``)."""
+        return _count_variable("DG_RESTART")
+
+    @property
+    def reformation(self) -> int:
+        """How many times the set of nodes of an elastic job (``--nnodes MIN:MAX``) has
+        changed so far: 0 until the first re-formation, and outside an elastic job
+        (``DG_REFORMATION``). ``num_workers`` is the size of the current set."""
+        return _count_variable("DG_REFORMATION")
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} type={self.type!r} rank={self.rank} "
