@@ -276,22 +276,78 @@ def listen_address(master_addr: str | None) -> str:
     return addr
 
 
+class Listener:
+    """Node 0's door for the other nodes' launchers: ``poll`` hands over each new
+    connection whose hello authenticated with the job's ``secret`` and drops (and
+    ``say``s) any other. A static job closes it once every node has joined; an elastic
+    job keeps it open for nodes that join later."""
+
+    def __init__(self, port: int, secret: str, say, bind_addr: str = "", backlog: int = 8):
+        self.port, self._secret, self._say = port, secret, say
+        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._server.bind((bind_addr, port))
+        except OSError as err:
+            self._server.close()
+            raise JoinError(f"cannot listen on {bind_addr or '*'}:{port} for the other "
+                            f"nodes' launchers: {err}; choose another --master-port") from err
+        self._server.listen(backlog + MAX_PENDING)
+        self._server.settimeout(0.0)
+        self._pending: list[Link] = []
+
+    def poll(self) -> list[tuple[Link, dict]]:
+        """The connections that said an authenticated hello since the last call."""
+        while True:
+            link = _accept(self._server, self._secret, self._say)
+            if link is None:
+                break
+            self._pending.append(link)
+            if len(self._pending) > MAX_PENDING:
+                oldest = self._pending.pop(0)
+                oldest.close(flush=0)
+                self._say(f"dropped the connection from {oldest.peer}: more than "
+                          f"{MAX_PENDING} connections waiting to say hello; carrying on")
+        hellos = []
+        for link in list(self._pending):
+            try:
+                hello = link.inbox.get_nowait()
+            except queue.Empty:
+                if time.monotonic() - link.opened_at > HANDSHAKE_TIMEOUT:
+                    self._pending.remove(link)
+                    link.close(flush=0)
+                    self._say(f"dropped the connection from {link.peer}: no hello within "
+                              f"{HANDSHAKE_TIMEOUT:g} s; carrying on")
+                continue
+            self._pending.remove(link)
+            if hello is None:
+                if link.refusal is None:
+                    self._say(f"the connection from {link.peer} closed before its hello; "
+                              "carrying on")
+                continue
+            hellos.append((link, hello))
+        return hellos
+
+    def close(self) -> None:
+        self._server.close()
+        for link in self._pending:
+            link.close(flush=0)
+        self._pending.clear()
+
+
+def refuse(link: Link, report: str) -> None:
+    """Tell a launcher that joined why it cannot take part, and close its link."""
+    link.send({"type": "end", "status": 2, "again": False, "report": report})
+    link.close()
+
+
 def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
                  bind_addr: str = "") -> dict[int, tuple[Link, dict]]:
     """Node 0: wait for the launchers of nodes 1..nnodes-1 to connect and say hello
     signed with the job's ``secret``; drop (and ``say``) any other connection."""
-    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        server.bind((bind_addr, port))
-    except OSError as err:
-        raise JoinError(f"cannot listen on {bind_addr or '*'}:{port} for the other nodes' "
-                        f"launchers: {err}; choose another --master-port") from err
-    server.listen(nnodes + MAX_PENDING)
-    server.settimeout(0.2)
+    listener = Listener(port, secret, say, bind_addr, nnodes)
     deadline = time.monotonic() + timeout
     joined: dict[int, tuple[Link, dict]] = {}
-    pending: list[Link] = []
     try:
         while len(joined) < nnodes - 1:
             if time.monotonic() > deadline:
@@ -304,45 +360,18 @@ def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
                     f"{timeout:g} s (start the same command with --node-rank "
                     f"{missing[0]} on that machine, and check that it reaches this one at "
                     f"the --master-addr and --master-port {port})")
-            link = _accept(server, secret, say)
-            if link is not None:
-                pending.append(link)
-                if len(pending) > MAX_PENDING:
-                    oldest = pending.pop(0)
-                    oldest.close(flush=0)
-                    say(f"dropped the connection from {oldest.peer}: more than "
-                        f"{MAX_PENDING} connections waiting to say hello; carrying on")
-            for link in list(pending):
-                try:
-                    hello = link.inbox.get_nowait()
-                except queue.Empty:
-                    if time.monotonic() - link.opened_at > HANDSHAKE_TIMEOUT:
-                        pending.remove(link)
-                        link.close(flush=0)
-                        say(f"dropped the connection from {link.peer}: no hello within "
-                            f"{HANDSHAKE_TIMEOUT:g} s; carrying on")
-                    continue
-                pending.remove(link)
-                if hello is None:
-                    if link.refusal is None:
-                        say(f"the connection from {link.peer} closed before its hello; "
-                            "carrying on")
-                    continue
+            for link, hello in listener.poll():
                 node = hello.get("node")
                 if node in joined or not isinstance(node, int) or not 0 < node < nnodes:
-                    link.send({"type": "end", "status": 2, "again": False,
-                               "report": f"node rank {node} is taken or out of range "
-                                         f"[1, {nnodes}); give each machine its own "
-                                         "--node-rank"})
-                    link.close()
+                    refuse(link, f"node rank {node} is taken or out of range [1, {nnodes}); "
+                                 "give each machine its own --node-rank")
                     continue
                 joined[node] = (link, hello)
                 say(f"node {node} ({hello['host']}) joined "
                     f"({len(joined) + 1} of {nnodes} nodes)")
+            time.sleep(0.05)
     finally:
-        server.close()
-        for link in pending:
-            link.close(flush=0)
+        listener.close()
     return joined
 
 
@@ -350,7 +379,7 @@ def _accept(server: socket.socket, secret: str, say) -> Link | None:
     """The next connection, sent its challenge; None when there is none yet."""
     try:
         sock, (host, port) = server.accept()
-    except TimeoutError:
+    except (BlockingIOError, TimeoutError):
         return None
     challenge = secrets.token_hex(16)
     try:

@@ -33,8 +33,9 @@ class Node:
     """One run (one restart) of this node's processes.
 
     ``spec`` is what node 0 decided for this run, the same on every node: backend,
-    nnodes, nproc, servers, restart, master_addr and the ports of the Gloo rendezvous or
-    of the ps-lite scheduler.
+    nnodes, nodes (the node ranks of this formation, in order), nproc, servers, restart,
+    reformation, elastic, master_addr and the ports of the Gloo rendezvous or of the
+    ps-lite scheduler. ``node_rank`` is this node's position in the formation.
     """
 
     def __init__(self, args, node_rank: int, spec: dict):
@@ -71,8 +72,11 @@ class Node:
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
         base.update({"DG_NUM_WORKERS": str(sum(spec["slots"])), "DG_BACKEND": spec["backend"],
                      "DG_RESTART": str(spec["restart"]), "DG_NNODES": str(nnodes),
+                     "DG_REFORMATION": str(spec.get("reformation", 0)),
                      "DG_NODE_RANK": str(self.node_rank),
                      jobcontrol.ENV_DIR: self._control_dir})
+        if spec.get("elastic"):
+            base["DG_ELASTIC"] = "1"        # dist_gluon.stop_requested() asks every rank
         if base.get(COMPAT_ENV):
             base["PYTHONPATH"] = os.pathsep.join(
                 p for p in (_COMPAT_SHIMS, base.get("PYTHONPATH")) if p)
@@ -173,6 +177,9 @@ class Node:
                 "tail": list(p.tail) if left or (attached and record.exception) else [],
                 "key_next": record.key(hint + 1) if attached else None,
                 "key_last": record.key(count) if attached else None,
+                "acked": attached and record.stop_acknowledged,
+                "saved": [record.saves, *record.saved_position]
+                if attached and record.saves else None,
             })
         return states
 
@@ -200,6 +207,11 @@ class Node:
             record = self._records.get(int(rank))
             if record is not None:
                 record.set_verdict(verdict)
+
+    def request_stop(self, number: int) -> None:
+        """Ask every worker of this node to stop at its next step boundary (elastic)."""
+        for record in self._records.values():
+            record.request_stop(number)
 
     def stacks(self, ranks: list[int]) -> dict[int, str]:
         """Ask the given local ranks for their Python stacks and return what they wrote."""

@@ -19,7 +19,8 @@ PARENT_ENV = "DG_LAUNCHED_BY"
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 _FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PS_", "PYTHON", "OMP_", "KMP_")
 _NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
-                  "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_CONTROL_DIR", PARENT_ENV,
+                  "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_REFORMATION",
+                  "DG_CONTROL_DIR", PARENT_ENV,
                   secret.ENV}     # a command line shows in ps: the secret goes by stdin
 END_GRACE = 20.0        # seconds the other node launchers get once one has ended
 
@@ -124,8 +125,10 @@ def _forwarded_env() -> dict[str, str]:
 def node_command(args, node_rank: int, master_addr: str) -> str:
     """The shell command that starts node ``node_rank``'s launcher on its host."""
     host = args.host_slots[node_rank]
+    nnodes = f"{args.min_nodes}:{args.max_nodes}" if args.elastic \
+        else str(len(args.host_slots))
     argv = [sys.executable, "-m", "dist_gluon.launch",
-            "--nnodes", str(len(args.host_slots)), "--node-rank", str(node_rank),
+            "--nnodes", nnodes, "--node-rank", str(node_rank),
             "--master-addr", master_addr, "--master-port", str(args.master_port),
             "--join-timeout", f"{args.join_timeout:g}",
             "--heartbeat", f"{args.heartbeat:g}", "--silence-limit", f"{args.silence_limit:g}",
@@ -133,6 +136,9 @@ def node_command(args, node_rank: int, master_addr: str) -> str:
             "--servers", str(args.servers if host.servers is None else host.servers),
             "--max-restarts", str(args.max_restarts),
             "--stall-warning", f"{args.stall_warning or 0:g}"]
+    if args.elastic:
+        argv += ["--preempt-grace", f"{args.preempt_grace:g}",
+                 "--last-call", f"{args.last_call:g}"]
     for flag, value in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
                         ("--iface", args.iface), ("--transport", args.transport),
                         # node 0's mpirun starts the other nodes' MPI ranks over ssh
@@ -181,7 +187,10 @@ def run(args) -> int:
             codes = [p.returncode for p in launchers]
             if all(c is not None for c in codes):
                 break
-            if ended_at is None and any(c is not None for c in codes):
+            # an elastic job goes on without a host whose launcher ended; node 0's ends it
+            ended = codes[0] is not None if args.elastic \
+                else any(c is not None for c in codes)
+            if ended_at is None and ended:
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > END_GRACE:
                 stuck = [args.host_slots[i][0] for i, c in enumerate(codes) if c is None]
@@ -196,8 +205,8 @@ def run(args) -> int:
                         " check that passwordless ssh works (--ssh-port, "
                         "--ssh-identity-file) and that dist_gluon is installed there "
                         "at the same path\n")
-        if codes[0] not in (None, 0):
-            return codes[0]
+        if codes[0] not in (None, 0) or args.elastic:
+            return 1 if codes[0] is None else codes[0]
         return next((c for c in codes if c not in (None, 0)), 0 if None not in codes else 1)
     except KeyboardInterrupt:
         output.emit("dist_gluon.launch: interrupted; ending the job on every host\n")

@@ -1,0 +1,292 @@
+"""Elastic jobs (--nnodes MIN:MAX) across emulated hosts: a job that outlives its hosts.
+
+Each test runs one job of tests/workers/elastic_train.py on 3 emulated hosts (network
+namespaces, one launcher each, --nnodes 2:3) and puts it through a schedule of events:
+a SIGTERM preemption, a late joiner, every process of a host SIGKILLed, a link that goes
+down, too few nodes left. The job must re-form after each and finish (or end naming the
+cause); its final weights must equal a NumPy replay of the same schedule of world sizes
+from the same checkpoints; nothing may be left running on any host.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from test_launch import _marker_env, assert_nothing_left
+
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+import elastic_train  # noqa: E402
+import emulated_cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(emulated_cluster.skip_reason() is not None,
+                                 reason=str(emulated_cluster.skip_reason()))]
+
+SCRIPT = REPO / "tests" / "workers" / "elastic_train.py"
+WAIT = 120.0            # seconds any one event may take on a loaded machine
+_ports = itertools.count(29700)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with emulated_cluster.EmulatedCluster(num_hosts=3) as c:
+        yield c
+
+
+class ElasticJob:
+    """One elastic job's launchers on the cluster's hosts, started one by one."""
+
+    def __init__(self, cluster, directory: Path, backend: str):
+        self.cluster, self.dir, self.backend = cluster, directory, backend
+        self.port = str(next(_ports))
+        self.marker = _marker_env()
+        self.procs: dict[int, list[subprocess.Popen]] = {}
+        self.logs: dict[int, list[Path]] = {}
+
+    def start(self, host: int) -> subprocess.Popen:
+        """Start host ``host``'s launcher as node ``host`` (again, after it left)."""
+        env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+               "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"elastic-{self.port}",
+               **self.marker}
+        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2:3",
+                "--node-rank", str(host), "--master-addr", self.cluster.hosts[0].address,
+                "--master-port", self.port, "-n", "1", "--backend", self.backend,
+                "--max-restarts", "3", "--heartbeat", "0.3", "--silence-limit", "3",
+                "--last-call", "2", "--preempt-grace", "60",
+                "--", sys.executable, str(SCRIPT), str(self.dir)]
+        log = self.dir / f"node{host}-{len(self.logs.get(host, []))}.log"
+        proc = self.cluster.popen(host, argv, cwd=self.dir, env=env, text=True,
+                                  stdout=open(log, "w"), stderr=subprocess.STDOUT)
+        self.procs.setdefault(host, []).append(proc)
+        self.logs.setdefault(host, []).append(log)
+        return proc
+
+    def output(self, host: int, which: int = -1) -> str:
+        return self.logs[host][which].read_text(errors="replace")
+
+    def report(self) -> str:
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-4000:]}"
+                         for logs in self.logs.values() for log in logs)
+
+    def progress(self) -> dict:
+        try:
+            return json.loads((self.dir / "progress.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def events(self) -> list[dict]:
+        path = self.dir / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] \
+            if path.exists() else []
+
+    def wait_training(self, world: int, reformation: int, steps: int = 3) -> None:
+        """Until the round of ``reformation`` trains on ``world`` workers."""
+        limit = time.monotonic() + WAIT
+        while time.monotonic() < limit:
+            p = self.progress()
+            if p.get("reformation") == reformation and p.get("steps", 0) >= steps:
+                assert p["world"] == world, self.report()
+                return
+            if self.procs[0][-1].poll() is not None:
+                break
+            time.sleep(0.2)
+        pytest.fail(f"re-formation {reformation} never trained on {world} workers "
+                    f"(progress {self.progress()})\n{self.report()}")
+
+    def wait_exit(self, host: int, timeout: float = WAIT) -> int:
+        try:
+            return self.procs[host][-1].wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node {host}'s launcher did not end\n{self.report()}")
+
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process of the host, its launcher included."""
+        ns = os.stat(f"/run/netns/{self.cluster.hosts[host].namespace}").st_ino
+        for entry in os.scandir("/proc"):
+            try:
+                if entry.name.isdigit() and \
+                        os.stat(f"/proc/{entry.name}/ns/net").st_ino == ns:
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+    def link(self, host: int, state: str) -> None:
+        subprocess.run(["ip", "-n", self.cluster.hosts[host].namespace, "link", "set",
+                        "eth0", state], check=True)
+
+    def finish(self) -> None:
+        (self.dir / "finish").touch()
+
+    def close(self) -> None:
+        for procs in self.procs.values():
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+
+@pytest.fixture
+def job_factory(cluster, tmp_path):
+    jobs = []
+
+    def make(backend):
+        jobs.append(ElasticJob(cluster, tmp_path, backend))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
+        for host in range(3):
+            job.link(host, "up")
+
+
+def replay(events: list[dict]) -> tuple[np.ndarray, float]:
+    """The weights of the schedule in ``events``, computed in NumPy: each round trains
+    from the position it restored to the position the next round restored (its last
+    checkpoint), on its world size; one step on W workers is one step on the union of
+    their batches (ShardSampler gives rank r positions r, r + W, ... of the epoch's
+    remaining order, padded to a multiple of W)."""
+    x, y = (a.astype(np.float64) for a in elastic_train.dataset())
+    length, batch = elastic_train.LENGTH, elastic_train.BATCH
+    w, b = np.zeros(x.shape[1]), 0.0
+    mw, mb = np.zeros_like(w), 0.0
+    starts = [e for e in events if e["event"] == "start"]
+    done = next(e for e in events if e["event"] == "done")
+    ends = [(s["epoch"], s["samples"]) for s in starts[1:]] + [(done["epoch"], 0)]
+    for start, end in zip(starts, ends):
+        world, epoch, skip = start["world"], start["epoch"], start["samples"]
+        while (epoch, skip) != end:
+            assert (epoch, skip) < end, f"the schedule passed {end} at {(epoch, skip)}"
+            order = list(range(skip, length))
+            pad = -len(order) % world
+            order += order[:pad]
+            per_rank = [order[r::world] for r in range(world)]
+            first = 0
+            while first < len(per_rank[0]) and (epoch, skip) != end:
+                chunk = [i for rank in per_rank for i in rank[first:first + batch]]
+                size = len(per_rank[0][first:first + batch])
+                error = x[chunk] @ w + b - y[chunk]
+                gw, gb = error @ x[chunk] / len(chunk), error.mean()
+                mw = elastic_train.MOMENTUM * mw - elastic_train.LR * gw
+                mb = elastic_train.MOMENTUM * mb - elastic_train.LR * gb
+                w, b = w + mw, b + mb
+                first += batch
+                skip = min(length, skip + size * world)
+            if skip >= length:
+                epoch, skip = epoch + 1, 0
+    return w, b
+
+
+def check_weights(job: ElasticJob) -> list[dict]:
+    events = job.events()
+    done = [e for e in events if e["event"] == "done"]
+    assert len(done) == 1, job.report()
+    w, b = replay(events)
+    np.testing.assert_allclose(done[0]["weight"], w, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(done[0]["bias"], b, rtol=1e-4, atol=1e-5)
+    return events
+
+
+def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_joiners(
+        job_factory):
+    job = job_factory("horovod")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+
+    # 1. a preemption notice: node 2's workers checkpoint at the next step, it leaves
+    job.procs[2][-1].send_signal(signal.SIGTERM)
+    assert job.wait_exit(2) == 0, job.report()
+    assert "node 2 " in job.output(2) and "was preempted (SIGTERM) and left the job; " \
+        "the workers saved checkpoint epoch" in job.output(2), job.report()
+    job.wait_training(world=2, reformation=1)
+
+    # 2. it comes back: admitted at a step boundary
+    job.start(2)
+    job.wait_training(world=3, reformation=2)
+
+    # 3. every process of host 2 killed
+    job.kill_host(2)
+    job.wait_training(world=2, reformation=3)
+
+    # 4. back again, then its link goes down
+    job.start(2)
+    job.wait_training(world=3, reformation=4)
+    job.link(2, "down")
+    job.wait_training(world=2, reformation=5)
+
+    job.finish()
+    assert job.wait_exit(0) == 0, job.report()
+    assert job.wait_exit(1) == 0, job.report()
+    assert job.wait_exit(2) == 1, job.report()       # cut off: it lost node 0
+    out0 = job.output(0)
+    host2 = job.cluster.hosts[2].name
+    for said in ("re-forming with 2 nodes (2 workers) from checkpoint epoch",
+                 "(re-formation 1; planned: no restart used)",
+                 f"node 2 ({host2}) joined; the job re-forms with 3 nodes",
+                 "re-forming with 3 nodes (3 workers) from checkpoint epoch",
+                 f"node 2 ({host2}) lost: its launcher's connection closed",
+                 "(re-formation 3; restart 1 of at most 3)",
+                 f"node 2 ({host2}) lost: nothing heard from its launcher for 3 s",
+                 "(re-formation 5; restart 2 of at most 3)"):
+        assert said in out0, f"{said!r} not said\n{job.report()}"
+    # every node that stayed says the same
+    for said in ("(re-formation 1; planned", "(re-formation 5; restart 2"):
+        assert said in job.output(1), job.report()
+    events = check_weights(job)
+    rounds = [(e["world"], e["reformation"], e["restart"], e["nnodes"], e["elastic"])
+              for e in events if e["event"] == "start"]
+    assert rounds == [(3, 0, 0, 3, "1"), (2, 1, 1, 2, "1"), (3, 2, 2, 3, "1"),
+                      (2, 3, 3, 2, "1"), (3, 4, 4, 3, "1"), (2, 5, 5, 2, "1")], rounds
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_a_ps_lite_job_starts_with_min_nodes_admits_a_late_one_and_survives_its_lost_link(
+        job_factory):
+    job = job_factory("dist_sync")
+    job.start(0)
+    job.start(1)
+    job.wait_training(world=2, reformation=0)       # MIN is enough, after --last-call
+    job.start(2)
+    job.wait_training(world=3, reformation=1)
+    job.link(2, "down")
+    job.wait_training(world=2, reformation=2)
+    job.finish()
+    assert job.wait_exit(0) == 0, job.report()
+    assert job.wait_exit(1) == 0, job.report()
+    assert job.wait_exit(2) == 1, job.report()
+    assert "lost the master launcher" in job.output(2), job.report()
+    assert "(re-formation 2; restart 1 of at most 3)" in job.output(0), job.report()
+    check_weights(job)
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory):
+    job = job_factory("p3")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+    job.procs[2][-1].send_signal(signal.SIGTERM)
+    assert job.wait_exit(2) == 0, job.report()
+    job.wait_training(world=2, reformation=1)
+    job.kill_host(1)
+    assert job.wait_exit(0) == 1, job.report()
+    host1 = job.cluster.hosts[1].name
+    said = (f"node 1 ({host1}) lost: its launcher's connection closed\n"
+            "dist_gluon.launch[node 0]: 1 node left, fewer than the minimum 2 of --nnodes "
+            "2:3: the job ends")
+    assert said in job.output(0), job.report()
+    stops = [e for e in job.events() if e["event"] == "stop"]
+    assert [e["world"] for e in stops] == [3], job.report()    # the preemption's checkpoint
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
