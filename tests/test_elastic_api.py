@@ -263,3 +263,50 @@ def test_a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step(tmp_path, ba
         assert result["saved_before"] is None
         assert result["saved"] == [0, 5]
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["ckpt-000001"]
+
+
+# --------------------------------------------------------------------- the examples
+# Runs an example as the launcher would, after rank 1's record was asked to stop before
+# the first step (the launcher writes the request; here the worker plays that part).
+STOPPED_EXAMPLE = """
+    import os
+    import runpy
+    import sys
+
+    from dist_gluon import jobcontrol
+
+    example = sys.argv[1]
+    if os.environ["DG_RANK"] == "1":
+        jobcontrol.reporter()._record.request_stop(1)
+    sys.path.insert(0, os.path.dirname(example))
+    sys.argv = sys.argv[1:]
+    runpy.run_path(example, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_the_mnist_example_stops_at_a_request_and_resumes_inside_the_epoch_on_one_worker(
+        tmp_path):
+    example = REPO / "examples" / "mnist" / "train_gluon.py"
+    common = ["--epochs", "1", "--batch-size", "32", "--checkpoint-dir",
+              str(tmp_path / "ckpt"), "--resume"]
+    proc = launch(STOPPED_EXAMPLE, tmp_path, backend="horovod",
+                  args=[str(example), *common], env={"DG_ELASTIC": "1"})
+    assert_ok(proc)
+    lines = worker_lines(proc.stdout, 0)
+    # both workers stopped after their first batch of 32: 64 samples of 1438 are done
+    assert lines[-1] == ("stop: the launcher asked the job to stop; checkpoint of epoch 1 "
+                         "after 64 of its 1438 samples saved, exiting for the restart "
+                         "(--resume)"), lines[-5:]
+    assert not any(line.startswith("summary:") for line in lines)
+
+    resumed = subprocess.run([sys.executable, str(example), *common], cwd=tmp_path,
+                             env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    lines = resumed.stdout.splitlines()
+    assert ("resume: continuing inside epoch 1 after 64 of its 1438 samples (saved by 2 "
+            f"worker(s)) from {tmp_path / 'ckpt'}") in lines
+    # one worker trains on the other 1374 samples: 43 batches of 32
+    assert any(line.startswith("epoch 1/1 [ 43/43]") for line in lines), lines
+    assert lines[-1].startswith("summary: ") and "workers=1" in lines[-1]

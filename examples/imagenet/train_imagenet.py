@@ -28,6 +28,17 @@ small collectives per BatchNorm layer and step, and the network is then not hybr
 Validation accuracy is exact: each worker evaluates its part and ``dg.reduce_metric``
 sums the counts. A checkpoint is written every epoch (``--checkpoint-dir``) and
 ``--resume`` continues from it.
+
+Elastic jobs (``dist_gluon.launch --nnodes MIN:MAX``): after every step
+``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
+the job; the script saves a checkpoint at that step and exits, and the restarted
+workers (``--resume``) continue inside the epoch with the images not yet trained on,
+on their new number. Each worker keeps ``--batch-size``, so the global batch changes
+with the number of workers, and so does the learning rate (``--scale-lr``). With image
+folders the resumed epoch trains on exactly the rest of the epoch's sample order
+(``ShardSampler.set_epoch(epoch, skip=...)``); ``mx.io.ImageRecordIter`` cannot skip,
+so with .rec files it takes the epoch's remaining steps from a new pass over each
+worker's part.
 """
 from __future__ import annotations
 
@@ -82,13 +93,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=90, help="training epochs (default: 90)")
     train.add_argument("--batch-size", type=int, default=32,
-                       help="batch size of each worker (default: 32)")
+                       help="batch size of each worker; the global batch is this times the "
+                            "number of workers, so it shrinks when an elastic job re-forms "
+                            "with fewer workers (default: 32)")
     train.add_argument("--steps-per-epoch", type=int, default=None,
                        help="steps per epoch (default: the training set once; with "
                             "--synthetic 50)")
     train.add_argument("--lr", type=float, default=None,
-                       help="learning rate of one worker; N workers use N times this "
-                            "(default: 0.1 x batch-size / 256)")
+                       help="learning rate of one worker (default: 0.1 x batch-size / 256)")
+    train.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
+                       help="N workers use N times --lr, for their N times larger global "
+                            "batch (the linear scaling rule, reached by the warmup); "
+                            "--no-scale-lr keeps --lr on any number of workers "
+                            "(default: scale)")
     train.add_argument("--lr-mode", choices=("cosine", "step"), default="cosine",
                        help="learning rate schedule after the warmup (default: cosine)")
     train.add_argument("--lr-decay", type=float, default=0.1,
@@ -120,9 +137,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--log-interval", type=int, default=20,
                      help="print progress every this many steps (default: 20)")
     run.add_argument("--checkpoint-dir", default=None,
-                     help="write a checkpoint there after every epoch")
+                     help="write a checkpoint there after every epoch, and at the step "
+                          "where an elastic launcher asks the job to stop")
     run.add_argument("--resume", action="store_true",
-                     help="continue from the newest checkpoint in --checkpoint-dir, if any")
+                     help="continue from the newest checkpoint in --checkpoint-dir, if any, "
+                          "inside its epoch when it was saved at a stop (give it from the "
+                          "first run of an elastic job)")
     args = parser.parse_args(argv)
 
     if bool(args.data_dir) == args.synthetic:
@@ -178,9 +198,10 @@ class RecordData:
             path_imgidx=os.path.join(root, "val.idx"),
             shuffle=False, resize=int(math.ceil(size / CROP_RATIO)), **common)
 
-    def train_batches(self, epoch: int):
+    def train_batches(self, epoch: int, skip: int = 0):
         """Batches of this worker's part, endlessly: parts differ in size by a few
-        records, so the caller takes the same number of steps on every worker."""
+        records, so the caller takes the same number of steps on every worker. The
+        iterator cannot leave out the ``skip`` images done before a stop: a new pass."""
         self._train.reset()
         while True:
             for batch in self._train:
@@ -238,9 +259,14 @@ class FolderData:
             val_set.transform_first(val_tf), args.batch_size, sampler=self._val_sampler,
             num_workers=args.data_threads, thread_pool=True)
 
-    def train_batches(self, epoch: int):
-        self._train_sampler.set_epoch(epoch)
+    def train_batches(self, epoch: int, skip: int = 0):
+        """Batches of this worker's share of the epoch's order after its first ``skip``
+        positions (done before a stop, by any number of workers), then endlessly of
+        whole epochs."""
+        self._train_sampler.set_epoch(epoch, skip=skip)
+        yield from self._train
         while True:
+            self._train_sampler.set_epoch(epoch)
             yield from self._train
 
     def val_batches(self):
@@ -258,7 +284,7 @@ class SyntheticData:
         self._label = mx.nd.array(np.random.RandomState(kv.rank).randint(
             0, self.num_classes, size=args.batch_size))
 
-    def train_batches(self, epoch: int):
+    def train_batches(self, epoch: int, skip: int = 0):
         while True:
             yield self._data, self._label
 
@@ -312,9 +338,11 @@ def build_model(args, num_classes: int, ctx: mx.Context, kv):
 
 
 def lr_schedule(args, workers: int, steps_per_epoch: int) -> mx.lr_scheduler.LRScheduler:
-    """Linear warmup from the one-worker rate to ``workers`` times it, then cosine or
-    step decay, per step."""
-    lr = args.lr * workers
+    """Linear warmup from the one-worker rate to ``workers`` times it (``--scale-lr``),
+    then cosine or step decay, per step. Laid out over this run's steps: after an
+    elastic job re-forms with other workers an epoch has another number of them, and
+    the restored step count is read on this run's schedule."""
+    lr = args.lr * workers if args.scale_lr else args.lr
     total = args.epochs * steps_per_epoch
     warmup = min(int(args.warmup_epochs * steps_per_epoch), total - 1)
     if args.lr_mode == "cosine":
@@ -382,7 +410,8 @@ def main(argv=None) -> None:
 
     net, num_no_decay = build_model(args, classes, ctx, kv)
     schedule = lr_schedule(args, workers, steps_per_epoch)
-    optimizer_params = {"learning_rate": args.lr * workers, "momentum": args.momentum,
+    lr = args.lr * workers if args.scale_lr else args.lr
+    optimizer_params = {"learning_rate": lr, "momentum": args.momentum,
                         "wd": args.wd, "lr_scheduler": schedule,
                         "multi_precision": args.dtype == "float16"}
     trainer = dg.DistributedTrainer(net.collect_params(), "nag", optimizer_params, kv=kv,
@@ -392,12 +421,15 @@ def main(argv=None) -> None:
         + (f"; SyncBatchNorm: statistics over all {workers} workers' samples, not hybridized"
            if args.syncbn and workers > 1 else ""))
     log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
-        f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} x {workers} = "
-        f"{args.lr * workers:g}, {args.lr_mode} schedule, {args.warmup_epochs:g} warmup "
+        f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} "
+        f"{'x' if args.scale_lr else 'on'} {workers} = {lr:g}, {args.lr_mode} schedule, "
+        f"{args.warmup_epochs:g} warmup "
         f"epochs, label smoothing {args.label_smoothing:g}, mixup alpha {args.mixup_alpha:g}, "
         f"compression {args.compression}")
 
     start_epoch = 0
+    # images of the start epoch already trained on (a stop mid-epoch)
+    done = 0
     best_acc = float("nan")
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
     if checkpointer is not None and args.resume:
@@ -409,8 +441,13 @@ def main(argv=None) -> None:
             # The restored optimizer carries the saved run's schedule; this run's
             # arguments (e.g. more --epochs) decide, from the restored step count on.
             trainer.optimizer.lr_scheduler = schedule
-            best_acc = (state.get("extra") or {}).get("best_acc", best_acc)
-            log(f"resume: continuing after epoch {start_epoch} from {args.checkpoint_dir}")
+            extra = state.get("extra") or {}
+            best_acc = extra.get("best_acc", best_acc)
+            done = extra.get("done", 0)
+            where = (f"inside epoch {start_epoch + 1} after {done} images (saved by "
+                     f"{state['num_workers']} worker(s))" if done
+                     else f"after epoch {start_epoch}")
+            log(f"resume: continuing {where} from {args.checkpoint_dir}")
 
     soft = args.label_smoothing > 0 or args.mixup_alpha > 0
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(sparse_label=not soft)
@@ -419,9 +456,13 @@ def main(argv=None) -> None:
     for epoch in range(start_epoch, args.epochs):
         mixup = args.mixup_alpha > 0 and epoch < args.epochs - args.mixup_off_epochs
         train_loss = mx.metric.Loss()
-        batches = data.train_batches(epoch)
+        skip = done if epoch == start_epoch else 0
+        # the steps of a resumed epoch start after the images done
+        first = min(-(-skip // global_batch), steps_per_epoch)
+        batches = data.train_batches(epoch, skip)
         tic = interval_tic = time.time()
-        for step in range(1, steps_per_epoch + 1):
+        stop_at = None
+        for step in range(first + 1, steps_per_epoch + 1):
             images, labels = next(batches)
             images = images.as_in_context(ctx)
             labels = labels.as_in_context(ctx)
@@ -438,19 +479,34 @@ def main(argv=None) -> None:
             train_loss.update(None, [loss])
             if step % args.log_interval == 0 or step == steps_per_epoch:
                 mx.nd.waitall()
-                done = step % args.log_interval or args.log_interval
-                speed = done * global_batch / (time.time() - interval_tic)
+                interval = min(step % args.log_interval or args.log_interval, step - first)
+                speed = interval * global_batch / (time.time() - interval_tic)
                 log(f"epoch {epoch + 1}/{args.epochs} [{step:>4}/{steps_per_epoch}] "
                     f"loss {train_loss.get()[1]:.4f} lr {trainer.learning_rate:.5f} "
                     f"{speed:.1f} images/s")
                 interval_tic = time.time()
+            if dg.stop_requested(kv):       # the same answer on every worker
+                stop_at = step
+                break
+        if stop_at is not None and stop_at < steps_per_epoch:
+            done = skip + (stop_at - first) * global_batch
+            if checkpointer is not None:
+                checkpointer.save(net, trainer, epoch, step=stop_at,
+                                  extra={"best_acc": best_acc, "done": done})
+            log("stop: the launcher asked the job to stop; "
+                + (f"checkpoint of epoch {epoch + 1} after {done} images saved, exiting "
+                   "for the restart (--resume)" if checkpointer is not None else
+                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                   "begins afresh"))
+            return
         mx.nd.waitall()
-        elapsed = time.time() - tic
-        train_images += steps_per_epoch * global_batch
+        elapsed = max(time.time() - tic, 1e-9)
+        epoch_images = (steps_per_epoch - first) * global_batch
+        train_images += epoch_images
         train_time += elapsed
         loss_value = dg.reduce_metric(train_loss, kv=kv).get()[1]
         message = (f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_value:.4f} "
-                   f"time={elapsed:.1f}s images/s={steps_per_epoch * global_batch / elapsed:.1f}")
+                   f"time={elapsed:.1f}s images/s={epoch_images / elapsed:.1f}")
         if not args.synthetic:
             result = evaluate(net, data, ctx, args.dtype, classes, kv)
             val_acc = result["val_acc"]
@@ -460,6 +516,10 @@ def main(argv=None) -> None:
         log(message)
         if checkpointer is not None:
             checkpointer.save(net, trainer, epoch + 1, extra={"best_acc": best_acc})
+        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
+            log(f"stop: the launcher asked the job to stop at the end of epoch "
+                f"{epoch + 1}; exiting for the restart (--resume)")
+            return
 
     if start_epoch >= args.epochs:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "

@@ -30,7 +30,15 @@ What makes it distributed (everything else is a plain Gluon training loop):
 - the validation stream is sharded the same way and the loss sums and word counts are
   summed over the workers with ``dg.reduce_metric``: the perplexity is that of every
   validation word, exactly;
-- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it.
+- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it;
+- elastic jobs (``dist_gluon.launch --nnodes MIN:MAX``): after every step
+  ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
+  the job; the script saves a checkpoint at that window and exits, and the restarted
+  workers (``--resume``) continue at the same fraction of the epoch. On the same number
+  of workers that is the next window of the same columns; on another number the stream
+  is cut into other columns, so the resumed epoch covers each column's remaining part
+  of the same length, not exactly the words left out. The LSTM state starts from zeros
+  at a resume.
 """
 from __future__ import annotations
 
@@ -61,8 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: 1, all of it); the vocabulary is always that of the "
                              "whole training set")
     parser.add_argument("--batch-size", type=int, default=10,
-                        help="columns of the token stream each worker trains on; fewer "
-                             "columns, more (clipped) steps per epoch (default: 10)")
+                        help="columns of the token stream each worker trains on; the global "
+                             "batch is this times the number of workers, so it shrinks when "
+                             "an elastic job re-forms with fewer workers; fewer columns, "
+                             "more (clipped) steps per epoch (default: 10)")
     parser.add_argument("--bptt", type=int, default=35,
                         help="words per window of truncated back-propagation through time "
                              "(default: 35)")
@@ -81,8 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "embedding rows in use are updated) (default: sgd)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate on the gradient averaged over every worker's "
-                             "words, the same for any number of workers (default: 20 for "
-                             "sgd, 0.002 for adam)")
+                             "words, the same for any number of workers unless --scale-lr "
+                             "(default: 20 for sgd, 0.002 for adam)")
+    parser.add_argument("--scale-lr", action="store_true",
+                        help="N workers use N times --lr, for their N times larger global "
+                             "batch (the linear scaling rule); a resume on another number "
+                             "of workers rescales the restored rate (default: off)")
     parser.add_argument("--clip", type=float, default=0.25,
                         help="largest global norm of that averaged gradient (default: 0.25)")
     parser.add_argument("--compression", default="none", choices=("none", "fp16"),
@@ -101,9 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=50,
                         help="print progress every this many batches (default: 50)")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="write a checkpoint there after every epoch")
+                        help="write a checkpoint there after every epoch, and at the step "
+                             "where an elastic launcher asks the job to stop")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --checkpoint-dir, if any")
+                        help="continue from the newest checkpoint in --checkpoint-dir, if "
+                             "any, inside its epoch when it was saved at a stop (give it "
+                             "from the first run of an elastic job)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and perplexity curves to PATH")
     args = parser.parse_args(argv)
@@ -165,11 +182,11 @@ def batchify(ids: np.ndarray, columns: int, workers: int, rank: int) -> mx.nd.ND
     return mx.nd.array(share.reshape(columns, length).T, dtype="float32")
 
 
-def windows(stream: mx.nd.NDArray, bptt: int):
-    """(input, target) windows of at most ``bptt`` time steps; the target is the input
-    shifted by one word."""
+def windows(stream: mx.nd.NDArray, bptt: int, first: int = 0):
+    """(input, target) windows of at most ``bptt`` time steps, from window ``first`` on;
+    the target is the input shifted by one word."""
     length = stream.shape[0]
-    for start in range(0, length - 1, bptt):
+    for start in range(first * bptt, length - 1, bptt):
         size = min(bptt, length - 1 - start)
         yield stream[start:start + size], stream[start + 1:start + 1 + size]
 
@@ -265,20 +282,24 @@ def main(argv=None) -> None:
     net.initialize(mx.init.Xavier())
     net.hybridize()
     params = list(net.collect_params().values())
+    lr = args.lr * workers if args.scale_lr else args.lr
     trainer = dg.DistributedTrainer(net.collect_params(), args.optimizer,
-                                    {"learning_rate": args.lr},
+                                    {"learning_rate": lr},
                                     kv=kv, compression=args.compression)
     # rank 0's weights reach every rank; dropout masks should differ between workers
     mx.random.seed(args.seed * 1000 + rank + 1)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     log(f"model: {sum(p.data().size for p in params)} parameters, embedding {vocab} x "
-        f"{args.emsize} with row_sparse gradients; {args.optimizer}, lr {args.lr:g}, "
-        f"clip {args.clip:g}; "
+        f"{args.emsize} with row_sparse gradients; {args.optimizer}, lr {lr:g}"
+        + (f" ({args.lr:g} x {workers} workers)" if args.scale_lr else "")
+        + f", global batch {args.batch_size * workers} columns, clip {args.clip:g}; "
         f"compression: {args.compression}")
 
     history: list[dict] = []
     best_val = math.inf
     start_epoch = 0
+    # where in the start epoch to begin: windows done of how many (a stop mid-epoch)
+    done, of = 0, 1
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
     if checkpointer is not None and args.resume:
         state = checkpointer.restore(net, trainer)
@@ -289,7 +310,14 @@ def main(argv=None) -> None:
             extra = state.get("extra") or {}
             history = list(extra.get("history", []))
             best_val = extra.get("best_val", math.inf)
-            log(f"resume: continuing after epoch {start_epoch} from {args.checkpoint_dir} "
+            done, of = extra.get("windows", (0, 1))
+            if args.scale_lr and state["num_workers"] != workers:
+                trainer.set_learning_rate(
+                    trainer.learning_rate * workers / state["num_workers"])
+            where = (f"inside epoch {start_epoch + 1} after {done} of its {of} windows "
+                     f"(saved by {state['num_workers']} worker(s))" if done
+                     else f"after epoch {start_epoch}")
+            log(f"resume: continuing {where} from {args.checkpoint_dir} "
                 f"(lr {trainer.learning_rate:g})")
 
     train_time = 0.0
@@ -297,8 +325,13 @@ def main(argv=None) -> None:
     for epoch in range(start_epoch, args.epochs):
         metric = mx.metric.Loss("loss")
         state = net.begin_state(args.batch_size)
+        # the same fraction of the epoch, in this run's windows (exact on as many workers)
+        first = done * steps_per_epoch // of if epoch == start_epoch else 0
         tic = time.time()
-        for batch, (words, targets) in enumerate(windows(train_data, args.bptt), start=1):
+        stop_at = None
+        epoch_words = 0
+        for batch, (words, targets) in enumerate(windows(train_data, args.bptt, first),
+                                                 start=first + 1):
             state = [s.detach() for s in state]
             with autograd.record():
                 output, state = net(words, *state)
@@ -311,17 +344,33 @@ def main(argv=None) -> None:
             trainer.update(loss.size)
             metric.update(None, [loss])
             words_seen += loss.size * workers
+            epoch_words += loss.size * workers
             if batch % args.log_interval == 0 or batch == steps_per_epoch:
                 batch_loss = metric.get()[1]
                 log(f"epoch {epoch + 1}/{args.epochs} [{batch:>4}/{steps_per_epoch}] "
                     f"loss {batch_loss:.3f} ppl {math.exp(batch_loss):8.1f} "
                     f"lr {trainer.learning_rate:g}")
+            if dg.stop_requested(kv):       # the same answer on every worker
+                stop_at = batch
+                break
+        if stop_at is not None and stop_at < steps_per_epoch:
+            if checkpointer is not None:
+                checkpointer.save(net, trainer, epoch, step=stop_at,
+                                  extra={"history": history, "best_val": best_val,
+                                         "windows": (stop_at, steps_per_epoch)})
+            log("stop: the launcher asked the job to stop; "
+                + (f"checkpoint of epoch {epoch + 1} after {stop_at} of its "
+                   f"{steps_per_epoch} windows saved, exiting for the restart (--resume)"
+                   if checkpointer is not None else
+                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                   "begins afresh"))
+            return
         mx.nd.waitall()
-        elapsed = time.time() - tic
+        elapsed = max(time.time() - tic, 1e-9)
         train_time += elapsed
         train_loss = dg.reduce_metric(metric, kv=kv).get()[1]
         val_loss = evaluate(net, val_data, args.bptt, kv)
-        speed = train_data.size * workers / elapsed
+        speed = epoch_words / elapsed
         history.append({"epoch": epoch + 1, "train_loss": train_loss,
                         "train_ppl": math.exp(train_loss), "val_loss": val_loss,
                         "val_ppl": math.exp(val_loss), "lr": trainer.learning_rate})
@@ -338,6 +387,10 @@ def main(argv=None) -> None:
                               extra={"history": history, "best_val": best_val})
         if args.plot and rank == 0:
             save_plot(history, args.plot)
+        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
+            log(f"stop: the launcher asked the job to stop at the end of epoch "
+                f"{epoch + 1}; exiting for the restart (--resume)")
+            return
 
     if start_epoch >= args.epochs or not history:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "

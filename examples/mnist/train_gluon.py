@@ -18,9 +18,15 @@ What makes it distributed (everything else is a plain Gluon training loop):
 - ``dg.ShardSampler`` gives each worker its own share of the data, and
   ``sampler.unpadded`` with ``dg.reduce_metric`` makes the validation accuracy exactly
   that of one process evaluating the whole validation set;
-- the learning rate grows with the number of workers (the global batch grows too),
-  after a linear warmup;
-- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it.
+- each worker keeps ``--batch-size``, so the global batch is that times the workers;
+  the learning rate grows with the number of workers too (``--scale-lr``, the linear
+  scaling rule), after a linear warmup;
+- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it;
+- elastic jobs (``dist_gluon.launch --nnodes MIN:MAX``): after every step
+  ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
+  the job; the script then saves a checkpoint at that step and exits, and the restarted
+  workers (``--resume``) continue inside the epoch on their new number, exactly where
+  the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``).
 """
 from __future__ import annotations
 
@@ -51,12 +57,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "the handwritten digits bundled with scikit-learn")
     parser.add_argument("--epochs", type=int, default=12, help="training epochs (default: 12)")
     parser.add_argument("--batch-size", type=int, default=32,
-                        help="batch size of each worker (default: 32)")
+                        help="batch size of each worker; the global batch is this times "
+                             "the number of workers, so it shrinks when an elastic job "
+                             "re-forms with fewer workers (default: 32)")
     parser.add_argument("--lr", type=float, default=None,
-                        help="learning rate of one worker; N workers use N times this "
-                             "(on dist_async: this / N per push) "
-                             "(default: 0.02, or 0.04 with --compression 2bit, which runs "
-                             "without momentum)")
+                        help="learning rate of one worker (default: 0.02, or 0.04 with "
+                             "--compression 2bit, which runs without momentum)")
+    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
+                        help="N workers use N times --lr, for their N times larger global "
+                             "batch (the linear scaling rule, reached by the warmup); "
+                             "--no-scale-lr keeps --lr on any number of workers. dist_async "
+                             "always divides --lr by N instead, the staleness of a push "
+                             "(default: scale)")
     parser.add_argument("--compression", default="none",
                         choices=("none", "fp16", "2bit", "powersgd"),
                         help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
@@ -78,9 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log-interval", type=int, default=10,
                         help="print progress every this many batches (default: 10)")
     parser.add_argument("--checkpoint-dir", default=None,
-                        help="write a checkpoint there after every epoch")
+                        help="write a checkpoint there after every epoch, and at the step "
+                             "where an elastic launcher asks the job to stop")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in --checkpoint-dir, if any")
+                        help="continue from the newest checkpoint in --checkpoint-dir, if "
+                             "any, inside its epoch when it was saved at a stop (give it "
+                             "from the first run of an elastic job)")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and accuracy curves to PATH")
     args = parser.parse_args(argv)
@@ -196,7 +211,10 @@ def main(argv=None) -> None:
     net.hybridize()
 
     # N workers train on N times the batch, so they take N times the step (Goyal et al.,
-    # 2017), reached by a linear warmup from the one-worker rate, then a cosine decay.
+    # 2017; --scale-lr), reached by a linear warmup from the one-worker rate, then a
+    # cosine decay. The schedule counts steps: after an elastic job re-forms with other
+    # workers, an epoch has another number of them, and the schedule of the restarted
+    # run is laid out over its own steps from the restored step count on.
     # On dist_async each worker's push is one step of its own batch on the servers, which
     # run the schedule and count the pushes of all workers (N times the steps). A push's
     # gradient is about N updates old, so the one-worker rate is divided by that
@@ -206,7 +224,10 @@ def main(argv=None) -> None:
     pushes = workers if kv.type == "dist_async" else 1
     total_steps = args.epochs * steps_per_epoch * pushes
     warmup_steps = min(int(args.warmup_epochs * steps_per_epoch) * pushes, total_steps - 1)
-    lr = args.lr / workers if kv.type == "dist_async" else args.lr * workers
+    if kv.type == "dist_async":
+        lr = args.lr / workers
+    else:
+        lr = args.lr * workers if args.scale_lr else args.lr
     schedule = mx.lr_scheduler.CosineScheduler(
         max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
         warmup_steps=warmup_steps, warmup_begin_lr=min(args.lr, lr))
@@ -215,13 +236,16 @@ def main(argv=None) -> None:
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
          "lr_scheduler": schedule}, kv=kv, compression=args.compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    scaling = "/" if kv.type == "dist_async" else "x"
-    log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, momentum {args.momentum:g}, "
+    scaling = "/" if kv.type == "dist_async" else "x" if args.scale_lr else "on"
+    log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, global batch "
+        f"{args.batch_size * workers}, momentum {args.momentum:g}, "
         f"{warmup_steps} warmup steps, "
         f"cosine decay over {total_steps} steps; compression: {args.compression}")
 
     history: list[dict] = []
     start_epoch = 0
+    # positions of the start epoch's sample order already trained on (a stop mid-epoch)
+    done = 0
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
     if checkpointer is not None and args.resume:
         state = checkpointer.restore(net, trainer)
@@ -232,15 +256,23 @@ def main(argv=None) -> None:
             # The restored optimizer carries the saved run's schedule; this run's
             # arguments (e.g. more --epochs) decide, from the restored step count on.
             trainer.optimizer.lr_scheduler = schedule
-            history = list((state.get("extra") or {}).get("history", []))
-            log(f"resume: continuing after epoch {start_epoch} from {args.checkpoint_dir}")
+            extra = state.get("extra") or {}
+            history = list(extra.get("history", []))
+            done = extra.get("done", 0)
+            where = (f"inside epoch {start_epoch + 1} after {done} of its "
+                     f"{len(train_data)} samples (saved by {state['num_workers']} "
+                     "worker(s))" if done else f"after epoch {start_epoch}")
+            log(f"resume: continuing {where} from {args.checkpoint_dir}")
 
     train_time = 0.0
     samples = 0
     for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)
+        skip = done if epoch == start_epoch else 0
+        train_sampler.set_epoch(epoch, skip=skip)
+        batches = len(train_loader)
         metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
         tic = time.time()
+        stop_at = None
         for batch, (images, labels) in enumerate(train_loader, start=1):
             with autograd.record():
                 outputs = net(to_input(images))
@@ -250,12 +282,29 @@ def main(argv=None) -> None:
             metric.get_metric(0).update(None, [loss])
             metric.get_metric(1).update([labels], [outputs])
             samples += images.shape[0] * workers
-            if batch % args.log_interval == 0 or batch == steps_per_epoch:
+            if batch % args.log_interval == 0 or batch == batches:
                 (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
-                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{steps_per_epoch}] "
+                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{batches}] "
                     f"loss {batch_loss:.4f} acc {batch_acc:.4f} lr {trainer.learning_rate:.4f}")
+            if dg.stop_requested(kv):       # the same answer on every worker
+                stop_at = batch
+                break
+        if stop_at is not None and stop_at < batches:
+            # Stop inside the epoch: worker r's batch j held positions (j*B + i)*N + r of
+            # the order after `skip`, so the first skip + stop_at*B*N are done.
+            done = skip + stop_at * args.batch_size * workers
+            if checkpointer is not None:
+                checkpointer.save(net, trainer, epoch, step=stop_at,
+                                  extra={"history": history, "done": done})
+            log("stop: the launcher asked the job to stop; "
+                + (f"checkpoint of epoch {epoch + 1} after {done} of its {len(train_data)} "
+                   "samples saved, exiting for the restart (--resume)"
+                   if checkpointer is not None else
+                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                   "begins afresh"))
+            return
         mx.nd.waitall()
-        elapsed = time.time() - tic
+        elapsed = max(time.time() - tic, 1e-9)
         trainer.sync_weights()      # dist_async: every rank evaluates the servers' weights
         train_time += elapsed
         (_, train_loss), (_, train_acc) = (m.get() for m in
@@ -271,6 +320,10 @@ def main(argv=None) -> None:
             checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
         if args.plot and kv.rank == 0:
             save_plot(history, args.plot)
+        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
+            log(f"stop: the launcher asked the job to stop at the end of epoch "
+                f"{epoch + 1}; exiting for the restart (--resume)")
+            return
 
     if start_epoch >= args.epochs or not history:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
