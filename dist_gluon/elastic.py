@@ -59,14 +59,19 @@ def stop_requested(kv: Backend | str | None = None) -> bool:
     Examples
     --------
     >>> ckpt = dg.Checkpointer('checkpoints')
+    >>> state = ckpt.restore(net, trainer)            # None in the first run
+    >>> start, done = (state['epoch'], state['extra']['done']) if state else (0, 0)
     >>> for epoch in range(start, epochs):
-    ...     sampler.set_epoch(epoch, skip=skip if epoch == start else 0)
+    ...     skip = done if epoch == start else 0      # positions of this epoch done
+    ...     sampler.set_epoch(epoch, skip=skip)       # a dg.ShardSampler
     ...     for i, (data, label) in enumerate(loader):
     ...         ...                                   # forward, backward
     ...         trainer.step(data.shape[0])
     ...         if dg.stop_requested():
-    ...             ckpt.save(net, trainer, epoch, step=i + 1, extra=...)
+    ...             done = skip + (i + 1) * batch_size * kv.num_workers
+    ...             ckpt.save(net, trainer, epoch, step=i + 1, extra={'done': done})
     ...             sys.exit(0)                       # the launcher restarts the job
+    ...     ckpt.save(net, trainer, epoch + 1, extra={'done': 0})
     """
     backend = resolve(kv)
     reporter = jobcontrol.reporter()
