@@ -86,6 +86,9 @@ _STOP_AT, _ACK_AT = _CONTROL_AT, _CONTROL_AT + 4          # uint32 each
 _SAVES_AT = _CONTROL_AT + 8                                # uint64
 _SAVED_EPOCH_AT, _SAVED_STEP_AT = _CONTROL_AT + 16, _CONTROL_AT + 24   # int64 each
 RECORD_SIZE = _CONTROL_AT + 32
+# stop requests with a meaning of their own (the launcher numbers its requests from 1):
+# the worker got SIGTERM itself, or the launcher is ending the worker
+SIGNALLED, TERMINATING = 0xFFFFFFFE, 0xFFFFFFFF
 _I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
@@ -259,6 +262,10 @@ class Reporter:
         previous = signal.getsignal(signum)
         faulthandler.register(signum, file=self._stacks, all_threads=True,
                               chain=callable(previous))
+        if os.environ.get("DG_ELASTIC") == "1" and \
+                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and \
+                threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self._previous_hook = sys.excepthook
         sys.excepthook = self._excepthook
         self._previous_thread_hook = threading.excepthook
@@ -281,6 +288,19 @@ class Reporter:
     def checkpoint_saved(self, epoch: int, step: int) -> None:
         """A checkpoint of (epoch, step) is on disk (called by dist_gluon.Checkpointer)."""
         self._record._saved(epoch, step)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """Elastic jobs: SIGTERM to a worker (SLURM and cloud preemption signal every
+        process) asks the job to stop at the next step boundary, as a preemption of its
+        node does; a second one, or the launcher ending the worker, ends it at once."""
+        if self._record.stop_request in (SIGNALLED, TERMINATING):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        self._record.request_stop(SIGNALLED)
+        print("dist_gluon: SIGTERM: this worker stops at its next step boundary, after "
+              "every rank agrees (dist_gluon.stop_requested()); a second SIGTERM ends it "
+              "now", file=sys.stderr, flush=True)
 
     def depart(self) -> None:
         """The script has ended (interpreter exit): record when, once."""

@@ -30,8 +30,8 @@ import elastic_train  # noqa: E402
 import emulated_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(emulated_cluster.skip_reason() is not None,
-                                 reason=str(emulated_cluster.skip_reason()))]
+              pytest.mark.skipif(emulated_cluster.skip_reason(sshd=True) is not None,
+                                 reason=str(emulated_cluster.skip_reason(sshd=True)))]
 
 SCRIPT = REPO / "tests" / "workers" / "elastic_train.py"
 WAIT = 120.0            # seconds any one event may take on a loaded machine
@@ -40,7 +40,7 @@ _ports = itertools.count(29700)
 
 @pytest.fixture(scope="module")
 def cluster():
-    with emulated_cluster.EmulatedCluster(num_hosts=3) as c:
+    with emulated_cluster.EmulatedCluster(num_hosts=3, sshd=True) as c:
         yield c
 
 
@@ -54,17 +54,19 @@ class ElasticJob:
         self.procs: dict[int, list[subprocess.Popen]] = {}
         self.logs: dict[int, list[Path]] = {}
 
-    def start(self, host: int) -> subprocess.Popen:
-        """Start host ``host``'s launcher as node ``host`` (again, after it left)."""
+    def start(self, host: int, where=None, script_args=()) -> subprocess.Popen:
+        """Start host ``host``'s launcher as node ``host`` (again, after it left); or,
+        with ``where`` (launcher options such as -H), one launcher for every host."""
         env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"elastic-{self.port}",
                **self.marker}
-        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2:3",
-                "--node-rank", str(host), "--master-addr", self.cluster.hosts[0].address,
+        where = where or ["--node-rank", str(host), "--master-addr",
+                          self.cluster.hosts[0].address]
+        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2:3", *where,
                 "--master-port", self.port, "-n", "1", "--backend", self.backend,
                 "--max-restarts", "3", "--heartbeat", "0.3", "--silence-limit", "3",
                 "--last-call", "2", "--preempt-grace", "60",
-                "--", sys.executable, str(SCRIPT), str(self.dir)]
+                "--", sys.executable, str(SCRIPT), str(self.dir), *script_args]
         log = self.dir / f"node{host}-{len(self.logs.get(host, []))}.log"
         proc = self.cluster.popen(host, argv, cwd=self.dir, env=env, text=True,
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT)
@@ -111,12 +113,14 @@ class ElasticJob:
             pytest.fail(f"node {host}'s launcher did not end\n{self.report()}")
 
     def kill_host(self, host: int) -> None:
-        """SIGKILL every process of the host, its launcher included."""
+        """SIGKILL every process of the job on the host, its launcher included."""
         ns = os.stat(f"/run/netns/{self.cluster.hosts[host].namespace}").st_ino
+        needle = f"DG_TEST_MARKER={self.marker['DG_TEST_MARKER']}".encode()
         for entry in os.scandir("/proc"):
             try:
                 if entry.name.isdigit() and \
-                        os.stat(f"/proc/{entry.name}/ns/net").st_ino == ns:
+                        os.stat(f"/proc/{entry.name}/ns/net").st_ino == ns and \
+                        needle in Path(entry.path, "environ").read_bytes().split(b"\0"):
                     os.kill(int(entry.name), signal.SIGKILL)
             except OSError:
                 pass
@@ -254,12 +258,15 @@ def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_
 
 def test_a_ps_lite_job_starts_with_min_nodes_admits_a_late_one_and_survives_its_lost_link(
         job_factory):
+    # a script that never calls dg.stop_requested(): the late node is admitted right
+    # after the next checkpoint
     job = job_factory("dist_sync")
-    job.start(0)
-    job.start(1)
+    job.start(0, script_args=["--no-stop-check"])
+    job.start(1, script_args=["--no-stop-check"])
     job.wait_training(world=2, reformation=0)       # MIN is enough, after --last-call
-    job.start(2)
+    job.start(2, script_args=["--no-stop-check"])
     job.wait_training(world=3, reformation=1)
+    assert not [e for e in job.events() if e["event"] == "stop"], job.report()
     job.link(2, "down")
     job.wait_training(world=2, reformation=2)
     job.finish()
@@ -289,4 +296,61 @@ def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory
     assert said in job.output(0), job.report()
     stops = [e for e in job.events() if e["event"] == "stop"]
     assert [e["world"] for e in stops] == [3], job.report()    # the preemption's checkpoint
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_one_command_over_ssh_goes_on_without_a_killed_host(job_factory):
+    job = job_factory("horovod")
+    cluster = job.cluster
+    job.start(0, where=["-H", ",".join(f"{h.name}:1" for h in cluster.hosts),
+                        "--ssh-port", str(cluster.ssh_port),
+                        "--ssh-identity-file", cluster.identity_file])
+    job.wait_training(world=3, reformation=0)
+    job.kill_host(2)
+    job.wait_training(world=2, reformation=1)
+    job.finish()
+    assert job.wait_exit(0) == 0, job.report()
+    host2 = cluster.hosts[2].name
+    assert f"node 2 ({host2}) lost: its launcher's connection closed" in job.output(0)
+    check_weights(job)
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_sigterm_to_every_process_checkpoints_ends_the_job_and_it_resumes_from_there(
+        job_factory):
+    # what SLURM and cloud preemption do: every process of every node gets SIGTERM
+    job = job_factory("horovod")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+    needle = f"DG_TEST_MARKER={job.marker['DG_TEST_MARKER']}".encode()
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and \
+                    needle in Path(entry.path, "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGTERM)
+        except OSError:
+            pass
+    for host in range(3):
+        assert job.wait_exit(host) == 128 + signal.SIGTERM, job.report()
+    said = (f"node 0 ({job.cluster.hosts[0].name}) was preempted (SIGTERM): it hosts the "
+            "job's rendezvous, so the job ends on every node; the workers saved checkpoint")
+    for host in range(3):
+        assert said in job.output(host), job.report()
+    # the checkpoint of the step boundary after the signal: the workers' own, after
+    # dg.stop_requested(), or a periodic one that came first (then they end right away)
+    saves = [e for e in job.events() if e["event"] == "save"]
+    assert saves and saves[-1]["world"] == 3, job.report()
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+    (job.dir / "progress.json").unlink()
+    for host in range(2):                            # the job again, on 2 nodes
+        job.start(host)
+    job.wait_training(world=2, reformation=0)
+    starts = [e for e in job.events() if e["event"] == "start"]
+    assert (starts[-1]["epoch"], starts[-1]["samples"]) == \
+        (saves[-1]["epoch"], saves[-1]["samples"]), job.report()
+    job.finish()
+    assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0, job.report()
+    check_weights(job)
     assert_nothing_left(job.marker["DG_TEST_MARKER"])

@@ -398,7 +398,8 @@ class Master:
         finally:
             status, again, report, leaving = self._decide(outcome)
             # the job's processes were ended because something went wrong
-            terminated = status != 0 and (not again or outcome.kind == "failed")
+            terminated = status != 0 and outcome.kind != "stopped" and (
+                not again or outcome.kind == "failed")
             for n, peer in self.members.items():
                 if n in leaving:
                     peer.link.send({"type": "end", "status": 0, "again": False,
@@ -458,14 +459,19 @@ class Master:
             if decision is not None and decision[0] == "ok":
                 services_by = services_by or time.monotonic() + SERVICE_GRACE
                 if view.services_ended() or time.monotonic() > services_by:
-                    if stop is not None and all(s["acked"] for s in states):
-                        return _Outcome("stopped", why=stop.reason, lost=_nodes(stop))
+                    if self.elastic and states and all(s["acked"] for s in states):
+                        # asked by the launcher, or by SIGTERM to the workers themselves
+                        return _Outcome("stopped", lost=_nodes(stop),
+                                        why=stop.reason if stop else "signal")
                     return _Outcome("done")
             if stop is not None:
                 if saves > stop.saves and stop.saved_at is None:
                     stop.saved_at = time.monotonic()
-                if stop.saved_at is not None and \
-                        time.monotonic() - stop.saved_at > CHECKPOINT_EXIT:
+                # a script that never asks (no rank agreed to stop) ends right after its
+                # checkpoint; one that asked gets a moment to exit by itself
+                if stop.saved_at is not None and (
+                        not any(s["acked"] for s in states)
+                        or time.monotonic() - stop.saved_at > CHECKPOINT_EXIT):
                     return _Outcome("stopped", why=stop.reason, lost=_nodes(stop))
                 if stop.deadline is not None and time.monotonic() > stop.deadline:
                     return _Outcome("stopped", why=stop.reason + " late", lost=_nodes(stop))
@@ -626,16 +632,22 @@ class Master:
             self.out.say(report)
             return 1
         changed = set(self.members) != before
-        if changed or outcome.kind == "stopped":
+        if changed:
             self.reformations += 1
         workers = self._workers()
         used = (f"restart {self.restarts} of at most {args.max_restarts}"
                 if outcome.kind in ("failed", "lost") else "planned: no restart used")
-        message = (f"re-forming with {_plural(count, 'node')} ({_plural(workers, 'worker')}) "
-                   f"from {self._checkpoint_text()} (re-formation {self.reformations}; "
-                   f"{used})" if changed or outcome.kind == "stopped" else
-                   f"restarting the job on every node ({self.restarts} of "
-                   f"{args.max_restarts}) from {self._checkpoint_text()}")
+        if changed:
+            message = (f"re-forming with {_plural(count, 'node')} "
+                       f"({_plural(workers, 'worker')}) from {self._checkpoint_text()} "
+                       f"(re-formation {self.reformations}; {used})")
+        elif outcome.kind == "stopped":
+            message = (f"the workers stopped at a step boundary (SIGTERM to the workers "
+                       f"themselves); restarting them on every node from "
+                       f"{self._checkpoint_text()} ({used})")
+        else:
+            message = (f"restarting the job on every node ({self.restarts} of "
+                       f"{args.max_restarts}) from {self._checkpoint_text()}")
         self.out.say(message)
         for peer in self.members.values():
             peer.link.send({"type": "news", "report": message})
@@ -653,8 +665,8 @@ class Master:
         self.waiting.clear()
 
 
-def _nodes(stop: _Stop) -> list[int]:
-    return [stop.node] if stop.reason == "preempt" else []
+def _nodes(stop: _Stop | None) -> list[int]:
+    return [stop.node] if stop is not None and stop.reason == "preempt" else []
 
 
 def _wait_stopped(links: dict[int, Link], out, timeout: float,

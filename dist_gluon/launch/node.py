@@ -236,6 +236,9 @@ class Node:
         return found
 
     def terminate(self) -> None:
+        # an elastic job's workers take SIGTERM as a request to stop at a step boundary;
+        # from their launcher it means now
+        self.request_stop(jobcontrol.TERMINATING)
         terminate(self.processes)
         shutil.rmtree(self._control_dir, ignore_errors=True)
 

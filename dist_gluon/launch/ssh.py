@@ -199,7 +199,13 @@ def run(args) -> int:
                 break
             time.sleep(0.1)
         codes = [p.returncode for p in launchers]
-        if codes[0] == 255 or any(c == 255 for c in codes):
+        if args.elastic and codes[0] != 255:
+            # the job went on without those hosts; node 0's launcher said why
+            gone = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
+            if gone:
+                output.emit(f"dist_gluon.launch: the ssh session to {', '.join(gone)} "
+                            "ended (exit 255) while the elastic job ran\n")
+        elif codes[0] == 255 or any(c == 255 for c in codes):
             bad = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
             output.emit(f"dist_gluon.launch: ssh to {', '.join(bad)} failed (exit 255):"
                         " check that passwordless ssh works (--ssh-port, "
