@@ -28,6 +28,12 @@ scheduler on host 0. In every cluster:
    horovod's ring: 100 MiB sums and ResNet-50 steps, each against its layout's bound.
 6. Asynchronous: 2 hosts at 1 Gbit/s, ResNet-50 with rank 1 slowed to half speed (it
    sleeps as long as each step took): dist_async's throughput against dist_sync's.
+7. Elastic recovery: 3 hosts at 1 Gbit/s, an elastic ResNet-50 job (--nnodes 2:3, one
+   worker per host, checkpoints every 2 steps; cluster/elastic.py) on horovod,
+   dist_sync and p3 loses host 2 (every process SIGKILLed, or its link down) one step
+   after a checkpoint; the time from the fault to the re-formed job's first step, split
+   into detection, re-formation, worker start, model build, checkpoint load and first
+   step, from the launcher's lines (stamped as they are read) and the workers' clocks.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -45,6 +51,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +85,7 @@ FULL = {
         # 224x224 keeps the first Dense layer's 25088 inputs, hence 138M parameters
         "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 2, "rounds": 1},
     },
+    "elastic_reps": 3,
 }
 # Part 3: the wire-bound setting, where compression can pay.
 COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
@@ -101,6 +109,7 @@ QUICK = {
         "resnet50": {"batch": 4, "image": 64, "warmup": 1, "steps": 2, "rounds": 1},
         "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 1, "rounds": 1},
     },
+    "elastic_reps": 1,
 }
 
 # (label, launcher backend, transport): the horovod MPI row runs only where horovod can
@@ -125,6 +134,16 @@ SERVER_LAYOUTS = (
 )
 # Part 6: a worker slowed to half speed, on 2 hosts.
 ASYNC = {"hosts": 2, "rate": "1gbit"}
+# Part 7: an elastic ResNet-50 job (--nnodes 2:3, a worker per host) loses host 2 to a
+# fault; the launchers keep their defaults (--silence-limit 8, --heartbeat 0.5).
+ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
+           "backends": ("horovod", "dist_sync", "p3"), "faults": ("kill", "link"),
+           "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
+ELASTIC_TAG = "ELASTIC "
+# the boundaries between the phases of a recovery, and the phases they delimit
+PHASES = (("detection", "fault", "lost"), ("re-formation", "lost", "spawned"),
+          ("worker start", "spawned", "created"), ("model build", "created", "built"),
+          ("checkpoint load", "built", "restored"), ("first step", "restored", "first_step"))
 
 _ports = itertools.count(29700)
 
@@ -399,6 +418,222 @@ def run_async(cfg, timeout: float) -> dict:
     return setting
 
 
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+class _Lines:
+    """Every line the launchers print, stamped with the wall-clock time it was read."""
+
+    def __init__(self):
+        self.lines: list[tuple[float, int, str, str]] = []   # (time, node, stream, text)
+        self.changed = threading.Condition()
+
+    def follow(self, node: int, stream: str, pipe) -> threading.Thread:
+        def read():
+            for line in pipe:
+                with self.changed:
+                    self.lines.append((time.time(), node, stream, line.rstrip("\n")))
+                    self.changed.notify_all()
+            pipe.close()
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        return thread
+
+    def events(self) -> list[dict]:
+        """The workers' ELASTIC payloads, in the order they were read."""
+        with self.changed:
+            found = [text.split(ELASTIC_TAG, 1)[1] for _, _, stream, text in self.lines
+                     if stream == "stdout" and ELASTIC_TAG in text]
+        events = []
+        for payload in found:
+            try:
+                events.append(json.loads(payload))
+            except ValueError:      # a line another process's output broke into
+                pass
+        return events
+
+    def said(self, node: int) -> list[str]:
+        """What node ``node``'s launcher said (its stderr)."""
+        with self.changed:
+            return [line for _, n, stream, line in self.lines
+                    if n == node and stream == "stderr"]
+
+    def first(self, node: int, text: str, after: float) -> tuple[float, str] | None:
+        with self.changed:
+            return next(((t, line) for t, n, _, line in self.lines
+                         if n == node and t >= after and text in line), None)
+
+
+def _fault_moment(events: list[dict], save_every: int) -> bool:
+    """The first round has saved a checkpoint and trained a step past it."""
+    saved = [e["step"] for e in events if e["event"] == "saved" and e["reformation"] == 0]
+    return bool(saved) and any(e["event"] == "step" and e["reformation"] == 0
+                               and e["step"] > saved[0] for e in events)
+
+
+def inject_fault(cluster, host: int, fault: str) -> float:
+    """Break ``host``; the wall-clock time of the fault."""
+    namespace = cluster.hosts[host].namespace
+    if fault == "link":
+        at = time.time()
+        subprocess.run(["ip", "-n", namespace, "link", "set", "eth0", "down"], check=True)
+        return at
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True,
+                          text=True).stdout.split()
+    at = time.time()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+    return at
+
+
+def watch_ends(pids: list[int], limit: float = 60.0) -> dict[int, float | None]:
+    """From now on, in a thread: when each process of ``pids`` ended (it is gone or a
+    zombie), polled every 10 ms; None if it did not within ``limit`` s."""
+    ends: dict[int, float | None] = dict.fromkeys(pids)
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def watch():
+        stop = time.monotonic() + limit
+        while time.monotonic() < stop and any(ends[p] is None for p in pids):
+            for pid in pids:
+                if ends[pid] is None and not alive(pid):
+                    ends[pid] = time.time()
+            time.sleep(0.01)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return ends
+
+
+def recovery(lines: _Lines, fault_at: float) -> dict:
+    """The boundaries of the recovery (wall-clock times) and the phases between them;
+    {'error': ...} when the job did not get that far."""
+    events = lines.events()
+    lost = lines.first(0, " lost: ", fault_at)
+    reform = lines.first(0, "re-forming with", fault_at)
+    old = [e for e in events if e["event"] == "timeline" and e["reformation"] == 0]
+    new = [e for e in events if e["event"] == "timeline" and e["reformation"] > 0]
+    out = {"fault": fault_at, "lost_line": lost and lost[1], "reform_line": reform and reform[1],
+           "timelines": old + new}
+    if old:
+        out["cold_start"] = (max(e["times"]["first_step"] for e in old)
+                             - min(e["times"]["process"] for e in old))
+        out["workers_before"] = old[0]["workers"]
+    if lost is None or not new:
+        return dict(out, error="no 'lost' line from node 0" if lost is None
+                    else "the re-formed job's workers never finished a step")
+    bounds = {"fault": fault_at, "lost": lost[0],
+              "spawned": min(e["times"]["process"] for e in new),
+              **{name: max(e["times"][name] for e in new)
+                 for name in ("created", "built", "restored", "first_step")}}
+    out.update(bounds=bounds, workers_after=new[0]["workers"],
+               reform_after_lost=reform[0] - lost[0] if reform else None,
+               resumed_from=new[0]["resumed_from"],
+               phases={name: bounds[end] - bounds[start] for name, start, end in PHASES},
+               total=bounds["first_step"] - fault_at)
+    return out
+
+
+def run_elastic_job(cluster, backend: str, fault: str, timeout: float,
+                    workdir: Path) -> dict:
+    """One elastic job on the cluster's 3 hosts: train, break host 2 once the first
+    round has saved a checkpoint and trained a step past it, and time the recovery."""
+    port = str(next(_ports))
+    cfg = ELASTIC
+    argv = [str(HERE / "cluster" / "elastic.py"), "--dir", str(workdir / f"ckpt-{port}"),
+            "--batch", str(cfg["batch"]), "--image", str(cfg["image"]),
+            "--save-every", str(cfg["save_every"]), "--steps-after", str(cfg["steps_after"])]
+    lines, procs = _Lines(), []
+    for host in cluster.hosts:
+        command = [PY, "-m", "dist_gluon.launch", "--nnodes", cfg["nnodes"],
+                   "--node-rank", str(host.index), "--master-addr", cluster.hosts[0].address,
+                   "--master-port", port, "-n", "1", "--backend", backend,
+                   "--max-restarts", str(cfg["max_restarts"]), "--timeout", str(timeout),
+                   "--join-timeout", "60", "--", PY, *argv]
+        env = dict(worker_env(), DG_JOB_SECRET=f"bench-{port}")
+        proc = cluster.popen(host.index, command, cwd=REPO, env=env, text=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        lines.follow(host.index, "stdout", proc.stdout)
+        lines.follow(host.index, "stderr", proc.stderr)
+        procs.append(proc)
+    deadline = time.monotonic() + timeout + 30
+    fault_at = None
+    try:
+        with lines.changed:
+            while not _fault_moment(lines.events(), cfg["save_every"]):
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    break
+                lines.changed.wait(timeout=1.0)
+        if _fault_moment(lines.events(), cfg["save_every"]):
+            # the first round's workers on the nodes that stay (all ranks printed their
+            # timeline at their first step, long before the fault)
+            old = {e["pid"]: e["rank"] for e in lines.events()
+                   if e["event"] == "timeline" and e["rank"] < 2}
+            fault_at = inject_fault(cluster, 2, fault)
+            ended = watch_ends(sorted(old))
+        codes = [wait_or_kill(p, deadline) for p in procs[:2]]
+        # a cut-off node's launcher ends by itself once node 0 has been silent for long
+        codes.append(wait_or_kill(procs[2], time.monotonic() + 30))
+    finally:
+        kill_leftovers(cluster)
+        if fault == "link":
+            subprocess.run(["ip", "-n", cluster.hosts[2].namespace, "link", "set", "eth0",
+                            "up"], check=False)
+        shutil.rmtree(workdir / f"ckpt-{port}", ignore_errors=True)
+    time.sleep(0.5)     # the readers take in the last lines
+    said = lines.said(0)
+    if fault_at is None:
+        return {"error": "the first round never saved a checkpoint and trained past it: "
+                + " | ".join(said[-6:]), "codes": codes, "launcher": said}
+    result = dict(recovery(lines, fault_at), codes=codes, launcher=said)
+    # when node 0's and node 1's workers of the broken round were gone: a worker blocked
+    # in a collective ends only at the launcher's SIGKILL, 3 s after its SIGTERM
+    result["old_ended"] = {str(rank): None if ended[pid] is None else ended[pid] - fault_at
+                           for pid, rank in old.items()}
+    if "error" not in result and any(code != 0 for code in codes[:2]):
+        result["error"] = f"nodes 0 and 1 ended with {codes[:2]}: " + " | ".join(said[-6:])
+    return result
+
+
+def run_elastic(cfg, timeout: float) -> dict:
+    """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend."""
+    setting = dict(ELASTIC, load_start=os.getloadavg(), uptime_start=uptime(), jobs={})
+    log(f"elastic: {ELASTIC['hosts']} hosts at {ELASTIC['rate']}, --nnodes "
+        f"{ELASTIC['nnodes']}, {cfg['elastic_reps']} repetition(s) of each fault")
+    with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+            emulated_cluster.EmulatedCluster(num_hosts=ELASTIC["hosts"],
+                                             rate=ELASTIC["rate"]) as cluster:
+        for backend in ELASTIC["backends"]:
+            for fault in ELASTIC["faults"]:
+                runs = []
+                for rep in range(cfg["elastic_reps"]):
+                    run = run_elastic_job(cluster, backend, fault, timeout, Path(tmp))
+                    runs.append(run)
+                    log(f"  {backend}, {fault}, repetition {rep + 1}: "
+                        + (f"FAILED {run['error'][:400]}" if "error" in run else
+                           f"first step {run['total']:.1f} s after the fault ("
+                           + ", ".join(f"{k} {v:.1f}" for k, v in run["phases"].items())
+                           + "; old workers gone after "
+                           + ", ".join("?" if t is None else f"{t:.1f}"
+                                       for t in run["old_ended"].values()) + " s)"))
+                setting["jobs"][f"{backend} {fault}"] = {"backend": backend, "fault": fault,
+                                                         "runs": runs}
+    setting["load_end"] = os.getloadavg()
+    setting["uptime_end"] = uptime()
+    return setting
+
+
 def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                 timeout: float) -> dict:
     ssh = any(transport == "mpi" for _, _, transport in variants)
@@ -440,10 +675,11 @@ def parse_args(argv=None):
                              "minutes); writes RESULTS-cluster-quick.md unless --out is "
                              "given")
     parser.add_argument("--only", action="append",
-                        choices=("comm", "train", "compress", "lm", "servers", "async"),
-                        help="run only this part (repeatable); default: all six "
+                        choices=("comm", "train", "compress", "lm", "servers", "async",
+                                 "elastic"),
+                        help="run only this part (repeatable); default: all seven "
                              "(compress and lm run in the 2 hosts at 1 Gbit/s setting, "
-                             "servers on 4 hosts, async on 2)")
+                             "servers on 4 hosts, async on 2, elastic on 3)")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
@@ -471,7 +707,7 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async"]
+    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic"]
     if not set(parts) & {"comm", "train", "compress", "lm"}:
         cfg["settings"] = []
     elif not set(parts) & {"comm", "train"}:
@@ -510,7 +746,9 @@ def main(argv=None) -> int:
             results["server_hosts"] = run_server_hosts(cfg, server_cases, args.job_timeout)
         if "async" in parts:
             results["async"] = run_async(cfg, args.job_timeout)
-        if "servers" in parts or "async" in parts:
+        if "elastic" in parts:
+            results["elastic"] = run_elastic(cfg, args.job_timeout)
+        if set(parts) & {"servers", "async", "elastic"}:
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()
             results["others_cpu_share"] = local_bench.others_share(
@@ -533,6 +771,9 @@ def main(argv=None) -> int:
     failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]
                for model, per in s.get("train", {}).items()
                for label, slot in per.items() if slot["errors"]]
+    failed += [f"elastic {name} repetition {i + 1}"
+               for name, job in results.get("elastic", {}).get("jobs", {}).items()
+               for i, run in enumerate(job["runs"]) if "error" in run]
     if failed:
         log("failed jobs: " + ", ".join(failed))
     return 1 if failed else 0

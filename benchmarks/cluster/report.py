@@ -3,6 +3,7 @@ targets. No measuring here."""
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
 MIB = 1 << 20
@@ -108,8 +109,10 @@ def header(results: dict) -> list[str]:
         "jobs): "
         + ("**the machine was busy, so the figures are noisier and the compute slower than "
            "on an idle machine**." if busy else "the machine was otherwise essentially idle."),
-        "- Horovod over MPI: " + ("measured (rows 'horovod (MPI)')." if results["mpi"] is None
-                                  else f"not measured: {results['mpi']}."),
+        *(["- Horovod over MPI: " + ("measured (rows 'horovod (MPI)')."
+                                     if results["mpi"] is None
+                                     else f"not measured: {results['mpi']}.")]
+          if results["settings"] else []),
         "",
         "## What these figures are, and what they are not",
         "",
@@ -369,9 +372,27 @@ def targets(results: dict) -> list[str]:
 
 
 def write(results: dict, path: Path) -> None:
-    cfg = results["config"]
     text = header(results)
-    text += ["## 1. Collectives against the link bound", "",
+    if results["settings"]:
+        text += settings_sections(results)
+    if "server_hosts" in results:
+        text += server_hosts_section(results)
+    if "async" in results:
+        text += async_section(results)
+    if "elastic" in results:
+        text += elastic_section(results)
+    if results["settings"]:
+        text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
+                 "What was changed because of these numbers, and why the targets that are "
+                 "not met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated "
+                 "cluster\".", ""]
+    path.write_text("\n".join(text))
+
+
+def settings_sections(results: dict) -> list[str]:
+    """Parts 1 to 4, measured in the settings of the run."""
+    cfg = results["config"]
+    text = ["## 1. Collectives against the link bound", "",
              "dist_gluon is `dg.create().pushpull(key, x, priority=-i)`, one call per tensor; "
              "raw is `hvd.allreduce_(x, op=hvd.Sum, priority=-i)` on horovod and MXNet's own "
              "`kv.pushpull(key, x, out=x, priority=-i)` on its `dist_sync` store on dist_sync "
@@ -441,14 +462,7 @@ def write(results: dict, path: Path) -> None:
         for s in results["settings"]:
             if "lm" in s:
                 text += [f"### {setting_name(s)}", "", *lm_table(s), ""]
-    if "server_hosts" in results:
-        text += server_hosts_section(results)
-    if "async" in results:
-        text += async_section(results)
-    text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
-             "What was changed because of these numbers, and why the targets that are not "
-             "met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated cluster\".", ""]
-    path.write_text("\n".join(text))
+    return text
 
 
 def _load(s: dict) -> str:
@@ -514,3 +528,116 @@ def async_section(results: dict) -> list[str]:
         rate = sum(job["batch"] / t for t in steps)
         lines.append(f"| {backend} | {ms(steps[0])} | {ms(steps[1])} | {rate:.1f} |")
     return lines + [""]
+
+
+ELASTIC_PHASES = ("detection", "re-formation", "worker start", "model build",
+                  "checkpoint load", "first step")
+
+
+def _seconds(values) -> str:
+    values = [v for v in values if v is not None]
+    return f"{statistics.median(values):.2f}" if values else "–"
+
+
+def elastic_section(results: dict) -> list[str]:
+    """Part 7: an elastic job's recovery from a lost host, phase by phase."""
+    s = results["elastic"]
+    reps = results["config"].get("elastic_reps", 1)
+    lines = ["## Recovery of an elastic job from a lost host", "",
+             f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')}, one "
+             f"worker each, launched with `--nnodes {s['nnodes']} --max-restarts "
+             f"{s['max_restarts']}` and the launcher's defaults otherwise (`--heartbeat 0.5 "
+             "--silence-limit 8`). The job (cluster/elastic.py): ResNet-50 (gluoncv "
+             f"resnet50_v1b, random init, 25.6M parameters), batch {s['batch']} of "
+             f"{s['image']}x{s['image']} synthetic images per worker, DistributedTrainer with "
+             f"SGD and momentum, a checkpoint every {s['save_every']} steps (parameters and "
+             "momentum, 196 MiB, through dg.Checkpointer on this machine's disk, which every "
+             "host shares). One step after the first checkpoint, host 2 is broken:", "",
+             *(f"- *{name}*: {text}" for name, text in _fault_texts(s)), "",
+             "Node 0's launcher reports the node lost and re-forms the job on 2 nodes; the "
+             "new workers restore the checkpoint and go on. Times are wall-clock on this "
+             "machine's one clock (every emulated host shares it): the benchmark stamps the "
+             "fault and every line the launchers print as it reads it; each worker reports "
+             "its process's start (/proc, 10 ms resolution), when `dg.create()` returned, "
+             "when the model and trainer were built, when `Checkpointer.restore` returned "
+             "and when its first `trainer.step` finished (engine waited for). The phases, "
+             "each up to the last of the re-formed job's workers (its first one, for the "
+             "start):", "",
+             "- **detection**: fault -> node 0's launcher prints `node 2 (...) lost: ...`. "
+             "It prints it once it has ended node 0's own workers of the broken round "
+             "(SIGTERM, SIGKILL after 3 s), so this includes that; with the link down it "
+             "is bounded below by --silence-limit (8 s by default).",
+             "- **re-formation**: that line -> the first new worker process starts "
+             "(node 0 waits for node 1 to confirm its workers ended, says `re-forming "
+             "with ...`, starts the rendezvous and the new round). The launcher writes "
+             "its lines through an output thread and the benchmark reads them on a "
+             "loaded machine, so a line's stamp can lag its event by some tens of ms: "
+             "a re-formation shorter than that comes out slightly negative.",
+             "- **worker start**: process start -> `dg.create()` returned: the "
+             "interpreter, importing mxnet and dist_gluon, and the backend's rendezvous "
+             "(Gloo's, or ps-lite's scheduler and servers), which waits for every worker.",
+             "- **model build**: building ResNet-50, a forward pass for its shapes, the "
+             "trainer.",
+             "- **checkpoint load**: `Checkpointer.restore`: rank 0 reads and checks the "
+             "files (SHA-256 of 196 MiB), the values reach the other rank through the "
+             "backend.",
+             "- **first step**: restore done -> the first `trainer.step` finished "
+             "(forward, backward, the gradient sum over the link, the update).", "",
+             "*total*: fault -> first step of the re-formed job. *old workers gone*: fault "
+             "-> the last worker of the broken round on nodes 0 and 1 has ended (polled "
+             "every 10 ms), part of detection: the launcher sends them SIGTERM and SIGKILL "
+             "3 s later; in an elastic job a worker's SIGTERM handler is Python, so a "
+             "worker blocked inside a collective (a pull from the lost host's server, a "
+             "sum with its worker) waits for the SIGKILL. *cold start*: the first "
+             "round's start, first worker process -> first step on 3 workers, for "
+             "comparison. Seconds; medians over "
+             f"{reps} repetition(s) of each fault ({_load(s)}; `uptime` before: "
+             f"`{s.get('uptime_start', '?')}`, after: `{s.get('uptime_end', '?')}`).", "",
+             "**This machine has 2 cores shared with other jobs.** During the recovery, "
+             "2 workers (and on ps-lite their servers and the scheduler) start on them at "
+             "once, next to whatever else runs: worker start, model build and checkpoint "
+             "load are mostly CPU (imports, graph building, hashing) and take several "
+             "times what they would on hosts of their own; detection and re-formation are "
+             "timers and messages and transfer as they are. (The share of other "
+             "processes in the header also counts host 2's processes that the faults "
+             "ended: their CPU time never reaches this benchmark's accounting.)", "",
+             "| backend | fault | " + " | ".join(ELASTIC_PHASES)
+             + " | total | old workers gone | cold start | runs |",
+             "|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 4)]
+    failures = []
+    for name, job in s["jobs"].items():
+        good = [r for r in job["runs"] if "error" not in r]
+        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
+                     for i, r in enumerate(job["runs"]) if "error" in r]
+        totals = ", ".join(f"{r['total']:.1f}" for r in good)
+        lines.append(
+            f"| {job['backend']} | {job['fault']} | "
+            + " | ".join(_seconds(r["phases"][p] for r in good) for p in ELASTIC_PHASES)
+            + f" | {_seconds(r['total'] for r in good)} | "
+            f"{_seconds(_gone(r) for r in good)} | "
+            f"{_seconds(r.get('cold_start') for r in good)} | "
+            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
+            + " |")
+    example = next((r for job in s["jobs"].values() for r in job["runs"]
+                    if "error" not in r), None)
+    if example:
+        lines += ["", "What node 0's launcher said, e.g. (" + example["lost_line"].split(
+            " lost: ")[1] + "):", "", "```",
+                  *(line for line in example["launcher"]
+                    if " lost: " in line or "re-forming" in line), "```"]
+    if failures:
+        lines += ["", "Failed runs:", "", *(f"- {f}" for f in failures)]
+    return lines + [""]
+
+
+def _gone(run: dict) -> float | None:
+    ends = list(run.get("old_ended", {}).values())
+    return None if not ends or None in ends else max(ends)
+
+
+def _fault_texts(s: dict) -> list[tuple[str, str]]:
+    texts = {"kill": "every process of host 2 (its launcher, its worker and, on ps-lite, "
+                     "its server) SIGKILLed at once: its launcher's connection closes.",
+             "link": "host 2's link set down (`ip link set eth0 down` in its namespace): "
+                     "its launcher goes silent, nothing is closed."}
+    return [(f, texts[f]) for f in s["faults"]]
