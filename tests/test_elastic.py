@@ -294,8 +294,13 @@ def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory
             "dist_gluon.launch[node 0]: 1 node left, fewer than the minimum 2 of --nnodes "
             "2:3: the job ends")
     assert said in job.output(0), job.report()
-    stops = [e for e in job.events() if e["event"] == "stop"]
-    assert [e["world"] for e in stops] == [3], job.report()    # the preemption's checkpoint
+    # the second round resumed from the preemption's checkpoint, saved by 3 workers
+    events = job.events()
+    second = [e for e in events if e["event"] == "start"][1]
+    last_of_three = [e for e in events[:events.index(second)] if e["event"] == "save"][-1]
+    assert last_of_three["world"] == 3, job.report()
+    assert (second["epoch"], second["samples"]) == \
+        (last_of_three["epoch"], last_of_three["samples"]), job.report()
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 

@@ -42,6 +42,7 @@ from .supervisor import Supervisor
 SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers
 STATUS_EVERY = 0.1      # seconds between a node's status reports
 CHECKPOINT_EXIT = 5.0   # seconds workers get to exit after the checkpoint of a stop
+KILL_GRACE = 0.5        # seconds between SIGTERM and SIGKILL when an elastic job re-forms
 
 
 class Interrupted(Exception):
@@ -400,17 +401,23 @@ class Master:
             # the job's processes were ended because something went wrong
             terminated = status != 0 and outcome.kind != "stopped" and (
                 not again or outcome.kind == "failed")
+            # an elastic job re-forming after a loss has its checkpoint on disk: workers
+            # blocked in a collective with the lost node cannot run a SIGTERM handler,
+            # so they get SIGKILL soon instead of after the usual grace
+            grace = KILL_GRACE if self.elastic and again and outcome.kind in (
+                "lost", "failed") else None
             for n, peer in self.members.items():
                 if n in leaving:
                     peer.link.send({"type": "end", "status": 0, "again": False,
                                     "report": leaving[n]})
                 else:
                     peer.link.send({"type": "end", "status": status, "again": again,
-                                    "report": report, "terminated": terminated})
-            node.terminate()
+                                    "report": report, "terminated": terminated,
+                                    "grace": grace})
             if report:
                 self.out.say(report + "\nterminated the rest of the job." if terminated
                              else report)
+            node.terminate(grace)
             unconfirmed = _wait_stopped({n: p.link for n, p in self.members.items()
                                          if n not in leaving}, self.out,
                                         args.silence_limit if self.elastic else 15.0,
@@ -813,12 +820,12 @@ class Agent:
                     found = node.stacks([r for r in message["ranks"] if r in node.ranks])
                     link.send({"type": "stacks", "found": found})
                 elif kind == "end":
-                    node.terminate()
                     report, again = message.get("report"), message["again"]
                     if report:
                         self.out.say(report + "\nterminated this node's processes."
                                      if message.get("terminated", message["status"] != 0)
                                      else report)
+                    node.terminate(message.get("grace"))
                     link.send({"type": "stopped"})
                     return message["status"], again
         except Interrupted as stop:

@@ -235,11 +235,16 @@ class Node:
                 found[rank] = f.read()
         return found
 
-    def terminate(self) -> None:
+    def terminate(self, grace: float | None = None) -> None:
+        """End every process: SIGTERM, then SIGKILL after ``grace`` seconds (default
+        processes.terminate's)."""
         # an elastic job's workers take SIGTERM as a request to stop at a step boundary;
         # from their launcher it means now
         self.request_stop(jobcontrol.TERMINATING)
-        terminate(self.processes)
+        if grace is None:
+            terminate(self.processes)
+        else:
+            terminate(self.processes, grace)
         shutil.rmtree(self._control_dir, ignore_errors=True)
 
     def interrupt(self) -> None:
