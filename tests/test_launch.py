@@ -459,3 +459,56 @@ def test_srun_variables_reach_the_parsed_arguments(monkeypatch):
     monkeypatch.setenv("DG_JOB_SECRET", "srun passes the environment on")
     args = launch_module._parse_args(["-n", "2", "--", "python", "x.py"])
     assert (args.nnodes, args.node_rank, args.master_addr) == (2, 1, "cn3")
+
+
+# ------------------------------------------------------------------ elastic arguments
+_ELASTIC = ["--master-addr", "10.0.0.1", "-n", "2"]
+
+
+@pytest.mark.parametrize("argv, complaint", [
+    (["--nnodes", "3:2", *_ELASTIC], "--nnodes MIN:MAX needs 1 <= MIN <= MAX, got '3:2'"),
+    (["--nnodes", "two", *_ELASTIC], "--nnodes must be a number of nodes N or a range "
+                                     "MIN:MAX (e.g. 2:4), got 'two'"),
+    (["--nnodes", "1:1", *_ELASTIC], "an elastic job needs MAX >= 2"),
+    (["--nnodes", "2:3", "--node-rank", "3", *_ELASTIC], "--node-rank must be in [0, 3)"),
+    (["--nnodes", "2:3", "--transport", "mpi", *_ELASTIC], "--nnodes MIN:MAX needs "
+                                                          "--transport gloo"),
+    (["--nnodes", "2:3", "--backend", "p3", "--master-addr", "10.0.0.1", "-n", "0"],
+     "node 0 of an elastic job must run workers"),
+    (["--nnodes", "2:3", "--node-rank", "1", "--backend", "p3", "--server-nodes", "1",
+      *_ELASTIC], "give the server-only nodes -n 0 --servers S instead"),
+    (["--nnodes", "2:3", "--preempt-grace", "0", *_ELASTIC],
+     "--preempt-grace must be positive"),
+    (["--nnodes", "2:3", "--last-call", "-1", *_ELASTIC], "--last-call must be >= 0"),
+    (["-H", "a:1,b:1,c:1", "--nnodes", "2"], "do not add --nnodes or --node-rank"),
+    (["-H", "a:1,b:1,c:1", "--nnodes", "1:2"], "names 3 hosts, more than the MAX 2"),
+])
+def test_bad_elastic_arguments_are_usage_errors(argv, complaint, capsys, monkeypatch):
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    with pytest.raises(SystemExit) as stop:
+        launch_module.main([*argv, "--", "python", "x.py"])
+    assert stop.value.code == 2
+    assert complaint in capsys.readouterr().err
+
+
+def test_nnodes_min_max_makes_an_elastic_job_also_over_ssh_and_under_srun(monkeypatch):
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    args = launch_module._parse_args(["--nnodes", "2:4", "--node-rank", "3", *_ELASTIC,
+                                      "--", "python", "x.py"])
+    assert (args.elastic, args.min_nodes, args.max_nodes, args.nnodes) == (True, 2, 4, 4)
+    static = launch_module._parse_args(["--nnodes", "2", *_ELASTIC, "--", "python", "x.py"])
+    assert (static.elastic, static.min_nodes, static.max_nodes) == (False, 2, 2)
+
+    from dist_gluon.launch import ssh
+    fan = launch_module._parse_args(["-H", "h1:1,h2:1", "--nnodes", "1:3",
+                                     "--preempt-grace", "7", "--", "python", "x.py"])
+    command = ssh.node_command(fan, 1, "h1")
+    assert "--nnodes 1:3 --node-rank 1" in command and "--preempt-grace 7" in command
+
+    # under srun an explicit MIN:MAX still takes this node's rank and node 0 from SLURM
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+                        "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "cn[3-4]"}.items():
+        monkeypatch.setenv(name, value)
+    args = launch_module._parse_args(["--nnodes", "2:4", "-n", "2", "--", "python", "x.py"])
+    assert (args.elastic, args.node_rank, args.master_addr, args.max_nodes) == \
+        (True, 1, "cn3", 4)

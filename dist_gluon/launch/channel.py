@@ -18,12 +18,15 @@ connection, replayed or reordered does not authenticate, as horovodrun's service
 sign theirs with their secret key and a nonce. Node 0 drops such a connection, or one
 that sends a line longer than HELLO_LIMIT before its hello authenticated (LINE_LIMIT
 after), or no hello within HANDSHAKE_TIMEOUT, logs it with the peer's address and goes
-on waiting for the job's own launchers; once every node has joined it listens no more.
+on waiting for the job's own launchers; once every node has joined it listens no more
+(an elastic job's node 0 keeps listening for nodes that join later: ``Listener``).
 
-node -> master: hello {node, host, nproc, nonce}, status {states, service_failure,
-services_ended}, stacks {found}, stopped
+node -> master: hello {node, host, nproc, servers, nonce}, status {states,
+service_failure, services_ended}, stacks {found}, stopped, idle (between rounds),
+preempt (its launcher got SIGTERM)
 master -> node: start {spec}, hint {low}, verdicts {verdicts}, stacks {ranks},
-end {status, report, again}, tick
+stop {number} (stop at the next step boundary), news {report}, end {status, report,
+again, terminated, grace}, tick
 """
 from __future__ import annotations
 
