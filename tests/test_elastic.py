@@ -245,9 +245,11 @@ def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_
                  f"node 2 ({host2}) lost: nothing heard from its launcher for 3 s",
                  "(re-formation 5; restart 2 of at most 3)"):
         assert said in out0, f"{said!r} not said\n{job.report()}"
-    # every node that stayed says the same
-    for said in ("(re-formation 1; planned", "(re-formation 5; restart 2"):
-        assert said in job.output(1), job.report()
+    # every node that stayed says the same, to the end
+    for said in ("(re-formation 1; planned", "(re-formation 5; restart 2",
+                 "the job finished on 2 nodes (2 workers) after 5 re-formations and 2 "
+                 "restarts of at most 3"):
+        assert said in job.output(0) and said in job.output(1), job.report()
     events = check_weights(job)
     rounds = [(e["world"], e["reformation"], e["restart"], e["nnodes"], e["elastic"])
               for e in events if e["event"] == "start"]

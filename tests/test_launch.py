@@ -371,6 +371,12 @@ _NODE_1 = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
      "with -H/--hostfile give each server-only host 0 slots"),
 ])
 def test_bad_server_only_layouts_are_usage_errors(argv, complaint, capsys, monkeypatch):
+    _assert_usage_error(argv, complaint, capsys, monkeypatch)
+
+
+def _assert_usage_error(argv, complaint, capsys, monkeypatch) -> None:
+    """The launcher stops with status 2 and says ``complaint`` (a multi-node job has
+    its secret)."""
     monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
     with pytest.raises(SystemExit) as stop:
         launch_module.main([*argv, "--", "python", "x.py"])
@@ -484,11 +490,7 @@ _ELASTIC = ["--master-addr", "10.0.0.1", "-n", "2"]
     (["-H", "a:1,b:1,c:1", "--nnodes", "1:2"], "names 3 hosts, more than the MAX 2"),
 ])
 def test_bad_elastic_arguments_are_usage_errors(argv, complaint, capsys, monkeypatch):
-    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
-    with pytest.raises(SystemExit) as stop:
-        launch_module.main([*argv, "--", "python", "x.py"])
-    assert stop.value.code == 2
-    assert complaint in capsys.readouterr().err
+    _assert_usage_error(argv, complaint, capsys, monkeypatch)
 
 
 def test_nnodes_min_max_makes_an_elastic_job_also_over_ssh_and_under_srun(monkeypatch):

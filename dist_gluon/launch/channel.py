@@ -338,9 +338,10 @@ class Listener:
         self._pending.clear()
 
 
-def refuse(link: Link, report: str) -> None:
-    """Tell a launcher that joined why it cannot take part, and close its link."""
-    link.send({"type": "end", "status": 2, "again": False, "report": report})
+def refuse(link: Link, report: str, status: int = 2) -> None:
+    """Tell a launcher that joined why it cannot take part (or no longer), and close
+    its link; it exits with ``status``."""
+    link.send({"type": "end", "status": status, "again": False, "report": report})
     link.close()
 
 

@@ -528,7 +528,8 @@ class Master:
                 ended = ended or message is None
                 preempted = preempted or (message or {}).get("type") == "preempt"
             if preempted:
-                refuse(peer.link, f"{peer} was preempted before it was admitted; it leaves")
+                refuse(peer.link, f"{peer} was preempted before it was admitted; it "
+                                  "leaves", status=0)
                 self.out.say(f"{peer} was preempted before it was admitted")
                 del self.waiting[n]
             elif ended or peer.link.closed or peer.link.gone(self.args.silence_limit):
@@ -547,7 +548,14 @@ class Master:
         """(status, run again, report for every node, {node: its parting report})."""
         args, kind = self.args, outcome.kind
         if kind == "done":
-            return 0, False, None, {}
+            if not self.elastic:
+                return 0, False, None, {}
+            count = 1 + len(self.members)
+            return 0, False, (
+                f"the job finished on {_plural(count, 'node')} "
+                f"({_plural(self._workers(), 'worker')}) after "
+                f"{_plural(self.reformations, 're-formation')} and "
+                f"{_plural(self.restarts, 'restart')} of at most {args.max_restarts}"), {}
         if kind in ("timeout", "interrupted", "error"):
             return outcome.status, False, outcome.report, {}
         if kind == "stopped":
@@ -635,7 +643,7 @@ class Master:
                       f"{args.min_nodes} of --nnodes {args.min_nodes}:{args.max_nodes}: "
                       "the job ends")
             for peer in self.members.values():
-                refuse(peer.link, report)
+                refuse(peer.link, report, status=1)
             self.out.say(report)
             return 1
         changed = set(self.members) != before
@@ -668,7 +676,8 @@ class Master:
     def _end_waiting(self, status: int, report: str | None) -> None:
         for peer in self.waiting.values():
             refuse(peer.link, "the job ended before this node could be admitted"
-                   + (f": {report.splitlines()[0]}" if report else " (it finished)"))
+                   + (f": {report.splitlines()[0]}" if report else " (it finished)"),
+                   status=status)
         self.waiting.clear()
 
 
