@@ -564,9 +564,9 @@ def elastic_section(results: dict) -> list[str]:
              "each up to the last of the re-formed job's workers (its first one, for the "
              "start):", "",
              "- **detection**: fault -> node 0's launcher prints `node 2 (...) lost: ...`. "
-             "It prints it once it has ended node 0's own workers of the broken round "
-             "(SIGTERM, SIGKILL after 3 s), so this includes that; with the link down it "
-             "is bounded below by --silence-limit (8 s by default).",
+             "It prints it as soon as it decides, before it ends the broken round's "
+             "workers; with the link down it is bounded below by --silence-limit (8 s by "
+             "default).",
              "- **re-formation**: that line -> the first new worker process starts "
              "(node 0 waits for node 1 to confirm its workers ended, says `re-forming "
              "with ...`, starts the rendezvous and the new round). The launcher writes "
@@ -585,10 +585,10 @@ def elastic_section(results: dict) -> list[str]:
              "(forward, backward, the gradient sum over the link, the update).", "",
              "*total*: fault -> first step of the re-formed job. *old workers gone*: fault "
              "-> the last worker of the broken round on nodes 0 and 1 has ended (polled "
-             "every 10 ms), part of detection: the launcher sends them SIGTERM and SIGKILL "
-             "3 s later; in an elastic job a worker's SIGTERM handler is Python, so a "
-             "worker blocked inside a collective (a pull from the lost host's server, a "
-             "sum with its worker) waits for the SIGKILL. *cold start*: the first "
+             "every 10 ms): when an elastic job re-forms after a loss the launchers send "
+             "them SIGTERM and SIGKILL 0.5 s later (a worker's SIGTERM handler is Python, "
+             "so a worker blocked inside a collective, a pull from the lost host's server "
+             "or a sum with its worker, waits for the SIGKILL). *cold start*: the first "
              "round's start, first worker process -> first step on 3 workers, for "
              "comparison. Seconds; medians over "
              f"{reps} repetition(s) of each fault ({_load(s)}; `uptime` before: "
