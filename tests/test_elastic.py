@@ -258,7 +258,7 @@ def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 
-def test_a_ps_lite_job_starts_with_min_nodes_admits_a_late_one_and_survives_its_lost_link(
+def test_a_ps_lite_job_starts_with_min_nodes_admits_late_ones_survives_a_lost_link_and_a_preemption(
         job_factory):
     # a script that never calls dg.stop_requested(): the late node is admitted right
     # after the next checkpoint
@@ -271,12 +271,19 @@ def test_a_ps_lite_job_starts_with_min_nodes_admits_a_late_one_and_survives_its_
     assert not [e for e in job.events() if e["event"] == "stop"], job.report()
     job.link(2, "down")
     job.wait_training(world=2, reformation=2)
+    assert job.wait_exit(2) == 1, job.report()      # cut off, it ends by itself
+    assert "lost the master launcher" in job.output(2), job.report()
+    job.link(2, "up")
+    job.start(2, script_args=["--no-stop-check"])
+    job.wait_training(world=3, reformation=3)
+    job.procs[1][-1].send_signal(signal.SIGTERM)    # node 1 preempted: it leaves
+    assert job.wait_exit(1) == 0, job.report()
+    job.wait_training(world=2, reformation=4)
     job.finish()
     assert job.wait_exit(0) == 0, job.report()
-    assert job.wait_exit(1) == 0, job.report()
-    assert job.wait_exit(2) == 1, job.report()
-    assert "lost the master launcher" in job.output(2), job.report()
+    assert job.wait_exit(2) == 0, job.report()
     assert "(re-formation 2; restart 1 of at most 3)" in job.output(0), job.report()
+    assert "(re-formation 4; planned: no restart used)" in job.output(2), job.report()
     check_weights(job)
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
@@ -289,13 +296,19 @@ def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory
     job.procs[2][-1].send_signal(signal.SIGTERM)
     assert job.wait_exit(2) == 0, job.report()
     job.wait_training(world=2, reformation=1)
-    job.kill_host(1)
+    job.start(2)
+    job.wait_training(world=3, reformation=2)
+    job.kill_host(2)
+    job.wait_training(world=2, reformation=3)
+    job.link(1, "down")
     assert job.wait_exit(0) == 1, job.report()
+    assert job.wait_exit(1) == 1, job.report()
     host1 = job.cluster.hosts[1].name
-    said = (f"node 1 ({host1}) lost: its launcher's connection closed\n"
+    said = (f"node 1 ({host1}) lost: nothing heard from its launcher for 3 s\n"
             "dist_gluon.launch[node 0]: 1 node left, fewer than the minimum 2 of --nnodes "
             "2:3: the job ends")
     assert said in job.output(0), job.report()
+    assert "node 0 hosts the job: its loss ends the job" in job.output(1), job.report()
     # the second round resumed from the preemption's checkpoint, saved by 3 workers
     events = job.events()
     second = [e for e in events if e["event"] == "start"][1]
@@ -307,7 +320,7 @@ def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory
 
 
 def test_one_command_over_ssh_goes_on_without_a_killed_host(job_factory):
-    job = job_factory("horovod")
+    job = job_factory("dist_sync")
     cluster = job.cluster
     job.start(0, where=["-H", ",".join(f"{h.name}:1" for h in cluster.hosts),
                         "--ssh-port", str(cluster.ssh_port),
