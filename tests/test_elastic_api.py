@@ -249,7 +249,8 @@ STOP_WORKER = """
 """
 
 
-@pytest.mark.parametrize("backend", ["horovod", "dist_sync", "p3", "dist_async"])
+# p3's stop is the one of tests/test_elastic.py's p3 job (a preemption)
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync", "dist_async"])
 def test_a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step(tmp_path, backend):
     proc = launch(STOP_WORKER, tmp_path, backend=backend, args=[str(tmp_path / "ckpt")],
                   env={"DG_ELASTIC": "1"})

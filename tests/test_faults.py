@@ -87,8 +87,13 @@ def _run_fault(tmp_path, backend, mode, faulty, launcher_args=()):
     return proc, ended - failing_at[0]
 
 
-@pytest.mark.parametrize("faulty", [1, 0])
-@pytest.mark.parametrize("mode", list(HOW))
+# Every way of leaving, by either rank, on horovod; on ps-lite (whose ranks play the
+# same part in a failure) rank 0 leaves only without an error, the deadlock cases.
+_LEAVING = [(b, mode, faulty) for b in DISTRIBUTED_BACKENDS for mode in HOW for faulty in (1, 0)
+            if b == "horovod" or faulty == 1 or mode in ("exit", "early")]
+
+
+@pytest.mark.parametrize("backend, mode, faulty", _LEAVING)
 def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
         tmp_path, backend, mode, faulty):
     proc, took = _run_fault(tmp_path, backend, mode, faulty)
