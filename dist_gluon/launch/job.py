@@ -551,11 +551,12 @@ class Master:
             if not self.elastic:
                 return 0, False, None, {}
             count = 1 + len(self.members)
+            restarts = (f" and {_plural(self.restarts, 'restart')} of at most "
+                        f"{args.max_restarts}" if args.max_restarts else "")
             return 0, False, (
                 f"the job finished on {_plural(count, 'node')} "
                 f"({_plural(self._workers(), 'worker')}) after "
-                f"{_plural(self.reformations, 're-formation')} and "
-                f"{_plural(self.restarts, 'restart')} of at most {args.max_restarts}"), {}
+                f"{_plural(self.reformations, 're-formation')}{restarts}"), {}
         if kind in ("timeout", "interrupted", "error"):
             return outcome.status, False, outcome.report, {}
         if kind == "stopped":
