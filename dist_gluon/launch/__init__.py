@@ -302,26 +302,22 @@ def _server_arguments(parser, args) -> None:
 def _node_arguments(parser, args) -> None:
     """--nnodes/--node-rank/--master-addr, with SLURM's values as defaults under srun."""
     try:
-        defaults = slurm.defaults(os.environ) if args.nnodes is None else None
+        defaults = slurm.defaults(os.environ)
     except ValueError as err:
-        parser.error(str(err))
+        if args.nnodes is None:
+            parser.error(str(err))
+        defaults = None     # --nnodes given: the launcher does not rely on SLURM's count
     if defaults:
-        args.nnodes = defaults["nnodes"]
+        # under srun SLURM names this node and node 0, and counts the nodes unless
+        # --nnodes (e.g. MIN:MAX) is given
+        if args.nnodes is None:
+            args.nnodes = defaults["nnodes"]
         if args.node_rank is None:
             args.node_rank = defaults["node_rank"]
         if args.master_addr is None:
             args.master_addr = defaults["master_addr"]
     if args.nnodes is None:
         args.nnodes = 1
-    if defaults is None and (args.node_rank is None or args.master_addr is None):
-        # --nnodes given under srun (e.g. MIN:MAX): SLURM still names this node and node 0
-        try:
-            found = slurm.defaults(os.environ)
-        except ValueError:
-            found = None
-        if found:
-            args.node_rank = found["node_rank"] if args.node_rank is None else args.node_rank
-            args.master_addr = args.master_addr or found["master_addr"]
     if not args.elastic:
         args.min_nodes = args.max_nodes = args.nnodes
     args.node_rank = 0 if args.node_rank is None else args.node_rank

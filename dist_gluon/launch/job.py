@@ -37,6 +37,7 @@ from ..rendezvous import GlooRendezvous
 from . import channel, secret
 from .channel import JoinError, Link, Listener, connect_to_master, refuse
 from .node import Node, free_port
+from .processes import TERM_GRACE
 from .supervisor import Supervisor
 
 SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers
@@ -80,12 +81,14 @@ class _Peer:
 
 
 class _Outcome:
-    """How a round ended: kind is done, failed, lost, stopped, timeout or interrupted."""
+    """How a round ended: kind is done, failed, lost, stopped, timeout, interrupted, or
+    error (the round could not start)."""
 
     def __init__(self, kind: str, status: int = 0, report: str | None = None,
-                 lost: list[int] | None = None, why: str | None = None):
+                 lost: list[int] | None = None, late: bool = False):
         self.kind, self.status, self.report = kind, status, report
-        self.lost, self.why = lost or [], why
+        # stopped: whether the workers missed --preempt-grace
+        self.lost, self.late = lost or [], late
 
 
 class _Stop:
@@ -322,15 +325,16 @@ class Master:
         for link, hello in self.listener.poll():
             node, args = hello.get("node"), self.args
             taken = {0, *self.members, *self.waiting}
+            # a full job first: then every node rank is taken, which would say less
+            if len(taken) >= args.max_nodes:
+                refuse(link, f"the job already has its maximum of {args.max_nodes} nodes "
+                             f"(--nnodes {args.min_nodes}:{args.max_nodes})")
+                continue
             if not isinstance(node, int) or not 0 < node < args.max_nodes or node in taken:
                 refuse(link, f"node rank {node} is taken or out of range [1, "
                              f"{args.max_nodes}) (nodes now in the job: "
                              f"{', '.join(map(str, sorted(taken)))}); give each machine "
                              "its own --node-rank")
-                continue
-            if len(taken) >= args.max_nodes:
-                refuse(link, f"the job already has its maximum of {args.max_nodes} nodes "
-                             f"(--nnodes {args.min_nodes}:{args.max_nodes})")
                 continue
             peer = into[node] = _Peer(node, link, hello)
             took = True
@@ -348,12 +352,7 @@ class Master:
         """The next round's spec, the same on every node; or why no round can start."""
         args = self.args
         order = [0] + sorted(self.members)
-        hellos = [self.hello] + [self.members[n].hello for n in order[1:]]
-        if args.backend == "horovod":
-            slots, servers = [args.num_workers] * len(order), [0] * len(order)
-        else:
-            slots = [h["nproc"] for h in hellos]
-            servers = [h.get("servers", args.servers) for h in hellos]
+        slots, servers = self._layout()
         problem = None
         if sum(slots) < 1:
             problem = "no node of this job runs workers (every node was given -n 0)"
@@ -405,7 +404,7 @@ class Master:
             # blocked in a collective with the lost node cannot run a SIGTERM handler,
             # so they get SIGKILL soon instead of after the usual grace
             grace = KILL_GRACE if self.elastic and again and outcome.kind in (
-                "lost", "failed") else None
+                "lost", "failed") else TERM_GRACE
             for n, peer in self.members.items():
                 if n in leaving:
                     peer.link.send({"type": "end", "status": 0, "again": False,
@@ -468,8 +467,7 @@ class Master:
                 if view.services_ended() or time.monotonic() > services_by:
                     if self.elastic and states and all(s["acked"] for s in states):
                         # asked by the launcher, or by SIGTERM to the workers themselves
-                        return _Outcome("stopped", lost=_nodes(stop),
-                                        why=stop.reason if stop else "signal")
+                        return _Outcome("stopped", lost=_nodes(stop))
                     return _Outcome("done")
             if stop is not None:
                 if saves > stop.saves and stop.saved_at is None:
@@ -479,9 +477,9 @@ class Master:
                 if stop.saved_at is not None and (
                         not any(s["acked"] for s in states)
                         or time.monotonic() - stop.saved_at > CHECKPOINT_EXIT):
-                    return _Outcome("stopped", why=stop.reason, lost=_nodes(stop))
+                    return _Outcome("stopped", lost=_nodes(stop))
                 if stop.deadline is not None and time.monotonic() > stop.deadline:
-                    return _Outcome("stopped", why=stop.reason + " late", lost=_nodes(stop))
+                    return _Outcome("stopped", lost=_nodes(stop), late=True)
             if deadline is not None and time.monotonic() > deadline:
                 still = [f"{s['rank']}" for s in states if s["returncode"] is None]
                 return _Outcome("timeout", 124, f"timeout after {args.timeout:g} s. "
@@ -572,9 +570,7 @@ class Master:
         remaining = 1 + len(self.members) + len(self.waiting)
         if self.elastic and remaining < args.min_nodes:
             return outcome.status or 1, False, (
-                f"{outcome.report}\n{_plural(remaining, 'node')} left, fewer than the "
-                f"minimum {args.min_nodes} of --nnodes {args.min_nodes}:{args.max_nodes}: "
-                "the job ends"), {}
+                f"{outcome.report}\n{self._too_few(remaining)}"), {}
         if self.restarts >= args.max_restarts:
             if kind == "lost":
                 return 1, False, (f"{outcome.report}\nno restart left (--max-restarts "
@@ -595,10 +591,9 @@ class Master:
     def _decide_stop(self, outcome: _Outcome):
         """A planned stop: a preempted node leaves, waiting nodes come in."""
         where = self._checkpoint_text()
-        late = outcome.why.endswith(" late")
         saved = (f"the workers did not stop within --preempt-grace "
                  f"{self.args.preempt_grace:g} s; the steps since {where} are lost"
-                 if late else f"the workers saved {where}")
+                 if outcome.late else f"the workers saved {where}")
         if outcome.lost == [0]:
             return 128 + signal.SIGTERM, False, (
                 f"node 0 ({self.hello['host']}) was preempted (SIGTERM): it hosts the "
@@ -612,8 +607,7 @@ class Master:
         if remaining < self.args.min_nodes:
             return 128 + signal.SIGTERM, False, (
                 f"{' and '.join(self._who(n) for n in outcome.lost)} preempted; "
-                f"{_plural(remaining, 'node')} left, fewer than the minimum "
-                f"{self.args.min_nodes}: the job ends; {saved}"), leaving
+                f"{self._too_few(remaining)}; {saved}"), leaving
         return 0, True, None, leaving
 
     def _checkpoint_text(self) -> str:
@@ -640,9 +634,7 @@ class Master:
         count = 1 + len(self.members)
         if count < args.min_nodes:
             self._end_waiting(1, None)
-            report = (f"{_plural(count, 'node')} left, fewer than the minimum "
-                      f"{args.min_nodes} of --nnodes {args.min_nodes}:{args.max_nodes}: "
-                      "the job ends")
+            report = self._too_few(count)
             for peer in self.members.values():
                 refuse(peer.link, report, status=1)
             self.out.say(report)
@@ -669,10 +661,23 @@ class Master:
             peer.link.send({"type": "news", "report": message})
         return None
 
+    def _layout(self) -> tuple[list[int], list[int]]:
+        """The workers and the ps-lite servers of each node of the formation, node 0
+        first, then the others by node rank. On horovod every node runs node 0's -n."""
+        args = self.args
+        hellos = [self.hello] + [self.members[n].hello for n in sorted(self.members)]
+        if args.backend == "horovod":
+            return [args.num_workers] * len(hellos), [0] * len(hellos)
+        return ([h["nproc"] for h in hellos],
+                [h.get("servers", args.servers) for h in hellos])
+
     def _workers(self) -> int:
-        if self.args.backend == "horovod":
-            return self.args.num_workers * (1 + len(self.members))
-        return self.args.num_workers + sum(p.hello["nproc"] for p in self.members.values())
+        return sum(self._layout()[0])
+
+    def _too_few(self, count: int) -> str:
+        args = self.args
+        return (f"{_plural(count, 'node')} left, fewer than the minimum {args.min_nodes} "
+                f"of --nnodes {args.min_nodes}:{args.max_nodes}: the job ends")
 
     def _end_waiting(self, status: int, report: str | None) -> None:
         for peer in self.waiting.values():
@@ -752,14 +757,11 @@ class Agent:
                 message = link.receive(timeout=0.05)
             except queue.Empty:
                 if link.gone(args.silence_limit):
-                    self.out.say(f"lost the master launcher at {args.master_addr}:"
-                                 f"{args.master_port}")
+                    self.out.say(self._master_lost())
                     return 1
                 continue
             if message is None:
-                self.out.say(link.refusal or f"lost the master launcher at "
-                             f"{args.master_addr}:{args.master_port} (node 0 hosts the "
-                             "job: its loss ends the job)")
+                self.out.say(link.refusal or self._master_lost())
                 return 1
             if message["type"] == "news":
                 self.out.say(message["report"])
@@ -771,6 +773,10 @@ class Agent:
                 status, again = self._round(message["spec"], link)
                 if not again:
                     return status
+
+    def _master_lost(self) -> str:
+        return (f"lost the master launcher at {self.args.master_addr}:"
+                f"{self.args.master_port} (node 0 hosts the job: its loss ends the job)")
 
     def _tell_preemption(self, link: Link) -> None:
         if self.preemption is not None and self.preemption.at is not None \
@@ -815,9 +821,7 @@ class Agent:
                     if message is None:
                         continue
                 if message is None or message["type"] == "silence":
-                    self.out.say(f"lost the master launcher at {args.master_addr}:"
-                                 f"{args.master_port} (node 0 hosts the job: its loss ends "
-                                 "the job); terminated this node's processes")
+                    self.out.say(self._master_lost() + "; terminated this node's processes")
                     return 1, False
                 kind = message["type"]
                 if kind == "hint":
@@ -835,7 +839,7 @@ class Agent:
                         self.out.say(report + "\nterminated this node's processes."
                                      if message.get("terminated", message["status"] != 0)
                                      else report)
-                    node.terminate(message.get("grace"))
+                    node.terminate(message.get("grace", TERM_GRACE))
                     link.send({"type": "stopped"})
                     return message["status"], again
         except Interrupted as stop:

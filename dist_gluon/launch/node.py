@@ -12,7 +12,7 @@ import time
 
 from .. import jobcontrol, jobenv
 from . import mpi, secret
-from .processes import Process, terminate
+from .processes import TERM_GRACE, Process, terminate
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 # --compat byteps: stand-ins for the peers' packages (dist_gluon/compat/_shims), first on
@@ -235,16 +235,12 @@ class Node:
                 found[rank] = f.read()
         return found
 
-    def terminate(self, grace: float | None = None) -> None:
-        """End every process: SIGTERM, then SIGKILL after ``grace`` seconds (default
-        processes.terminate's)."""
+    def terminate(self, grace: float = TERM_GRACE) -> None:
+        """End every process: SIGTERM, then SIGKILL after ``grace`` seconds."""
         # an elastic job's workers take SIGTERM as a request to stop at a step boundary;
         # from their launcher it means now
         self.request_stop(jobcontrol.TERMINATING)
-        if grace is None:
-            terminate(self.processes)
-        else:
-            terminate(self.processes, grace)
+        terminate(self.processes, grace)
         shutil.rmtree(self._control_dir, ignore_errors=True)
 
     def interrupt(self) -> None:

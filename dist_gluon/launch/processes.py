@@ -93,7 +93,10 @@ class Process:
             t.join(timeout)
 
 
-def terminate(processes: list[Process], grace: float = 3.0) -> None:
+TERM_GRACE = 3.0        # seconds from SIGTERM to SIGKILL
+
+
+def terminate(processes: list[Process], grace: float = TERM_GRACE) -> None:
     """SIGTERM every process group, then SIGKILL what is left after ``grace`` s."""
     for p in processes:
         p.signal_group(signal.SIGTERM)
