@@ -475,7 +475,6 @@ _ELASTIC = ["--master-addr", "10.0.0.1", "-n", "2"]
     (["--nnodes", "3:2", *_ELASTIC], "--nnodes MIN:MAX needs 1 <= MIN <= MAX, got '3:2'"),
     (["--nnodes", "two", *_ELASTIC], "--nnodes must be a number of nodes N or a range "
                                      "MIN:MAX (e.g. 2:4), got 'two'"),
-    (["--nnodes", "1:1", *_ELASTIC], "an elastic job needs MAX >= 2"),
     (["--nnodes", "2:3", "--node-rank", "3", *_ELASTIC], "--node-rank must be in [0, 3)"),
     (["--nnodes", "2:3", "--transport", "mpi", *_ELASTIC], "--nnodes MIN:MAX needs "
                                                           "--transport gloo"),
@@ -500,6 +499,9 @@ def test_nnodes_min_max_makes_an_elastic_job_also_over_ssh_and_under_srun(monkey
     assert (args.elastic, args.min_nodes, args.max_nodes, args.nnodes) == (True, 2, 4, 4)
     static = launch_module._parse_args(["--nnodes", "2", *_ELASTIC, "--", "python", "x.py"])
     assert (static.elastic, static.min_nodes, static.max_nodes) == (False, 2, 2)
+    # one node, as torchrun's 1:1: a SIGTERM still checkpoints before the job ends
+    alone = launch_module._parse_args(["--nnodes", "1:1", "-n", "2", "--", "python", "x.py"])
+    assert (alone.elastic, alone.min_nodes, alone.max_nodes) == (True, 1, 1)
 
     from dist_gluon.launch import ssh
     fan = launch_module._parse_args(["-H", "h1:1,h2:1", "--nnodes", "1:3",
@@ -514,3 +516,51 @@ def test_nnodes_min_max_makes_an_elastic_job_also_over_ssh_and_under_srun(monkey
     args = launch_module._parse_args(["--nnodes", "2:4", "-n", "2", "--", "python", "x.py"])
     assert (args.elastic, args.node_rank, args.master_addr, args.max_nodes) == \
         (True, 1, "cn3", 4)
+
+
+# ------------------------------------------------------------------ nodes on one machine
+LOOPBACK_WORKER = """
+import os
+import mxnet as mx
+import dist_gluon as dg
+
+kv = dg.create()
+out = mx.nd.zeros((3,))
+kv.pushpull(0, mx.nd.full((3,), kv.rank + 1.0), out=out)
+print(f"world {kv.num_workers} node {os.environ['DG_NODE_RANK']} sum {out.asnumpy()[0]:g}",
+      flush=True)
+"""
+
+
+def test_a_horovod_job_of_two_nodes_on_one_machine_needs_no_host_name_fix(tmp_path,
+                                                                         monkeypatch):
+    """With --master-addr on loopback every node runs on this machine, so a host name
+    that resolves to loopback (Debian's 127.0.1.1) is no obstacle to Gloo, while with a
+    real address it is named as the problem it is."""
+    from dist_gluon.launch import job
+    monkeypatch.setattr(job.jobenv, "resolves_to_loopback", lambda: True)
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    for addr, ok in (("127.0.0.1", True), ("localhost", True), ("10.0.0.1", False)):
+        args = launch_module._parse_args(["--nnodes", "2", "--master-addr", addr,
+                                          "--backend", "horovod", "-n", "1", "--",
+                                          "python", "x.py"])
+        problem = job.check_multinode_host(args)
+        assert (problem is None) == ok, (addr, problem)
+    monkeypatch.undo()
+
+    script = tmp_path / "worker.py"
+    script.write_text(LOOPBACK_WORKER)
+    port = str(29300 + os.getpid() % 90)
+    env = _launcher_env({"DG_JOB_SECRET": "a-test-secret-of-enough-length-0123456789",
+                         **_marker_env()})
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank",
+         str(rank), "--master-addr", "127.0.0.1", "--master-port", port, "-n", "1",
+         "--backend", "horovod", "--", sys.executable, str(script)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert worker_lines(outputs[0][0], 0) == ["world 2 node 0 sum 3"], outputs
+    assert worker_lines(outputs[1][0], 1) == ["world 2 node 1 sum 3"], outputs
+    assert_nothing_left(env["DG_TEST_MARKER"])

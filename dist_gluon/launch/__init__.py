@@ -240,9 +240,6 @@ def _elastic_arguments(parser, args) -> None:
     args.nnodes = args.max_nodes
     if not args.elastic:
         return
-    if args.max_nodes < 2:
-        parser.error(f"--nnodes {text}: an elastic job needs MAX >= 2 (more than one node "
-                     "can join it)")
     if args.transport == "mpi":
         parser.error("--nnodes MIN:MAX needs --transport gloo: mpirun starts a fixed set "
                      "of ranks, which cannot change while the job runs")

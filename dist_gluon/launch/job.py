@@ -27,6 +27,7 @@ scheduler), as torchrun's static rendezvous does: its loss ends the job on every
 """
 from __future__ import annotations
 
+import ipaddress
 import queue
 import signal
 import socket
@@ -199,8 +200,10 @@ class _JobView:
 
 
 def check_multinode_host(args) -> str | None:
-    """Gloo across nodes needs this host's name to resolve to a reachable address."""
-    if args.backend != "horovod":
+    """Gloo across nodes needs this host's name to resolve to a reachable address,
+    unless node 0's address is a loopback one: then every node runs on this machine
+    (several launchers on one host, to try a multi-node job out)."""
+    if args.backend != "horovod" or _on_loopback(args.master_addr):
         return None
     try:
         if jobenv.resolves_to_loopback():
@@ -209,6 +212,17 @@ def check_multinode_host(args) -> str | None:
     except OSError as err:
         return f"this host's name {socket.gethostname()!r} does not resolve: {err}"
     return None
+
+
+def _on_loopback(addr: str | None) -> bool:
+    """A literal loopback address, or 'localhost' (which no machine resolves to
+    another)."""
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False
 
 
 class Master:
