@@ -192,13 +192,18 @@ def replay(events: list[dict]) -> tuple[np.ndarray, float]:
     return w, b
 
 
-def check_weights(job: ElasticJob) -> list[dict]:
-    events = job.events()
+def assert_replayed(events: list[dict], report: str = "") -> None:
+    """The job of ``events`` ended once, at the weights of its schedule in NumPy."""
     done = [e for e in events if e["event"] == "done"]
-    assert len(done) == 1, job.report()
+    assert len(done) == 1, report or events
     w, b = replay(events)
     np.testing.assert_allclose(done[0]["weight"], w, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(done[0]["bias"], b, rtol=1e-4, atol=1e-5)
+
+
+def check_weights(job: ElasticJob) -> list[dict]:
+    events = job.events()
+    assert_replayed(events, job.report())
     return events
 
 

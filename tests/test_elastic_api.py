@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
+from test_elastic import assert_replayed
 
 import dist_gluon as dg
 from conftest import REPO, assert_ok, launch, worker_lines
 from dist_gluon import jobcontrol
 from dist_gluon.data import ShardSampler
+from test_launch import _marker_env, assert_nothing_left
 
 
 # --------------------------------------------------------------------- one process
@@ -311,3 +315,47 @@ def test_the_mnist_example_stops_at_a_request_and_resumes_inside_the_epoch_on_on
     # one worker trains on the other 1374 samples: 43 batches of 32
     assert any(line.startswith("epoch 1/1 [ 43/43]") for line in lines), lines
     assert lines[-1].startswith("summary: ") and "workers=1" in lines[-1]
+
+
+# --------------------------------------------------------------------- one node
+def test_a_one_node_elastic_job_checkpoints_at_sigterm_and_resumes_there_on_fewer_workers(
+        tmp_path):
+    """--nnodes 1:1: SIGTERM to the launcher (a preemption notice) stops both workers at
+    one step boundary with a checkpoint and ends the job with 143; the job started again
+    on one worker resumes there and ends at the weights of that schedule in NumPy."""
+    script = REPO / "tests" / "workers" / "elastic_train.py"
+    marker = _marker_env()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **marker)
+
+    def start(n):
+        return subprocess.Popen(
+            [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", str(n),
+             "--backend", "horovod", "--", sys.executable, str(script), str(tmp_path)],
+            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
+
+    job = start(2)
+    progress, deadline = tmp_path / "progress.json", time.monotonic() + 120
+    while not (progress.exists() and progress.read_text()
+               and json.loads(progress.read_text())["steps"] >= 2):
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate()[0]
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    output = job.communicate(timeout=60)[0]
+    assert job.returncode == 128 + signal.SIGTERM, output
+    assert "was preempted (SIGTERM)" in output and "the workers saved checkpoint" in output
+    assert_nothing_left(marker["DG_TEST_MARKER"])
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    saved = [e for e in events if e["event"] == "save"][-1]
+    assert saved["world"] == 2, events
+
+    (tmp_path / "finish").touch()
+    job = start(1)
+    output = job.communicate(timeout=120)[0]
+    assert job.returncode == 0, output
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    second = [e for e in events if e["event"] == "start"][1]
+    assert (second["world"], second["epoch"], second["samples"]) == \
+        (1, saved["epoch"], saved["samples"]), events
+    assert_replayed(events, output)
+    assert_nothing_left(marker["DG_TEST_MARKER"])
