@@ -135,3 +135,15 @@ def test_launcher_compat_option_names_the_choices():
                           cwd=REPO, timeout=60)
     assert proc.returncode == 2
     assert "--compat" in proc.stderr and "'byteps'" in proc.stderr
+
+
+def test_the_build_queries_answer_as_the_installed_horovod_does():
+    import horovod.mxnet as real
+
+    from dist_gluon.compat import horovod as hvd
+    for flag in ("mpi_built", "gloo_built", "ddl_built", "ccl_built", "cuda_built",
+                 "rocm_built"):
+        answer = getattr(hvd, flag)()
+        assert answer is bool(getattr(real, flag)()), flag
+    assert hvd.nccl_built() == int(real.nccl_built()) and type(hvd.nccl_built()) is int
+    assert hvd.gloo_built() is True     # make setup builds horovod with Gloo always

@@ -60,6 +60,19 @@ class Session:
             raise ValueError(f"{self._api} has not been initialized; use {self._module}.init().")
         return self._kv
 
+    # the peers' size(), rank(), local_rank() and local_size(), bound once in each module
+    def size(self) -> int:
+        return self.kv.num_workers
+
+    def rank(self) -> int:
+        return self.kv.rank
+
+    def local_rank(self) -> int:
+        return self.kv.local_rank
+
+    def local_size(self) -> int:
+        return topology(self.kv)[0]
+
 
 def key(api: str, kind: str, name, tensor: mx.nd.NDArray) -> str:
     """The backend key of ``api``'s ``kind`` operation ``name`` on ``tensor``."""

@@ -68,20 +68,8 @@ def get_pushpull_speed():
                               "time the training step yourself")
 
 
-def size() -> int:
-    return _session.kv.num_workers
-
-
-def rank() -> int:
-    return _session.kv.rank
-
-
-def local_rank() -> int:
-    return _session.kv.local_rank
-
-
-def local_size() -> int:
-    return _c.topology(_session.kv)[0]
+size, rank = _session.size, _session.rank
+local_rank, local_size = _session.local_rank, _session.local_size
 
 
 # ------------------------------------------------------------------ push_pull

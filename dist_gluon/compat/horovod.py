@@ -112,20 +112,8 @@ def is_initialized() -> bool:
     return _session.initialized
 
 
-def size() -> int:
-    return _session.kv.num_workers
-
-
-def rank() -> int:
-    return _session.kv.rank
-
-
-def local_rank() -> int:
-    return _session.kv.local_rank
-
-
-def local_size() -> int:
-    return _c.topology(_session.kv)[0]
+size, rank = _session.size, _session.rank
+local_rank, local_size = _session.local_rank, _session.local_size
 
 
 def cross_rank() -> int:
@@ -166,40 +154,22 @@ def mpi_threads_supported() -> bool:
     return bool(hvd.mpi_threads_supported())
 
 
-def _built(flag: str):
-    try:
-        import horovod.mxnet as hvd
-    except (ImportError, OSError):
-        return 0 if flag == "nccl_built" else False
-    return getattr(hvd, flag)()
+def _built(flag: str, kind=bool):
+    """Horovod's ``flag()`` (mpi_built, ...) where Horovod is installed, else False (0)."""
+    def built():
+        try:
+            import horovod.mxnet as hvd
+        except (ImportError, OSError):
+            return kind(0)
+        return kind(getattr(hvd, flag)())
+    built.__name__ = built.__qualname__ = flag
+    return built
 
 
-def mpi_built() -> bool:
-    return bool(_built("mpi_built"))
-
-
-def gloo_built() -> bool:
-    return bool(_built("gloo_built"))
-
-
-def nccl_built() -> int:
-    return int(_built("nccl_built"))
-
-
-def ddl_built() -> bool:
-    return bool(_built("ddl_built"))
-
-
-def ccl_built() -> bool:
-    return bool(_built("ccl_built"))
-
-
-def cuda_built() -> bool:
-    return bool(_built("cuda_built"))
-
-
-def rocm_built() -> bool:
-    return bool(_built("rocm_built"))
+mpi_built, gloo_built, ddl_built, ccl_built, cuda_built, rocm_built = (
+    _built(flag) for flag in ("mpi_built", "gloo_built", "ddl_built", "ccl_built",
+                              "cuda_built", "rocm_built"))
+nccl_built = _built("nccl_built", int)
 
 
 def start_timeline(file_path, mark_cycles=False) -> None:
