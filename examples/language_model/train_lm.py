@@ -30,7 +30,9 @@ What makes it distributed (everything else is a plain Gluon training loop):
 - the validation stream is sharded the same way and the loss sums and word counts are
   summed over the workers with ``dg.reduce_metric``: the perplexity is that of every
   validation word, exactly;
-- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it;
+- ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it
+  exactly (dropout is seeded per epoch and rank, so a resumed epoch draws the masks an
+  uninterrupted run would);
 - elastic jobs (``dist_gluon.launch --nnodes MIN:MAX``): after every step
   ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
   the job; the script saves a checkpoint at that window and exits, and the restarted
@@ -286,8 +288,6 @@ def main(argv=None) -> None:
     trainer = dg.DistributedTrainer(net.collect_params(), args.optimizer,
                                     {"learning_rate": lr},
                                     kv=kv, compression=args.compression)
-    # rank 0's weights reach every rank; dropout masks should differ between workers
-    mx.random.seed(args.seed * 1000 + rank + 1)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     log(f"model: {sum(p.data().size for p in params)} parameters, embedding {vocab} x "
         f"{args.emsize} with row_sparse gradients; {args.optimizer}, lr {lr:g}"
@@ -323,6 +323,10 @@ def main(argv=None) -> None:
     train_time = 0.0
     words_seen = 0
     for epoch in range(start_epoch, args.epochs):
+        # rank 0's weights reach every rank; dropout masks differ between workers, and
+        # each epoch's are the same whether it follows the previous one or a resume
+        mx.random.seed(int(np.random.SeedSequence([args.seed, epoch, rank])
+                           .generate_state(1)[0]))
         metric = mx.metric.Loss("loss")
         state = net.begin_state(args.batch_size)
         # the same fraction of the epoch, in this run's windows (exact on as many workers)
