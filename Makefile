@@ -87,7 +87,7 @@ horovod: $(STAMP)
 	echo "==> environment ready in $(VENV) (horovod: $$flavour)"
 
 test: setup
-	$(PY) -m pytest -q tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
 
 # The edit-run loop: unit tests and every distributed test on horovod over Gloo (no
 # dist_sync, p3, MPI, emulated hosts, examples or packaging; tests/conftest.py says which).
