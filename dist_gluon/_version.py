@@ -1,3 +1,3 @@
 """The one version number: package metadata, ``dist_gluon.__version__``,
 ``dist-gluon-run --version`` and checkpoint metadata read it from here."""
-__version__ = "0.2.0"
+__version__ = "0.3.0"

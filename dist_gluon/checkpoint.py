@@ -7,7 +7,13 @@ One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save 
     ``net.collect_params()`` (names differ between ranks and runs, positions do not).
 ``trainer.states``
     The optimizer states and the optimizer, exactly as ``gluon.Trainer.save_states``
-    writes them (so ``trainer.load_states`` can read it too). Absent without a trainer.
+    writes them (so ``trainer.load_states`` can read it too): indexed in gluon.Trainer's
+    order of the trainer's parameters (a ParameterDict sorted by name). meta.json maps
+    each index to its position in ``net.collect_params()``, so a restore puts every
+    state on its parameter whatever the names are now. Format 1 (written by dist_gluon
+    0.2.0) indexed a DistributedTrainer's states by model position; a DistributedTrainer
+    (or a peer's trainer) restoring such a checkpoint converts them. Absent without a
+    trainer.
 ``compression.pkl``
     With a compressing DistributedTrainer: the codec's type and parameters, its state
     shared by every rank (PowerSGD's Q matrices and step counts) and every rank's own
@@ -55,9 +61,11 @@ from . import jobcontrol
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
+from .trainer import remap_states
 
 FORMAT = "dist_gluon.checkpoint"
-FORMAT_VERSION = 1
+# 2: trainer states in gluon.Trainer's order, mapped by meta.json's trainer_positions
+FORMAT_VERSION = 2
 _NAME = re.compile(r"^ckpt-(\d+)$")
 _TEMP_PREFIX = ".tmp-ckpt-"
 _META = "meta.json"
@@ -280,6 +288,8 @@ class Checkpointer:
                            for i, p in enumerate(params)],
             "files": files,
         }
+        if trainer is not None:
+            meta["trainer_positions"] = _positions(trainer._params, params)
         with open(os.path.join(temp, _META), "w") as f:
             json.dump(meta, f, indent=1)
         _seal(os.path.join(temp, _META))
@@ -384,7 +394,11 @@ class Checkpointer:
                                   "the trainer keeps its own", stacklevel=2)
             else:
                 states, optimizer = content["trainer"]
-                _load_trainer_states(trainer, (_unflatten(states, values), optimizer))
+                states = (_unflatten(states, values), optimizer)
+                mapping = _state_mapping(trainer, params, content)
+                if mapping is not None:
+                    states = remap_states(states, mapping)
+                _load_trainer_states(trainer, states)
             _restore_codec(trainer, content.get("compression"), kv, content["path"])
         rng = content["rng"]
         if kv.rank < len(rng):
@@ -507,7 +521,8 @@ def _load(path: str) -> tuple[tuple, list]:
     content = {"path": path, "epoch": state["epoch"], "step": state["step"],
                "extra": state["extra"], "rng": state["rng"],
                "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
-               "compression": compression,
+               "compression": compression, "version": version,
+               "trainer_positions": meta.get("trainer_positions"),
                "arrays": [(a.shape, a.dtype.name) for a in arrays]}
     return ("ok", content), arrays
 
@@ -579,8 +594,35 @@ def _mismatch(params: list, specs: list, path: str) -> str | None:
 
 def _codec(trainer):
     """The compression codec of a DistributedTrainer, or None."""
-    averager = getattr(trainer, "_averager", None)
-    return getattr(averager, "codec", None)
+    return getattr(trainer, "codec", None)
+
+
+def _positions(trainer_params: list, params: list) -> list[int | None]:
+    """The position in ``params`` (the net's) of each of the trainer's parameters."""
+    position = {id(p): i for i, p in enumerate(params)}
+    return [position.get(id(p)) for p in trainer_params]
+
+
+def _state_mapping(trainer, params: list, content: dict) -> dict[int, int] | None:
+    """Saved optimizer index -> this trainer's index, or None when they are the same."""
+    mine = _positions(trainer._params, params)
+    saved = content.get("trainer_positions")
+    if saved is None:
+        model_params = getattr(trainer, "model_params", None)
+        if content.get("version", 1) >= 2 or model_params is None:
+            return None
+        # format 1: a dist_gluon trainer indexed its states by model position
+        saved = _positions(model_params, params)
+    if saved == mine or None in saved or None in mine:
+        return None
+    index_of = {position: i for i, position in enumerate(mine)}
+    missing = [i for i, position in enumerate(saved) if position not in index_of]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {content['path']} holds optimizer states of parameters at "
+            f"positions {[saved[i] for i in missing][:10]} of the model, which this "
+            "trainer does not train; give the trainer the parameters it was saved with")
+    return {old: index_of[position] for old, position in enumerate(saved)}
 
 
 def _restore_codec(trainer, saved: dict | None, kv: Backend, path: str) -> None:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import warnings
 
+import mxnet as mx
 from mxnet import gluon
 
 from . import async_updates
@@ -17,7 +19,132 @@ from .broadcast import ParameterSync, parameter_list
 _AGGREGATE_BELOW = 1 << 16
 
 
-class DistributedTrainer(gluon.Trainer):
+class TrainerBase(gluon.Trainer):
+    """What DistributedTrainer and the peers' trainers share: a ``gluon.Trainer`` with no
+    MXNet kvstore, whose gradients go through :mod:`dist_gluon.averaging`.
+
+    Two orders, one mapping. The optimizer's indices (its states, ``save_states`` and
+    ``load_states`` files, the updater) are gluon.Trainer's for the same ``params``
+    argument: a ParameterDict or dict sorted by name, a list as given. So a state file
+    moves between ``gluon.Trainer``, horovod.mxnet's and BytePS's trainers and ours.
+    The communication keys are positions in the model's own order
+    (:func:`~dist_gluon.broadcast.parameter_list`), which every rank agrees on even where
+    MXNet 1.x named the parameters differently (``dense0_`` on one rank, ``dense2_`` on
+    another): :attr:`model_params` lists the parameters by position.
+
+    Subclasses pass their :class:`~dist_gluon.averaging._GradientAverager` and call
+    :meth:`_reduce_grads` from ``_allreduce_grads``.
+    """
+
+    def __init__(self, params, optimizer, optimizer_params, averager: _GradientAverager,
+                 owner: str):
+        model_order = parameter_list(params)
+        super().__init__(params if isinstance(params, (dict, gluon.ParameterDict))
+                         else model_order, optimizer, optimizer_params, kvstore=None,
+                         update_on_kvstore=False)
+        if len(self._contexts) > 1:
+            raise ValueError(
+                f"{owner} uses one device per process, but the parameters live on "
+                f"{self._contexts}; start one worker per device instead")
+        self._averager = averager
+        self._kv = averager.kv
+        self._model_params = model_order
+
+    @property
+    def kv(self):
+        """The backend this trainer communicates through."""
+        return self._kv
+
+    @property
+    def model_params(self) -> list:
+        """The parameters in the model's own order: position ``i`` travels under key
+        ``'<prefix>.<i>'``. ``self._params`` (the optimizer's order) is gluon.Trainer's."""
+        return list(self._model_params)
+
+    @property
+    def codec(self):
+        """The compression codec (its state is checkpointed), or None."""
+        return self._averager.codec
+
+    def optimizer_positions(self) -> list[int]:
+        """The model position of each optimizer index: ``optimizer_positions()[i]`` is
+        where ``self._params[i]`` sits in :attr:`model_params`."""
+        position = {id(p): i for i, p in enumerate(self._model_params)}
+        return [position[id(p)] for p in self._params]
+
+    def _init_kvstore(self):
+        # Communication goes through self._kv, never through an MXNet kvstore; gluon's
+        # version would also read param.data(), which fails before a deferred model's
+        # first forward (e.g. in load_states right after a restart).
+        self._kvstore = None
+        self._update_on_kvstore = False
+        self._distributed = False
+        self._kv_initialized = True
+
+    def _grad_entries(self) -> list[tuple[int, mx.nd.NDArray]]:
+        """(position, gradient) of every trainable parameter, in the model's order."""
+        return [(i, param.list_grad()[0]) for i, param in enumerate(self._model_params)
+                if param.grad_req != "null"]
+
+    def _describe(self, position: int) -> str:
+        return f"parameter #{position} ({self._model_params[position].name!r})"
+
+    def _load_rank0_states(self, fname: str) -> None:
+        """``load_states`` of a file only rank 0 reads: its bytes and rank 0's order
+        travel to every rank, and a rank whose gluon order differs (other names) maps
+        each state through the model position to its own index."""
+        payload = None
+        if self._kv.rank == 0:
+            try:
+                with open(fname, "rb") as f:
+                    payload = ("ok", f.read(), self.optimizer_positions())
+            except OSError as err:
+                payload = ("error", f"rank 0 cannot read trainer states {fname!r}: {err}",
+                           None)
+        if self._kv.num_workers > 1:
+            payload = self._kv.broadcast_object(payload)
+        status, data, positions = payload
+        if status != "ok":
+            raise FileNotFoundError(data)
+        mine = self.optimizer_positions()
+        if positions != mine:
+            index_of = {position: i for i, position in enumerate(mine)}
+            data = pickle.dumps(remap_states(pickle.loads(data),
+                                             {old: index_of[p] for old, p in
+                                              enumerate(positions)}), protocol=4)
+        with tempfile.NamedTemporaryFile(suffix=".states", delete=False) as tmp:
+            tmp.write(data)
+        try:
+            gluon.Trainer.load_states(self, tmp.name)
+        finally:
+            os.unlink(tmp.name)
+
+
+def remap_states(states, mapping: dict[int, int]):
+    """Updater states as ``gluon.Trainer.save_states`` writes them (a dict of index ->
+    state, or ``(that dict, optimizer)``) with every index ``i`` renamed ``mapping[i]``,
+    the optimizer's per-index update counts (Adam's bias correction) and index-keyed
+    lr/wd multipliers included. An index missing from ``mapping`` is a KeyError."""
+    optimizer = None
+    if isinstance(states, tuple) and len(states) == 2:
+        states, optimizer = states
+    renamed = {mapping[index]: state for index, state in states.items()}
+    if optimizer is None:
+        return renamed
+    counts = optimizer._all_index_update_counts
+    current = next((d for d, c in counts.items() if c is optimizer._index_update_count), 0)
+    optimizer._all_index_update_counts = {
+        device: {mapping.get(i, i): n for i, n in table.items()}
+        for device, table in counts.items()}
+    optimizer._index_update_count = optimizer._all_index_update_counts.setdefault(current, {})
+    for table in ("lr_mult", "wd_mult"):
+        values = getattr(optimizer, table)
+        setattr(optimizer, table, {mapping.get(k, k) if isinstance(k, int) else k: v
+                                   for k, v in values.items()})
+    return renamed, optimizer
+
+
+class DistributedTrainer(TrainerBase):
     """A ``gluon.Trainer`` for data-parallel training on any dist_gluon backend.
 
     Each worker calls ``step(batch_size)`` with its own batch size: the number of
@@ -67,7 +194,9 @@ class DistributedTrainer(gluon.Trainer):
     Parameters
     ----------
     params : ParameterDict, dict or list of Parameter
-        Kept in the model's own order; tensors are keyed by position, never by name.
+        As in ``gluon.Trainer``, whose parameter order the optimizer states follow (a
+        dict sorted by name), so ``save_states`` files and ``load_states`` work across
+        both; tensors travel keyed by position in the model's own order, never by name.
     optimizer : str or mx.optimizer.Optimizer
     optimizer_params : dict, optional
         As in ``gluon.Trainer``.
@@ -111,38 +240,18 @@ class DistributedTrainer(gluon.Trainer):
         compression = check_compression(compression)
         predivide = check_predivide(gradient_predivide_factor, compression)
         optimizer = _unwrap_distributed_optimizer(optimizer)
-        self._kv = resolve(kv)
+        kv = resolve(kv)
         self._prefix = claim_prefix(prefix, "t", "trainer")
-        self._averager = _GradientAverager(self._kv, self._prefix, compression, predivide,
-                                           owner="DistributedTrainer")
-        async_updates.check_options(self._kv, compression, predivide, "DistributedTrainer",
+        averager = _GradientAverager(kv, self._prefix, compression, predivide,
+                                     owner="DistributedTrainer")
+        async_updates.check_options(kv, compression, predivide, "DistributedTrainer",
                                     optimizer)
-        self._server_updates = (async_updates.ServerUpdates(self._kv, "DistributedTrainer")
-                                if async_updates.asynchronous(self._kv) else None)
-
-        ordered = parameter_list(params)
-        super().__init__(ordered, optimizer, optimizer_params, kvstore=None,
-                         update_on_kvstore=False)
-        if len(self._contexts) > 1:
-            raise ValueError(
-                f"DistributedTrainer uses one device per process, but the parameters live "
-                f"on {self._contexts}; start one worker per device instead")
-        ParameterSync(self._params, self._kv, key=self._averager.key,
+        self._server_updates = (async_updates.ServerUpdates(kv, "DistributedTrainer")
+                                if async_updates.asynchronous(kv) else None)
+        super().__init__(params, optimizer, optimizer_params, averager,
+                         owner="DistributedTrainer")
+        ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
-
-    @property
-    def kv(self):
-        """The backend this trainer communicates through."""
-        return self._kv
-
-    def _init_kvstore(self):
-        # Communication goes through self._kv, never through an MXNet kvstore; gluon's
-        # version would also read param.data(), which fails before a deferred model's
-        # first forward (e.g. in load_states right after a restart).
-        self._kvstore = None
-        self._update_on_kvstore = False
-        self._distributed = False
-        self._kv_initialized = True
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients and the batch sizes over the workers, then update every
@@ -161,11 +270,11 @@ class DistributedTrainer(gluon.Trainer):
         if self._params_to_init:
             self._init_params()
         if self._server_updates is not None:
-            entries = [(i, param.list_grad()[0], param.list_data()[0])
-                       for i, param in enumerate(self._params) if param.grad_req != "null"]
+            entries = [(i, grad, self._model_params[i].list_data()[0])
+                       for i, grad in self._grad_entries()]
             self._server_updates.step(*(list(column) for column in zip(*entries)),
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
-                                      params=self._params, describe=self._describe)
+                                      params=self._model_params, describe=self._describe)
             return
         total = None
         if self._averager.distributed:
@@ -213,8 +322,8 @@ class DistributedTrainer(gluon.Trainer):
         evaluation, for instance). Every rank must call it. Elsewhere every rank always
         holds the same weights and nothing happens."""
         if self._server_updates is not None:
-            entries = [(i, param.list_data()[0]) for i, param in enumerate(self._params)
-                       if param.grad_req != "null"]
+            entries = [(i, self._model_params[i].list_data()[0])
+                       for i, _ in self._grad_entries()]
             self._server_updates.sync_weights([i for i, _ in entries],
                                               [w for _, w in entries])
 
@@ -228,8 +337,7 @@ class DistributedTrainer(gluon.Trainer):
 
     def _allreduce_grads(self):
         averager = self._averager
-        entries = [(i, param.list_grad()[0]) for i, param in enumerate(self._params)
-                   if param.grad_req != "null"]
+        entries = self._grad_entries()
         if averager.codec is not None:
             # a gradient the codec refuses fails on one process too, not first on N
             averager.check_input([i for i, _ in entries], [g for _, g in entries],
@@ -244,9 +352,6 @@ class DistributedTrainer(gluon.Trainer):
         for i, grad in entries:
             averager.reduce_one(i, grad, describe=self._describe)
 
-    def _describe(self, index: int) -> str:
-        return f"parameter #{index} ({self._params[index].name!r})"
-
     def _update(self, ignore_stale_grad=False):
         updaters = self._updaters
         self._updaters = [_SizeGroupedUpdater(u) for u in updaters]
@@ -256,31 +361,19 @@ class DistributedTrainer(gluon.Trainer):
             self._updaters = updaters
 
     def save_states(self, fname: str) -> None:
-        """Save the optimizer states (identical on every rank) from rank 0 only; every
-        rank returns once the file is written."""
+        """Save the optimizer states (identical on every rank) from rank 0 only, indexed
+        as gluon.Trainer indexes them (``gluon.Trainer.load_states`` reads the file);
+        every rank returns once the file is written."""
         if self._kv.rank == 0:
             super().save_states(fname)
         self._kv.barrier()
 
     def load_states(self, fname: str) -> None:
         """Load optimizer states from ``fname`` as read by rank 0, so only rank 0 needs
-        to see the file; every rank ends with the same states."""
-        payload = None
-        if self._kv.rank == 0:
-            try:
-                with open(fname, "rb") as f:
-                    payload = ("ok", f.read())
-            except OSError as err:
-                payload = ("error", f"rank 0 cannot read trainer states {fname!r}: {err}")
-        status, data = self._kv.broadcast_object(payload)
-        if status != "ok":
-            raise FileNotFoundError(data)
-        with tempfile.NamedTemporaryFile(suffix=".states", delete=False) as tmp:
-            tmp.write(data)
-        try:
-            super().load_states(tmp.name)
-        finally:
-            os.unlink(tmp.name)
+        to see the file; every rank ends with the same states. The file may come from
+        ``gluon.Trainer.save_states`` of the same parameters (or horovod.mxnet's or
+        BytePS's trainer): the indices are gluon.Trainer's."""
+        self._load_rank0_states(fname)
 
 
 class _SizeGroupedUpdater:

@@ -21,6 +21,7 @@ from mxnet import autograd, gluon
 
 import dist_gluon as dg
 import dist_gluon.checkpoint
+import dist_gluon.trainer
 from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
 from dist_gluon.checkpoint import FORMAT, FORMAT_VERSION, Checkpointer, CheckpointError
 
@@ -270,6 +271,87 @@ def test_restoring_into_a_different_model_raises_naming_the_parameters(tmp_path)
     net.initialize()
     with pytest.raises(CheckpointError, match="holds 4 parameters but the model has 2"):
         checkpoints.restore(net)
+
+
+def _twelve_layers(shift=0):
+    """12 Dense layers named m_dense<shift>... : gluon.Trainer's order (sorted names) is
+    not the model's, and another shift sorts differently again."""
+    net = gluon.nn.HybridSequential(prefix="m_")
+    with net.name_scope():
+        for _ in range(shift):
+            gluon.nn.Dense(1)
+        for _ in range(11):
+            net.add(gluon.nn.Dense(4, in_units=4, activation="tanh"))
+        net.add(gluon.nn.Dense(3, in_units=4))
+    net.initialize(mx.init.Xavier())
+    return net
+
+
+def _make(kind, net):
+    if kind == "gluon":
+        return gluon.Trainer(net.collect_params(), "adam", {"learning_rate": 0.01})
+    return dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01},
+                                 kv="local")
+
+
+def _twelve_step(net, trainer, seed):
+    rng = np.random.RandomState(seed)
+    x, y = mx.nd.array(rng.randn(4, 4)), mx.nd.array(rng.randint(0, 3, 4))
+    with autograd.record():
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+    loss.backward()
+    trainer.step(4)
+
+
+@pytest.mark.parametrize("saver, loader, shift", [
+    ("dg", "dg", 3), ("gluon", "dg", 0), ("dg", "gluon", 0), ("gluon", "dg", 5)])
+def test_optimizer_states_restore_onto_their_parameters_whatever_trainer_and_names(
+        tmp_path, saver, loader, shift):
+    mx.random.seed(0)
+    net = _twelve_layers()
+    trainer = _make(saver, net)
+    for seed in range(2):
+        _twelve_step(net, trainer, seed)
+    Checkpointer(tmp_path, kv="local").save(net, trainer, epoch=1)
+    _twelve_step(net, trainer, 2)
+
+    other = _twelve_layers(shift)
+    other_trainer = _make(loader, other)
+    Checkpointer(tmp_path, kv="local").restore(other, other_trainer)
+    _twelve_step(other, other_trainer, 2)
+    _same(_values(other), _values(net))
+
+
+def test_a_format_1_checkpoint_of_a_distributed_trainer_is_converted(tmp_path):
+    """Format 1 (dist_gluon 0.2.0) indexed DistributedTrainer's states by model position;
+    a restore puts each on its parameter."""
+    import pickle
+    mx.random.seed(0)
+    net = _twelve_layers()
+    trainer = _make("dg", net)
+    for seed in range(2):
+        _twelve_step(net, trainer, seed)
+    Checkpointer(tmp_path, kv="local").save(net, trainer, epoch=1)
+    _twelve_step(net, trainer, 2)
+    # rewrite it as 0.2.0 wrote it: states keyed by model position, no trainer_positions
+    path = tmp_path / "ckpt-000001"
+    states, optimizer = pickle.loads((path / "trainer.states").read_bytes())
+    by_position = dict(enumerate(trainer.optimizer_positions()))
+    old = dist_gluon.trainer.remap_states((states, optimizer), by_position)
+    (path / "trainer.states").write_bytes(pickle.dumps(old))
+    meta = json.loads((path / "meta.json").read_text())
+    data = (path / "trainer.states").read_bytes()
+    meta["files"]["trainer.states"] = {"bytes": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+    meta["version"] = 1
+    del meta["trainer_positions"]
+    (path / "meta.json").write_text(json.dumps(meta))
+
+    other = _twelve_layers()
+    other_trainer = _make("dg", other)
+    Checkpointer(tmp_path, kv="local").restore(other, other_trainer)
+    _twelve_step(other, other_trainer, 2)
+    _same(_values(other), _values(net))
 
 
 def test_saving_a_deferred_model_before_its_first_forward_raises(tmp_path):

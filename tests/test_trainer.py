@@ -178,3 +178,53 @@ def test_a_trainer_created_after_a_hybridized_forward_still_broadcasts(tmp_path,
     assert_ok(proc)
     rank0, rank1 = (json.loads(worker_lines(proc.stdout, r)[-1]) for r in (0, 1))
     assert rank0 == rank1
+
+
+# ------------------------------------------------ state files shared with gluon.Trainer
+def _arrays(path):
+    with np.load(path) as npz:
+        return [npz[f"arr_{i}"] for i in range(len(npz.files))]
+
+
+@pytest.fixture(scope="module")
+def state_files(tmp_path_factory):
+    """One process: gluon.Trainer's, our trainers' and horovod.mxnet's state files and
+    the runs continued from them (tests/workers/state_order_cases.py)."""
+    out = tmp_path_factory.mktemp("state_order")
+    assert_ok(run([sys.executable, str(WORKERS / "state_order_cases.py"), str(out),
+                   "reference"], out))
+    return out
+
+
+@pytest.mark.parametrize("who", ["dg", "compat_horovod", "compat_byteps"])
+def test_states_saved_by_gluon_trainer_load_onto_the_same_parameters(state_files, who):
+    # 12 Dense layers: gluon.Trainer's sorted-name order is not the model's, so a
+    # state on the wrong parameter shows as a shape error or as other weights
+    reference = _arrays(state_files / "ref_final.npz")
+    assert _max_error(_arrays(state_files / f"final_{who}.npz"), reference) == 0.0
+
+
+@pytest.mark.parametrize("who", ["dg", "compat_horovod", "compat_byteps"])
+def test_states_saved_by_our_trainers_load_into_gluon_trainer(state_files, who):
+    reference = _arrays(state_files / "ref_final.npz")
+    assert _max_error(_arrays(state_files / f"back_{who}.npz"), reference) == 0.0
+
+
+def test_states_saved_by_horovod_mxnet_load_into_distributed_trainer(state_files):
+    reference = _arrays(state_files / "ref_final_horovod.npz")
+    assert _max_error(_arrays(state_files / "final_from_horovod.npz"), reference) == 0.0
+
+
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+def test_gluon_trainer_states_load_on_every_rank_whatever_its_names(state_files, tmp_path,
+                                                                    backend):
+    # rank 1 names its parameters m_dense3... (another sorted order than rank 0's):
+    # rank 0's file reaches it mapped through the model positions
+    for f in state_files.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    proc = run(launcher(backend, WORKERS / "state_order_cases.py", tmp_path,
+                        "distributed"), tmp_path)
+    assert_ok(proc)
+    reference = _arrays(tmp_path / "ref_final.npz")
+    for rank in (0, 1):
+        assert _max_error(_arrays(tmp_path / f"final_rank{rank}.npz"), reference) < 1e-6

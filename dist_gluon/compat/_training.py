@@ -12,13 +12,12 @@ from __future__ import annotations
 import warnings
 
 import mxnet as mx
-from mxnet import gluon
 
 from ..averaging import _GradientAverager, check_compression, claim_prefix
 from ..backends import Backend
 from ..broadcast import broadcast_parameters as _broadcast_parameters
-from ..broadcast import parameter_list
 from ..optimizer import DistributedOptimizer as _DistributedOptimizer
+from ..trainer import TrainerBase
 
 
 class _Compressor:
@@ -72,12 +71,14 @@ def codec_of(compression, function: str) -> str | None:
         "dist_gluon.DistributedTrainer(..., compression='2bit' or 'powersgd')")
 
 
-class PeerTrainer(gluon.Trainer):
+class PeerTrainer(TrainerBase):
     """A ``gluon.Trainer`` whose ``_sum_grads()`` sums every gradient over the workers in
     place (dist_gluon's gradient path); subclasses scale as their peer does.
 
-    Parameters are keyed by their position in ``params`` (a ParameterDict or dict in
-    its own order, or a list), the same on every rank. One device per process.
+    As the peers' trainers (gluon.Trainer subclasses), the optimizer's indices follow
+    gluon.Trainer's order (a dict sorted by name), so their state files load here and
+    back; the gradients travel keyed by position in the model's own order, the same on
+    every rank. One device per process.
     """
 
     _kind = "peer"
@@ -88,34 +89,16 @@ class PeerTrainer(gluon.Trainer):
             warnings.warn(f"{owner} does not take a DistributedOptimizer as its optimizer; "
                           "the wrapped optimizer is used", stacklevel=3)
             optimizer = optimizer._dg_wrapped_optimizer
-        super().__init__(parameter_list(params), optimizer, optimizer_params, kvstore=None,
-                         update_on_kvstore=False)
-        if len(self._contexts) > 1:
-            raise ValueError(f"{owner} uses one device per process, but the parameters live "
-                             f"on {self._contexts}; start one worker per device instead")
-        self._kv = kv
-        self._averager = _GradientAverager(kv, claim_prefix(prefix, self._kind, "trainer"),
-                                           check_compression(compression), owner=owner)
-
-    def _init_kvstore(self):
-        # no MXNet kvstore: the sums go through self._kv
-        self._kvstore = None
-        self._update_on_kvstore = False
-        self._distributed = False
-        self._kv_initialized = True
+        averager = _GradientAverager(kv, claim_prefix(prefix, self._kind, "trainer"),
+                                     check_compression(compression), owner=owner)
+        super().__init__(params, optimizer, optimizer_params, averager, owner=owner)
 
     def _sum_grads(self, scale: float = 1.0) -> None:
         """Multiply every gradient by ``scale``, then sum it over the workers in place."""
-        for i, param in enumerate(self._params):
-            if param.grad_req == "null":
-                continue
-            grad = param.list_grad()[0]
+        for position, grad in self._grad_entries():
             if scale != 1.0:
                 grad *= scale
-            self._averager.reduce_one(i, grad, describe=self._describe)
-
-    def _describe(self, index: int) -> str:
-        return f"parameter #{index} ({self._params[index].name!r})"
+            self._averager.reduce_one(position, grad, describe=self._describe)
 
 
 class PeerOptimizer(_DistributedOptimizer):

@@ -186,7 +186,7 @@ class DistributedTrainer(PeerTrainer):
     def _init_params(self):
         # the first step: root_rank's parameters everywhere (deferred ones when they get
         # their shapes), through dist_gluon's model check and broadcast
-        broadcast_model(self._params, self.root_rank, self._kv)
+        broadcast_model(self._model_params, self.root_rank, self._kv)
         self._params_to_init = []
 
 
