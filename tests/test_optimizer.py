@@ -217,6 +217,31 @@ def test_on_one_process_it_trains_exactly_like_the_wrapped_optimizer(
     assert wrapped.num_update == 8 and wrapped.learning_rate == 0.1 * 0.5 ** 2
 
 
+@pytest.mark.parametrize("saver", ["module", "distributed"])
+def test_optimizer_states_move_between_module_and_distributed_optimizer(
+        no_collectives, tmp_path, saver):
+    # DistributedOptimizer keeps Module's own indices, so save_optimizer_states files of
+    # either load into the other and the next epoch is the same
+    def adam(distributed):
+        opt = mx.optimizer.Adam(learning_rate=0.01, rescale_grad=1 / 8)
+        return DistributedOptimizer(opt, kv=no_collectives) if distributed else opt
+
+    first, _ = _fit(adam(saver == "distributed"), kvstore=None, epochs=1)
+    first.save_optimizer_states(str(tmp_path / "states"))
+    arg_params, aux_params = first.get_params()
+    after = {}
+    for loader in ("module", "distributed"):
+        mod, it = _module()
+        mod.set_params(arg_params, aux_params)
+        mod.init_optimizer(kvstore=None, optimizer=adam(loader == "distributed"))
+        mod.load_optimizer_states(str(tmp_path / "states"))
+        for batch in it:
+            mod.forward_backward(batch)
+            mod.update()
+        after[loader] = {k: v.asnumpy() for k, v in mod.get_params()[0].items()}
+    assert _max_error(after["distributed"], after["module"]) == 0.0
+
+
 def test_created_from_a_name_it_is_set_up_as_module_sets_up_that_name(no_collectives):
     params = {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.1}
     module_made, expected = _fit("sgd", params, kvstore=None)
