@@ -32,8 +32,16 @@ class TrainerBase(gluon.Trainer):
     MXNet 1.x named the parameters differently (``dense0_`` on one rank, ``dense2_`` on
     another): :attr:`model_params` lists the parameters by position.
 
-    Subclasses pass their :class:`~dist_gluon.averaging._GradientAverager` and call
-    :meth:`_reduce_grads` from ``_allreduce_grads``.
+    Both GPU layouts work: one process per device, or one process driving several
+    (parameters initialised on a context list, as with MXNet's ``device`` kvstore).
+    With several devices a worker first sums its devices' gradients on the first
+    device, sends that one sum per tensor, and copies the result back to every device,
+    whose own updater then applies it: N workers of D devices on B samples each train
+    as one process on the N*D*B samples.
+
+    Subclasses pass their :class:`~dist_gluon.averaging._GradientAverager`, take the
+    gradients to send from :meth:`_grad_entries` and call :meth:`_spread_grads` after
+    the sums.
     """
 
     def __init__(self, params, optimizer, optimizer_params, averager: _GradientAverager,
@@ -42,10 +50,6 @@ class TrainerBase(gluon.Trainer):
         super().__init__(params if isinstance(params, (dict, gluon.ParameterDict))
                          else model_order, optimizer, optimizer_params, kvstore=None,
                          update_on_kvstore=False)
-        if len(self._contexts) > 1:
-            raise ValueError(
-                f"{owner} uses one device per process, but the parameters live on "
-                f"{self._contexts}; start one worker per device instead")
         self._averager = averager
         self._kv = averager.kv
         self._model_params = model_order
@@ -82,9 +86,28 @@ class TrainerBase(gluon.Trainer):
         self._kv_initialized = True
 
     def _grad_entries(self) -> list[tuple[int, mx.nd.NDArray]]:
-        """(position, gradient) of every trainable parameter, in the model's order."""
-        return [(i, param.list_grad()[0]) for i, param in enumerate(self._model_params)
-                if param.grad_req != "null"]
+        """(position, gradient) of every trainable parameter, in the model's order; with
+        several devices the gradient is the sum of the devices', in the first device's
+        array (queued on the engine: nothing waits here)."""
+        entries = []
+        for i, param in enumerate(self._model_params):
+            if param.grad_req == "null":
+                continue
+            grads = param.list_grad()
+            if len(grads) > 1:
+                _sum_into_first(grads)
+            entries.append((i, grads[0]))
+        return entries
+
+    def _spread_grads(self) -> None:
+        """Copy every summed gradient from the first device to the others."""
+        if len(self._contexts) < 2:
+            return
+        for param in self._model_params:
+            if param.grad_req != "null":
+                first, *others = param.list_grad()
+                for grad in others:
+                    first.copyto(grad)
 
     def _describe(self, position: int) -> str:
         return f"parameter #{position} ({self._model_params[position].name!r})"
@@ -118,6 +141,17 @@ class TrainerBase(gluon.Trainer):
             gluon.Trainer.load_states(self, tmp.name)
         finally:
             os.unlink(tmp.name)
+
+
+def _sum_into_first(grads: list[mx.nd.NDArray]) -> None:
+    """``grads[0] = sum(grads)``, on the first array's device (MXNet's own reduction)."""
+    first = grads[0]
+    others = [g.as_in_context(first.context) for g in grads[1:]]
+    if first.stype == "default":
+        for grad in others:
+            first += grad
+    else:
+        mx.nd.add_n(first, *others).copyto(first)
 
 
 def remap_states(states, mapping: dict[int, int]):
@@ -250,6 +284,11 @@ class DistributedTrainer(TrainerBase):
                                 if async_updates.asynchronous(kv) else None)
         super().__init__(params, optimizer, optimizer_params, averager,
                          owner="DistributedTrainer")
+        if self._server_updates is not None and len(self._contexts) > 1:
+            raise ValueError(
+                f"on dist_async the servers update one copy of the weights per worker, but "
+                f"the parameters live on {self._contexts}; use one device per worker there "
+                "(or dist_sync, which sums a worker's devices first)")
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
 
@@ -322,8 +361,8 @@ class DistributedTrainer(TrainerBase):
         evaluation, for instance). Every rank must call it. Elsewhere every rank always
         holds the same weights and nothing happens."""
         if self._server_updates is not None:
-            entries = [(i, self._model_params[i].list_data()[0])
-                       for i, _ in self._grad_entries()]
+            entries = [(i, param.list_data()[0]) for i, param in enumerate(self._model_params)
+                       if param.grad_req != "null"]
             self._server_updates.sync_weights([i for i, _ in entries],
                                               [w for _, w in entries])
 
@@ -342,15 +381,15 @@ class DistributedTrainer(TrainerBase):
             # a gradient the codec refuses fails on one process too, not first on N
             averager.check_input([i for i, _ in entries], [g for _, g in entries],
                                  self._describe)
-        if not averager.distributed:
-            return
-        if averager.codec is not None and averager.codec.batched:
-            # 2-bit and PowerSGD pack and pipeline a whole step's tensors
-            indices = [i for i, _ in entries]
-            averager.reduce(indices, [g for _, g in entries], describe=self._describe)
-            return
-        for i, grad in entries:
-            averager.reduce_one(i, grad, describe=self._describe)
+        if averager.distributed:
+            if averager.codec is not None and averager.codec.batched:
+                # 2-bit and PowerSGD pack and pipeline a whole step's tensors
+                indices = [i for i, _ in entries]
+                averager.reduce(indices, [g for _, g in entries], describe=self._describe)
+            else:
+                for i, grad in entries:
+                    averager.reduce_one(i, grad, describe=self._describe)
+        self._spread_grads()
 
     def _update(self, ignore_stale_grad=False):
         updaters = self._updaters

@@ -228,3 +228,63 @@ def test_gluon_trainer_states_load_on_every_rank_whatever_its_names(state_files,
     reference = _arrays(tmp_path / "ref_final.npz")
     for rank in (0, 1):
         assert _max_error(_arrays(tmp_path / f"final_rank{rank}.npz"), reference) < 1e-6
+
+
+# ------------------------------------------------------ several devices per worker
+MULTI_DEVICE_EXACT = ["sgd", "adam", "sparse"]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    """One process on one device: the global batch of 8 in one piece."""
+    out = tmp_path_factory.mktemp("one_device")
+    assert_ok(run([sys.executable, str(WORKERS / "multi_device_cases.py"), str(out), "1",
+                   *MULTI_DEVICE_EXACT], out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compressed_one_device(tmp_path_factory):
+    """2 workers of one device each with 2-bit and PowerSGD: what a compressed job of 2
+    workers of 2 devices must equal (one process compresses nothing)."""
+    out = tmp_path_factory.mktemp("compressed_one_device")
+    assert_ok(run(launcher("horovod", WORKERS / "multi_device_cases.py", out, 1, "2bit",
+                           "powersgd"), out))
+    return out
+
+
+def _multi_device(directory, case, devices, rank=0):
+    return dict(np.load(directory / f"{case}_d{devices}_rank{rank}.npz"))
+
+
+def _dict_error(a, b):
+    assert sorted(a) == sorted(b)
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def test_one_process_on_two_devices_trains_like_one_device(one_device, tmp_path):
+    assert_ok(run([sys.executable, str(WORKERS / "multi_device_cases.py"), str(tmp_path),
+                   "2", *MULTI_DEVICE_EXACT], tmp_path))
+    for case in MULTI_DEVICE_EXACT:
+        assert _dict_error(_multi_device(tmp_path, case, 2),
+                           _multi_device(one_device, case, 1)) < 1e-5, case
+
+
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+def test_two_workers_of_two_devices_train_like_one_process_on_the_four_shards(
+        one_device, compressed_one_device, tmp_path, backend):
+    # every device of every worker gets 2 of the 8 samples; each worker sums its
+    # devices, sends one sum per tensor and copies the result to both devices (the
+    # worker script checks that the devices' weights are identical)
+    proc = run(launcher(backend, WORKERS / "multi_device_cases.py", tmp_path, 2,
+                        *MULTI_DEVICE_EXACT, "fp16", "2bit", "powersgd"), tmp_path)
+    assert_ok(proc)
+    for rank in (0, 1):
+        for case in MULTI_DEVICE_EXACT:
+            assert _dict_error(_multi_device(tmp_path, case, 2, rank),
+                               _multi_device(one_device, case, 1)) < 1e-5, case
+        assert _dict_error(_multi_device(tmp_path, "fp16", 2, rank),
+                           _multi_device(one_device, "sgd", 1)) < 1e-3
+        for case in ("2bit", "powersgd"):
+            assert _dict_error(_multi_device(tmp_path, case, 2, rank),
+                               _multi_device(compressed_one_device, case, 1)) < 1e-5, case

@@ -78,7 +78,8 @@ class PeerTrainer(TrainerBase):
     As the peers' trainers (gluon.Trainer subclasses), the optimizer's indices follow
     gluon.Trainer's order (a dict sorted by name), so their state files load here and
     back; the gradients travel keyed by position in the model's own order, the same on
-    every rank. One device per process.
+    every rank. With several devices per process the devices' gradients are summed
+    first (see :class:`~dist_gluon.trainer.TrainerBase`).
     """
 
     _kind = "peer"
@@ -99,6 +100,7 @@ class PeerTrainer(TrainerBase):
             if scale != 1.0:
                 grad *= scale
             self._averager.reduce_one(position, grad, describe=self._describe)
+        self._spread_grads()
 
 
 class PeerOptimizer(_DistributedOptimizer):
