@@ -19,6 +19,7 @@ from mxnet.kvstore.base import KVStoreBase
 from . import async_updates
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
+from .devices import copy_from_first, sum_into_first
 
 _MODULE_INIT_OPTIMIZER = mx.mod.Module.init_optimizer.__code__
 # How far up the stack an installer (Module.init_optimizer, KVStore.set_optimizer) is
@@ -110,8 +111,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         On every rank, when ``init_optimizer`` (or ``fit``) installs it with a kvstore
         other than None (a KVStore or backend object, a 'dist_*' name), when a
         ``KVStore.set_optimizer`` is given it (gluon's ``update_on_kvstore``), when the
-        Module has several contexts (one device per worker), or when ``optimizer`` is
-        already a DistributedOptimizer. (``kvstore='local'``, fit's default, means no
+        Module has several contexts on dist_async, or when ``optimizer`` is already a
+        DistributedOptimizer. (``kvstore='local'``, fit's default, means no
         kvstore on one device and is accepted.) Note that Module creates the kvstore
         it is given a name of before it consults the optimizer: ``kvstore='dist_sync'``
         inside a dist_gluon ps-lite job starts a second ps-lite kvstore, which blocks
@@ -170,6 +171,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._dg_averager = None
         self._dg_server_updates = None
         self._dg_module_defaults = module_defaults
+        # the Module that installed it, when it drives several devices (see _update)
+        self._dg_module = None
         self.loss_scale = loss_scale
         async_updates.check_options(kv, compression, predivide, "DistributedOptimizer",
                                     optimizer)
@@ -239,7 +242,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def _update(self, update, index, weight, grad, state) -> None:
         """Average ``grad`` (one NDArray, or a list for a list of indices) over the
-        workers in place, then run the wrapped optimizer's ``update``."""
+        workers in place, then run the wrapped optimizer's ``update``.
+
+        A Module on D devices calls the updater once per device, with index
+        ``i * D + k`` for parameter ``i`` on device ``k`` (MXNet's model._update_params).
+        Device 0's call sums parameter ``i``'s gradients of every device on device 0,
+        averages that over the workers under key ``i`` and copies the result back to
+        the other devices; their calls then only update."""
         inner = self._dg_wrapped_optimizer
         averager = self._dg_averager
         if averager is None:
@@ -251,17 +260,28 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                     self.kv, "DistributedOptimizer")
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        devices = self._devices()
+        if devices > 1:
+            if indices[0] % devices:
+                # devices 1..D-1: device 0's call left the average in these gradients
+                self._update_unscaled(update, index, weight, grad, state)
+                return
+            grads = [self._device_sum(i // devices) for i in indices]
+            indices = [i // devices for i in indices]
+        describe = self._describe if devices == 1 else \
+            (lambda i: self._describe(i * devices))
         if averager.codec is not None:
             # a gradient the codec refuses fails on one process too, not first on N
-            averager.check_input(indices, grads, self._describe)
+            averager.check_input(indices, grads, describe)
         if not averager.distributed:
+            self._spread(indices)
             update(index, weight, grad, state)
             return
         if self._dg_server_updates is not None:
             weights = list(weight) if isinstance(weight, (list, tuple)) else [weight]
             # the servers update; this rank's rescale_grad is its own batch size
             self._dg_server_updates.step(indices, grads, weights, inner.rescale_grad, inner,
-                                         describe=self._describe)
+                                         describe=describe)
             return
         rescale_grad, scale = inner.rescale_grad, self._dg_loss_scale
         if scale != 1.0:
@@ -271,12 +291,39 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         # update must not rescale it by this rank's own batch size again (rescaling by
         # 1 keeps every rank's update identical, bit for bit)
         averager.reduce(indices, grads, weight=1.0 / (rescale_grad * scale),
-                        describe=self._describe)
+                        describe=describe)
+        self._spread(indices)
+        self._update_unscaled(update, index, weight, grad, state)
+
+    def _update_unscaled(self, update, index, weight, grad, state) -> None:
+        """The wrapped optimizer's update of gradients already divided by the summed
+        batch sizes (``rescale_grad`` 1 for this call); on one process as it is."""
+        inner = self._dg_wrapped_optimizer
+        if not self._dg_averager.distributed or self._dg_server_updates is not None:
+            update(index, weight, grad, state)
+            return
+        rescale_grad = inner.rescale_grad
         inner.rescale_grad = 1.0
         try:
             update(index, weight, grad, state)
         finally:
             inner.rescale_grad = rescale_grad
+
+    # ------------------------------------------------------------ several devices
+    def _devices(self) -> int:
+        module = self._dg_module
+        return 1 if module is None else len(module._context)
+
+    def _device_grads(self, param: int) -> list:
+        return self._dg_module._exec_group.grad_arrays[param]
+
+    def _device_sum(self, param: int) -> mx.nd.NDArray:
+        return sum_into_first(self._device_grads(param))
+
+    def _spread(self, params: list[int]) -> None:
+        if self._dg_module is not None:
+            for param in params:
+                copy_from_first(self._device_grads(param))
 
     def _describe(self, index) -> str:
         name = self._dg_wrapped_optimizer.idx2name.get(index)
@@ -326,6 +373,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state["_dg_kv"] = None          # the copy finds its backend when first used
         state["_dg_averager"] = None
         state["_dg_server_updates"] = None
+        state["_dg_module"] = None
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -356,16 +404,22 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             frame = frame.f_back
 
     def _check_module(self, init_locals: dict) -> None:
-        contexts = getattr(init_locals.get("self"), "_context", [])
-        if len(contexts) > 1:
-            raise ValueError(f"DistributedOptimizer runs one device per worker, but the "
-                             f"Module has the contexts {contexts}; start one worker per "
-                             f"device, each with mx.mod.Module(..., context=<its device>)")
+        module = init_locals.get("self")
+        contexts = getattr(module, "_context", [])
         kvstore = init_locals.get("kvstore")
         if kvstore is not None:
+            several = (f" (a Module on {len(contexts)} devices makes even kvstore='local' "
+                       "a kvstore: pass kvstore=None; DistributedOptimizer sums the "
+                       "devices itself)") if len(contexts) > 1 else ""
             raise ValueError(f"a DistributedOptimizer was installed with the "
-                             f"{getattr(kvstore, 'type', kvstore)!r} kvstore. "
+                             f"{getattr(kvstore, 'type', kvstore)!r} kvstore{several}. "
                              + _KVSTORE_HELP)
+        if len(contexts) > 1:
+            if async_updates.asynchronous(self.kv):
+                raise ValueError(f"on dist_async the servers update one copy of the weights "
+                                 f"per worker, but the Module has the contexts {contexts}; "
+                                 "use one device per worker there (or dist_sync)")
+            self._dg_module = module
         self._adopt_module_defaults(init_locals)
 
     def _adopt_module_defaults(self, init_locals: dict) -> None:

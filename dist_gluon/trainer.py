@@ -13,6 +13,7 @@ from . import async_updates
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
+from .devices import copy_from_first, sum_into_first
 
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
 # are aggregated (see _SizeGroupedUpdater).
@@ -95,7 +96,7 @@ class TrainerBase(gluon.Trainer):
                 continue
             grads = param.list_grad()
             if len(grads) > 1:
-                _sum_into_first(grads)
+                sum_into_first(grads)
             entries.append((i, grads[0]))
         return entries
 
@@ -105,9 +106,7 @@ class TrainerBase(gluon.Trainer):
             return
         for param in self._model_params:
             if param.grad_req != "null":
-                first, *others = param.list_grad()
-                for grad in others:
-                    first.copyto(grad)
+                copy_from_first(param.list_grad())
 
     def _describe(self, position: int) -> str:
         return f"parameter #{position} ({self._model_params[position].name!r})"
@@ -141,17 +140,6 @@ class TrainerBase(gluon.Trainer):
             gluon.Trainer.load_states(self, tmp.name)
         finally:
             os.unlink(tmp.name)
-
-
-def _sum_into_first(grads: list[mx.nd.NDArray]) -> None:
-    """``grads[0] = sum(grads)``, on the first array's device (MXNet's own reduction)."""
-    first = grads[0]
-    others = [g.as_in_context(first.context) for g in grads[1:]]
-    if first.stype == "default":
-        for grad in others:
-            first += grad
-    else:
-        mx.nd.add_n(first, *others).copyto(first)
 
 
 def remap_states(states, mapping: dict[int, int]):

@@ -362,11 +362,78 @@ def test_installing_it_with_a_kvstore_raises_a_clear_error():
         set_optimizer(mx.kv.create("local"), opt)
 
 
-def test_a_module_with_several_devices_raises_a_clear_error():
+def _fit_on(contexts, optimizer, epochs=2):
+    """``_fit`` of a Module bound to ``contexts`` (the batch of 8 split over them)."""
+    it = _iter()
+    mod = mx.mod.Module(_symbol(), context=contexts)
+    mod.bind(data_shapes=it.provide_data, label_shapes=it.provide_label)
+    mx.random.seed(1)
+    mod.init_params(mx.init.Xavier())
+    logging.getLogger().setLevel(logging.WARNING)
+    mod.fit(it, kvstore=None, optimizer=optimizer, num_epoch=epochs)
+    return {k: v.asnumpy() for k, v in mod.get_params()[0].items()}
+
+
+def test_a_module_on_several_devices_trains_like_one_device(no_collectives):
+    # Module with kvstore=None does not sum its devices' gradients; the optimizer does
+    def adam():
+        return DistributedOptimizer(mx.optimizer.Adam(learning_rate=0.01, rescale_grad=1 / 8),
+                                    kv=no_collectives)
+
+    one = _fit_on([mx.cpu(0)], adam())
+    two = _fit_on([mx.cpu(0), mx.cpu(1)], adam())
+    assert _max_error(two, one) < 1e-6
+
+
+def test_a_module_on_several_devices_with_a_kvstore_says_to_pass_none():
     mod, it = _module(context=[mx.cpu(0), mx.cpu(1)])
-    with pytest.raises(ValueError, match=r"one device per worker.*\[cpu\(0\), cpu\(1\)\]"):
-        mod.fit(it, kvstore=None, optimizer=DistributedOptimizer("sgd", kv="local"),
-                num_epoch=1)
+    with pytest.raises(ValueError, match=r"2 devices makes even kvstore='local' a kvstore"):
+        mod.fit(it, optimizer=DistributedOptimizer("sgd", kv="local"), num_epoch=1)
+
+
+MODULE_ON_DEVICES = """
+    import json, sys
+    import mxnet as mx
+    import numpy as np
+    import dist_gluon as dg
+
+    kv = dg.create()
+    devices = int(sys.argv[1])
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(32, 5).astype("float32"), rng.randint(0, 3, 32).astype("float32")
+    share = slice(kv.rank * 8 // kv.num_workers, (kv.rank + 1) * 8 // kv.num_workers)
+    # batches of 8 (global): rank r takes its share of each
+    rows = np.concatenate([np.arange(b, b + 8)[share] for b in range(0, 32, 8)])
+    it = mx.io.NDArrayIter(x[rows], y[rows], 8 // kv.num_workers)
+    data = mx.sym.Variable("data")
+    net = mx.sym.FullyConnected(data, num_hidden=8, name="fc1")
+    net = mx.sym.Activation(net, act_type="relu")
+    net = mx.sym.FullyConnected(net, num_hidden=3, name="fc2")
+    net = mx.sym.SoftmaxOutput(net, name="softmax")
+    mod = mx.mod.Module(net, context=[mx.cpu(i) for i in range(devices)])
+    mod.bind(data_shapes=it.provide_data, label_shapes=it.provide_label)
+    mx.random.seed(1)
+    mod.init_params(mx.init.Xavier())
+    opt = dg.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1, momentum=0.9,
+                                                   rescale_grad=1.0 / it.batch_size))
+    mod.fit(it, kvstore=None, optimizer=opt, num_epoch=2)
+    print(json.dumps({k: v.asnumpy().ravel().tolist()
+                      for k, v in mod.get_params()[0].items()}))
+    """
+
+
+@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+def test_two_workers_of_two_devices_train_a_module_like_one_process(tmp_path, backend):
+    one = run([sys.executable, "-c", textwrap.dedent(MODULE_ON_DEVICES), "1"], tmp_path)
+    assert_ok(one)
+    expected = json.loads(one.stdout.strip().splitlines()[-1])
+    proc = launch(MODULE_ON_DEVICES, tmp_path, backend, args=["2"])
+    assert_ok(proc)
+    for rank in (0, 1):
+        got = json.loads(worker_lines(proc.stdout, rank)[-1])
+        assert sorted(got) == sorted(expected)
+        for name in got:
+            assert np.abs(np.array(got[name]) - np.array(expected[name])).max() < 1e-5, name
 
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
