@@ -9,7 +9,68 @@ applies it. Both trainers (Gluon and Module) use these two functions.
 """
 from __future__ import annotations
 
+import os
+
 import mxnet as mx
+
+_FORMS = ("'cpu', 'gpu' (GPU number DG_LOCAL_RANK: one process per GPU), 'gpu:0,1,2,3' "
+          "(this process drives those GPUs) or 'cpu:0,1' (CPU contexts, to try that "
+          "layout without GPUs)")
+
+
+def parse_devices(spec: str | None = None, local_rank: int | None = None) -> list:
+    """The devices one worker drives, from a command-line value such as ``--devices``.
+
+    Parameters
+    ----------
+    spec : str or None
+        ``'cpu'`` (also None or ``''``): ``[mx.cpu()]``.
+        ``'gpu'``: ``[mx.gpu(local_rank)]``, one process per GPU (Horovod's layout; start
+        as many workers per node as it has GPUs).
+        ``'gpu:0,1,2,3'``: those GPUs, all driven by this process (MXNet's classic layout;
+        one worker per node). ``'cpu:0,1'``: CPU contexts, the same layout on a machine
+        without GPUs (for trying it out; they share the CPU).
+    local_rank : int, optional
+        The worker's rank on its node; by default DG_LOCAL_RANK (0 outside the launcher).
+
+    Returns
+    -------
+    list of mx.Context
+
+    Raises
+    ------
+    ValueError
+        A malformed spec, or a GPU this machine does not have (naming how many it has).
+
+    Examples
+    --------
+    >>> ctx = dg.parse_devices(args.devices)          # e.g. --devices gpu:0,1,2,3
+    >>> net.initialize(mx.init.Xavier(), ctx=ctx)
+    >>> parts = gluon.utils.split_and_load(batch, ctx)
+    """
+    spec = (spec or "cpu").strip().lower()
+    kind, _, numbers = spec.partition(":")
+    if kind not in ("cpu", "gpu"):
+        raise ValueError(f"devices {spec!r}: expected {_FORMS}")
+    if numbers:
+        try:
+            ids = [int(n) for n in numbers.split(",")]
+        except ValueError:
+            raise ValueError(f"devices {spec!r}: expected {_FORMS}") from None
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise ValueError(f"devices {spec!r}: device numbers must be distinct and >= 0")
+    elif kind == "gpu":
+        ids = [int(os.environ.get("DG_LOCAL_RANK", 0)) if local_rank is None else local_rank]
+    else:
+        ids = [0]
+    if kind == "gpu":
+        available = mx.context.num_gpus()
+        missing = [i for i in ids if i >= available]
+        if missing:
+            raise ValueError(f"devices {spec!r}: GPU {missing[0]} does not exist, this "
+                             f"machine has {available} GPU(s); use 'cpu' without GPUs")
+        return [mx.gpu(i) for i in ids]
+    return [mx.cpu(i) for i in ids]
 
 
 def sum_into_first(grads: list[mx.nd.NDArray]) -> mx.nd.NDArray:

@@ -97,19 +97,47 @@ def test_mnist_gluon_learns_digits_on_horovod_and_resumes_on_dist_sync(tmp_path)
     assert result["backend"] == "dist_sync"
 
 
-def test_mnist_gluon_gives_the_same_accuracy_on_one_process_and_on_p3(tmp_path):
+@pytest.fixture(scope="module")
+def mnist_one_process(tmp_path_factory):
+    """The summary of one process on batches of 64 for an epoch."""
+    cwd = tmp_path_factory.mktemp("mnist_one_process")
+    return summary(rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size",
+                                   "64", "--lr", "0.02", "--warmup-epochs", "0",
+                                   backend=None, cwd=cwd), distributed=False))
+
+
+def test_mnist_gluon_gives_the_same_accuracy_on_one_process_and_on_p3(mnist_one_process,
+                                                                      tmp_path):
     """One process on batches of 64 and 2 workers on 32 each see the same samples per step
     with the same learning rate (the script scales it by the workers), so they train
     alike up to the order of float sums; the exact validation accuracy then agrees to a
     few of the 359 images."""
-    single = summary(rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size",
-                                     "64", "--lr", "0.02", "--warmup-epochs", "0",
-                                     backend=None, cwd=tmp_path), distributed=False))
+    single = mnist_one_process
     p3 = summary(rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size",
                                  "32", "--lr", "0.01", "--warmup-epochs", "0", backend="p3",
                                  cwd=tmp_path)))
     assert (single["workers"], p3["workers"]) == ("1", "2")
     assert abs(float(single["val_acc"]) - float(p3["val_acc"])) <= 2 / 359
+
+
+def test_mnist_gluon_on_two_devices_per_worker_gives_one_processs_accuracy(
+        mnist_one_process, tmp_path):
+    """MXNet's layout: each of 2 workers drives 2 devices (CPU contexts stand in for
+    GPUs) and splits its 32 samples over them: the same steps as one process on 64."""
+    lines = rank0_lines(run("mnist/train_gluon.py", "--epochs", "1", "--batch-size", "32",
+                            "--lr", "0.01", "--warmup-epochs", "0", "--devices", "cpu:0,1",
+                            backend="horovod", cwd=tmp_path))
+    assert any("devices per worker: cpu(0), cpu(1)" in line for line in lines)
+    result = summary(lines)
+    assert result["workers"] == "2"
+    assert abs(float(mnist_one_process["val_acc"]) - float(result["val_acc"])) <= 2 / 359
+
+
+def test_mnist_gluon_names_a_missing_gpu(tmp_path):
+    proc = run("mnist/train_gluon.py", "--gpus", "99", backend=None, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--devices: devices 'gpu:99': GPU 99 does not exist, this machine has" \
+        in proc.stderr
 
 
 @pytest.mark.parametrize("script,compression,backend", [
@@ -190,12 +218,14 @@ def test_imagenet_trains_on_rec_files_on_horovod_and_resumes_on_dist_sync(tiny_r
     assert summary(resumed)["backend"] == "dist_sync"
 
 
-def test_imagenet_trains_on_an_image_folder(tiny_folder, tmp_path):
+def test_imagenet_trains_on_an_image_folder_with_two_devices_per_worker(tiny_folder,
+                                                                        tmp_path):
     lines = rank0_lines(run("imagenet/train_imagenet.py", "--data-dir", str(tiny_folder),
                             "--model", "mobilenet0.25", "--input-size", "32", "--batch-size",
                             "4", "--epochs", "1", "--lr-mode", "cosine", "--label-smoothing",
-                            "0.1", backend="horovod", cwd=tmp_path))
+                            "0.1", "--devices", "cpu:0,1", backend="horovod", cwd=tmp_path))
     assert any("3 classes" in line and "FolderData" in line for line in lines)
+    assert any("(float32) on cpu(0), cpu(1)" in line for line in lines)
     assert epoch_lines(lines)[0].endswith("(15 images)")
     assert 0 <= float(summary(lines)["val_acc"]) <= 1
 

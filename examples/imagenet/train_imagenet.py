@@ -143,7 +143,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="continue from the newest checkpoint in --checkpoint-dir, if any, "
                           "inside its epoch when it was saved at a stop (give it from the "
                           "first run of an elastic job)")
+    devices = parser.add_argument_group("devices")
+    devices.add_argument("--devices", default=None,
+                         help="the devices each worker drives: gpu (GPU number local rank: "
+                              "one worker per GPU, the default with GPUs), gpu:0,1,2,3 (one "
+                              "worker drives them all and splits its batch), cpu (the "
+                              "default without GPUs), cpu:0,1")
+    devices.add_argument("--gpus", default=None, metavar="LIST",
+                         help="shorthand for --devices gpu:LIST, e.g. --gpus 0,1,2,3")
     args = parser.parse_args(argv)
+    if args.gpus is not None:
+        args.devices = f"gpu:{args.gpus}"
+    if args.devices is None:
+        args.devices = "gpu" if mx.context.num_gpus() > 0 else "cpu"
 
     if bool(args.data_dir) == args.synthetic:
         parser.error("give either --data-dir or --synthetic")
@@ -312,7 +324,7 @@ def open_data(args, kv):
 
 
 # ---------------------------------------------------------------------------- model
-def build_model(args, num_classes: int, ctx: mx.Context, kv):
+def build_model(args, num_classes: int, ctx: list, kv):
     from gluoncv.model_zoo import get_model
 
     try:
@@ -393,7 +405,13 @@ def main(argv=None) -> None:
         if kv.rank == 0:
             print(message, flush=True)
 
-    ctx = mx.gpu(kv.local_rank) if mx.context.num_gpus() > 0 else mx.cpu()
+    try:
+        devices = dg.parse_devices(args.devices, kv.local_rank)
+    except ValueError as err:
+        raise SystemExit(f"--devices: {err}") from None
+    if args.batch_size < len(devices):
+        raise SystemExit(f"--batch-size {args.batch_size} is smaller than the "
+                         f"{len(devices)} devices of a worker; each needs a sample")
     mx.random.seed(args.seed + kv.rank)
     np.random.seed(args.seed + kv.rank)
     data = open_data(args, kv)
@@ -408,7 +426,7 @@ def main(argv=None) -> None:
     steps_per_epoch = args.steps_per_epoch or (
         50 if args.synthetic else max(1, data.num_train // global_batch))
 
-    net, num_no_decay = build_model(args, classes, ctx, kv)
+    net, num_no_decay = build_model(args, classes, devices, kv)
     schedule = lr_schedule(args, workers, steps_per_epoch)
     lr = args.lr * workers if args.scale_lr else args.lr
     optimizer_params = {"learning_rate": lr, "momentum": args.momentum,
@@ -416,8 +434,8 @@ def main(argv=None) -> None:
                         "multi_precision": args.dtype == "float16"}
     trainer = dg.DistributedTrainer(net.collect_params(), "nag", optimizer_params, kv=kv,
                                     compression=args.compression)
-    log(f"model: {args.model} ({args.dtype}) on {ctx}, no weight decay on {num_no_decay} "
-        f"batch-norm and bias parameters"
+    log(f"model: {args.model} ({args.dtype}) on {', '.join(map(str, devices))}, no weight "
+        f"decay on {num_no_decay} batch-norm and bias parameters"
         + (f"; SyncBatchNorm: statistics over all {workers} workers' samples, not hybridized"
            if args.syncbn and workers > 1 else ""))
     log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
@@ -464,19 +482,23 @@ def main(argv=None) -> None:
         stop_at = None
         for step in range(first + 1, steps_per_epoch + 1):
             images, labels = next(batches)
-            images = images.as_in_context(ctx)
-            labels = labels.as_in_context(ctx)
+            images = images.as_in_context(devices[0])
+            labels = labels.as_in_context(devices[0])
             targets = soft_targets(labels, classes, args.label_smoothing) if soft else labels
             if mixup:
                 lam = float(np.random.beta(args.mixup_alpha, args.mixup_alpha))
                 images = lam * images + (1 - lam) * images.flip(axis=0)
                 targets = lam * targets + (1 - lam) * targets.flip(axis=0)
+            # each device takes a slice of the worker's batch
+            parts = gluon.utils.split_and_load(images, devices, even_split=False)
+            part_targets = gluon.utils.split_and_load(targets, devices, even_split=False)
             with autograd.record():
-                outputs = net(images.astype(args.dtype, copy=False))
-                loss = loss_fn(outputs.astype("float32", copy=False), targets)
-            loss.backward()
+                losses = [loss_fn(net(x.astype(args.dtype, copy=False))
+                                  .astype("float32", copy=False), t)
+                          for x, t in zip(parts, part_targets)]
+            autograd.backward(losses)
             trainer.step(args.batch_size)
-            train_loss.update(None, [loss])
+            train_loss.update(None, losses)
             if step % args.log_interval == 0 or step == steps_per_epoch:
                 mx.nd.waitall()
                 interval = min(step % args.log_interval or args.log_interval, step - first)
@@ -508,7 +530,7 @@ def main(argv=None) -> None:
         message = (f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_value:.4f} "
                    f"time={elapsed:.1f}s images/s={epoch_images / elapsed:.1f}")
         if not args.synthetic:
-            result = evaluate(net, data, ctx, args.dtype, classes, kv)
+            result = evaluate(net, data, devices[0], args.dtype, classes, kv)
             val_acc = result["val_acc"]
             best_acc = val_acc if math.isnan(best_acc) else max(best_acc, val_acc)
             message += "".join(f" {k}={v:.4f}" for k, v in result.items() if k != "images")
@@ -525,7 +547,7 @@ def main(argv=None) -> None:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
             "nothing to train")
         if not args.synthetic:
-            result = evaluate(net, data, ctx, args.dtype, classes, kv)
+            result = evaluate(net, data, devices[0], args.dtype, classes, kv)
     speed = train_images / train_time if train_time else float("nan")
     accuracy = "".join(f"{k}={v:.4f} " for k, v in result.items() if k != "images")
     log(f"summary: {accuracy}best_val_acc={best_acc:.4f} "

@@ -96,9 +96,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest checkpoint in --checkpoint-dir, if "
                              "any, inside its epoch when it was saved at a stop (give it "
                              "from the first run of an elastic job)")
+    parser.add_argument("--devices", default="cpu",
+                        help="the devices each worker drives: cpu (default), gpu (GPU number "
+                             "local rank: start one worker per GPU), gpu:0,1,2,3 (one "
+                             "worker drives them all, splitting its batch), cpu:0,1")
+    parser.add_argument("--gpus", default=None, metavar="LIST",
+                        help="shorthand for --devices gpu:LIST, e.g. --gpus 0,1,2,3")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and accuracy curves to PATH")
     args = parser.parse_args(argv)
+    if args.gpus is not None:
+        args.devices = f"gpu:{args.gpus}"
     two_bit = args.compression == "2bit"
     if args.lr is None:
         args.lr = 0.04 if two_bit else 0.02
@@ -147,11 +155,12 @@ def to_input(images: mx.nd.NDArray) -> mx.nd.NDArray:
     return ((images.astype("float32") / 255 - MEAN) / STD).transpose((0, 3, 1, 2))
 
 
-def evaluate(net, loader, sampler, loss_fn, kv) -> tuple[float, float]:
+def evaluate(net, loader, sampler, loss_fn, kv, ctx) -> tuple[float, float]:
     """Loss and accuracy over the whole validation set, the same on every worker."""
     metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
     for images, labels in sampler.unpadded(loader):
-        outputs = net(to_input(images))
+        labels = labels.as_in_context(ctx)
+        outputs = net(to_input(images.as_in_context(ctx)))
         metric.get_metric(0).update(None, [loss_fn(outputs, labels)])
         metric.get_metric(1).update([labels], [outputs])
     (_, loss), (_, acc) = (m.get() for m in dg.reduce_metric(metric, kv=kv).metrics)
@@ -205,9 +214,13 @@ def main(argv=None) -> None:
     train_loader = gluon.data.DataLoader(train_data, args.batch_size, sampler=train_sampler)
     val_loader = gluon.data.DataLoader(val_data, args.batch_size, sampler=val_sampler)
 
+    try:
+        devices = dg.parse_devices(args.devices)
+    except ValueError as err:
+        raise SystemExit(f"--devices: {err}") from None
     mx.random.seed(args.seed)
     net = lenet()
-    net.initialize(mx.init.Xavier(magnitude=2.24))
+    net.initialize(mx.init.Xavier(magnitude=2.24), ctx=devices)
     net.hybridize()
 
     # N workers train on N times the batch, so they take N times the step (Goyal et al.,
@@ -240,7 +253,8 @@ def main(argv=None) -> None:
     log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, global batch "
         f"{args.batch_size * workers}, momentum {args.momentum:g}, "
         f"{warmup_steps} warmup steps, "
-        f"cosine decay over {total_steps} steps; compression: {args.compression}")
+        f"cosine decay over {total_steps} steps; compression: {args.compression}; "
+        f"devices per worker: {', '.join(map(str, devices))}")
 
     history: list[dict] = []
     start_epoch = 0
@@ -274,13 +288,20 @@ def main(argv=None) -> None:
         tic = time.time()
         stop_at = None
         for batch, (images, labels) in enumerate(train_loader, start=1):
+            # each device takes a slice of the batch; a device left without one (a last
+            # batch smaller than the devices) must add nothing to the sum of gradients
+            used = devices[:images.shape[0]]
+            if len(used) < len(devices):
+                net.collect_params().zero_grad()
+            inputs = gluon.utils.split_and_load(to_input(images), used, even_split=False)
+            targets = gluon.utils.split_and_load(labels, used, even_split=False)
             with autograd.record():
-                outputs = net(to_input(images))
-                loss = loss_fn(outputs, labels)
-            loss.backward()
+                outputs = [net(x) for x in inputs]
+                losses = [loss_fn(out, y) for out, y in zip(outputs, targets)]
+            autograd.backward(losses)
             trainer.step(images.shape[0])
-            metric.get_metric(0).update(None, [loss])
-            metric.get_metric(1).update([labels], [outputs])
+            metric.get_metric(0).update(None, losses)
+            metric.get_metric(1).update(targets, outputs)
             samples += images.shape[0] * workers
             if batch % args.log_interval == 0 or batch == batches:
                 (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
@@ -309,7 +330,7 @@ def main(argv=None) -> None:
         train_time += elapsed
         (_, train_loss), (_, train_acc) = (m.get() for m in
                                            dg.reduce_metric(metric, kv=kv).metrics)
-        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv)
+        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         speed = len(train_sampler) * workers / elapsed
         history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
                         "val_loss": val_loss, "val_acc": val_acc})
@@ -328,7 +349,7 @@ def main(argv=None) -> None:
     if start_epoch >= args.epochs or not history:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
             "nothing to train, evaluating it")
-        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv)
+        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
     elif args.plot:
         log(f"plot: {args.plot}")
