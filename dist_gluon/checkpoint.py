@@ -121,6 +121,18 @@ class Checkpointer:
         The backend, a backend name, or None to create it from the environment.
     keep : int or None, default 3
         How many of the newest checkpoints to keep (>= 1); None keeps all of them.
+    node_local : bool, default False
+        Keep every checkpoint on each node's own disk, for clusters without a shared
+        file system and jobs that must survive the loss of any host: the first worker of
+        every node (local rank 0) writes the whole checkpoint into ``directory`` on its
+        node. The weights, optimizer states and codec states are the same on every
+        rank after a step, and the random states and residuals are gathered by every
+        rank anyway, so no checkpoint bytes cross the network, except the parameters
+        that are not trained (BatchNorm's running statistics, rank 0's copy). Each node
+        pays a full checkpoint's disk writes per save. Checkpoints are numbered by the
+        job, so every node's ``ckpt-000012`` is the same checkpoint. ``restore`` takes
+        the newest checkpoint that any node of the job holds intact, read by the lowest
+        rank of a node that holds it and sent to every rank (one collective per array).
 
     Examples
     --------
@@ -142,15 +154,18 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str | os.PathLike, kv: Backend | str | None = None,
-                 keep: int | None = 3):
+                 keep: int | None = 3, node_local: bool = False):
         directory = os.fspath(directory)
         if not directory:
             raise ValueError("directory must be a non-empty path")
         if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int)
                                  or keep < 1):
             raise ValueError(f"keep must be an int >= 1 or None (keep all), got {keep!r}")
+        if not isinstance(node_local, bool):
+            raise ValueError(f"node_local must be True or False, got {node_local!r}")
         self._directory = directory
         self._keep = keep
+        self._node_local = node_local
         self._kv = resolve(kv)
 
     @property
@@ -161,8 +176,17 @@ class Checkpointer:
     def keep(self) -> int | None:
         return self._keep
 
+    @property
+    def node_local(self) -> bool:
+        return self._node_local
+
     def __repr__(self) -> str:
-        return f"Checkpointer({self._directory!r}, keep={self._keep})"
+        local = ", node_local=True" if self._node_local else ""
+        return f"Checkpointer({self._directory!r}, keep={self._keep}{local})"
+
+    def _writes(self) -> bool:
+        """Whether this rank writes checkpoints: rank 0, or each node's first worker."""
+        return self._kv.local_rank == 0 if self._node_local else self._kv.rank == 0
 
     # ------------------------------------------------------------------------ save
     def save(self, net, trainer: gluon.Trainer | None, epoch: int, step: int = 0,
@@ -211,17 +235,27 @@ class Checkpointer:
                            "shared": codec.shared_state(),
                            "local": (self._kv.allgather_object(local)
                                      if self._kv.num_workers > 1 else [local])}
+        number, untrained = None, None
+        if self._node_local and self._kv.num_workers > 1:
+            newest = self._checkpoints()[-1][0] if self._writes() and self._checkpoints() \
+                else 0
+            number = max(self._kv.allgather_object(newest)) + 1
+            untrained = self._rank0_untrained(params)
         status, failure = None, None
-        if self._kv.rank == 0:
+        if self._writes():
             try:
                 status = ("ok", self._write(params, trainer, epoch, step, extra, rng,
-                                            compression))
+                                            compression, number, untrained))
             except Exception as err:  # every rank must hear about it, or they would hang
-                status = ("error", f"rank 0 could not save a checkpoint in "
+                status = ("error", f"rank {self._kv.rank} could not save a checkpoint in "
                                    f"{self._directory!r}: {type(err).__name__}: {err}")
                 failure = err
         if self._kv.num_workers > 1:
-            status = self._kv.broadcast_object(status)
+            if self._node_local:
+                statuses = [s for s in self._kv.allgather_object(status) if s is not None]
+                status = next((s for s in statuses if s[0] == "error"), statuses[0])
+            else:
+                status = self._kv.broadcast_object(status)
         if status[0] == "error":
             raise CheckpointError(status[1]) from failure
         reporter = jobcontrol.reporter()
@@ -230,20 +264,34 @@ class Checkpointer:
             reporter.checkpoint_saved(epoch, step)
         return status[1]
 
+    def _rank0_untrained(self, params: list) -> dict[int, np.ndarray]:
+        """Rank 0's values of the parameters no optimizer updates (BatchNorm's running
+        statistics differ between ranks), for every node's copy; one collective each."""
+        indices = [i for i, p in enumerate(params)
+                   if p.grad_req == "null" and p._data is not None]
+        values = [params[i].list_data()[0].copy() for i in indices]
+        if values:
+            self._kv._broadcast_root([f"__dg_ckpt.untrained.{i}" for i in indices], values,
+                                     values, 0, 0)
+        return {i: v.asnumpy() for i, v in zip(indices, values)}
+
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
-               compression) -> str:
+               compression, number: int | None = None,
+               untrained: dict | None = None) -> str:
         arrays = {}
         for i, p in enumerate(params):
             if p._data is None:
                 raise CheckpointError(
                     f"parameter #{i} ({p.name!r}) is not initialised yet; with deferred "
                     "initialisation save after the first forward pass")
-            arrays[str(i)] = p.list_data()[0].asnumpy()
+            arrays[str(i)] = untrained[i] if untrained and i in untrained else \
+                p.list_data()[0].asnumpy()
         os.makedirs(self._directory, exist_ok=True)
         for name in os.listdir(self._directory):
             if name.startswith(_TEMP_PREFIX):   # left behind by a save that crashed
                 shutil.rmtree(os.path.join(self._directory, name), ignore_errors=True)
-        number = max((n for n, _ in self._checkpoints()), default=0) + 1
+        if number is None:
+            number = max((n for n, _ in self._checkpoints()), default=0) + 1
         final = os.path.join(self._directory, f"ckpt-{number:06d}")
         temp = os.path.join(self._directory, f"{_TEMP_PREFIX}{number:06d}-{os.getpid()}")
         os.mkdir(temp)
@@ -341,7 +389,8 @@ class Checkpointer:
         -------
         dict or None
             ``{'epoch', 'step', 'extra', 'path', 'num_workers'}`` (``num_workers`` at save
-            time), or None when the directory holds no checkpoint. To continue inside
+            time; with ``node_local``, ``path`` is the copy of the node that was read),
+            or None when the directory holds no checkpoint. To continue inside
             ``epoch`` with :class:`ShardSampler`, on any number of workers, call
             ``sampler.set_epoch(epoch, skip=done)`` with the number of positions of
             the epoch's order that were done: ``step * batch_size * num_workers`` when
@@ -361,17 +410,16 @@ class Checkpointer:
             raise CheckpointError(
                 "restore a dist_async trainer before its first step: its servers already "
                 "hold weights, which its next pull would bring back")
-        header, arrays, failure = None, None, None
-        if kv.rank == 0:
-            try:
-                header, arrays = self._read(path)
-            except Exception as err:  # every rank must hear about it, or they would hang
-                header = ("error", f"rank 0 could not read a checkpoint in "
-                                   f"{self._directory!r}: {type(err).__name__}: {err}")
-                failure = err
-        if kv.num_workers > 1:
-            header = kv.broadcast_object(header)
+        if self._node_local and kv.num_workers > 1:
+            header, arrays, root, failure = self._read_node_local(path)
+        else:
+            root, (header, arrays, failure) = 0, self._read_here(path, kv.rank == 0)
+            if kv.num_workers > 1:
+                header = kv.broadcast_object(header)
         if header[0] == "none":
+            if self._node_local and kv.rank == 0 and _restarted():
+                warnings.warn(f"no node of this job holds a checkpoint in "
+                              f"{self._directory!r}: starting from scratch", stacklevel=2)
             return None
         if header[0] == "error":
             raise CheckpointError(header[1]) from failure
@@ -383,7 +431,7 @@ class Checkpointer:
             if message is not None:
                 raise CheckpointError(message if kv.num_workers == 1 else
                                       f"on rank {rank}: {message}")
-        values = self._share(content["arrays"], arrays)
+        values = self._share(content["arrays"], arrays, root)
 
         for p, value in zip(params, values):
             p.set_data(value)   # deferred: kept and used as the initial value instead
@@ -406,6 +454,52 @@ class Checkpointer:
         return {"epoch": content["epoch"], "step": content["step"],
                 "extra": content["extra"], "path": content["path"],
                 "num_workers": content["num_workers"]}
+
+    def _read_here(self, path, reads: bool) -> tuple[tuple | None, list | None, Exception | None]:
+        """This rank's reading of the checkpoint to restore when ``reads``: (header,
+        arrays, the exception behind an error header)."""
+        if not reads:
+            return None, None, None
+        try:
+            header, arrays = self._read(path)
+            return header, arrays, None
+        except Exception as err:  # every rank must hear about it, or they would hang
+            return ("error", f"rank {self._kv.rank} could not read a checkpoint in "
+                             f"{self._directory!r}: {type(err).__name__}: {err}"), None, err
+
+    def _read_node_local(self, path):
+        """The newest checkpoint that some node holds intact: (header, arrays on the
+        rank that read it, that rank, failure). Candidates go newest first; the lowest
+        rank of a node holding one reads it and tells everyone whether it is intact."""
+        kv = self._kv
+        if path is not None:
+            name = os.path.basename(os.path.normpath(os.fspath(path)))
+            mine = [name] if self._writes() and os.path.isdir(self._resolve(path)) else []
+        else:
+            mine = [os.path.basename(p) for _, p in self._checkpoints()] \
+                if self._writes() else []
+        held = kv.allgather_object(mine)
+        candidates = sorted({(name, rank) for rank, names in enumerate(held) for name in names},
+                            key=lambda c: (-_number(c[0]), c[1]))
+        reasons = []
+        for name, holder in candidates:
+            header, arrays, failure = self._read_here(name, kv.rank == holder)
+            header = kv.broadcast_object(header, root_rank=holder)
+            if header[0] == "ok":
+                return header, arrays, holder, failure
+            reasons.append(f"rank {holder}: {header[1]}")
+        if not candidates:
+            if path is not None:
+                return (("error", f"no node of this job holds checkpoint {path!r} in "
+                                  f"{self._directory!r}"), None, 0, None)
+            return ("none",), None, 0, None
+        return (("error", f"no node's checkpoint in {self._directory!r} can be restored "
+                          "(delete the damaged ones to start afresh):\n  "
+                          + "\n  ".join(reasons)), None, 0, None)
+
+    def _resolve(self, path) -> str:
+        path = os.fspath(path)
+        return os.path.join(self._directory, path) if os.sep not in path else path
 
     def _read(self, path) -> tuple[tuple, list | None]:
         """Rank 0: the broadcast header and the arrays of the checkpoint to restore."""
@@ -433,10 +527,11 @@ class Checkpointer:
         return ("error", f"no checkpoint in {self._directory!r} can be restored (delete "
                          "the damaged ones to start afresh):\n  " + "\n  ".join(reasons)), None
 
-    def _share(self, specs: list, arrays: list | None) -> list[mx.nd.NDArray]:
-        """Rank 0's arrays as NDArrays on every rank; one tensor collective per array."""
+    def _share(self, specs: list, arrays: list | None, root: int = 0) -> list[mx.nd.NDArray]:
+        """Rank ``root``'s arrays as NDArrays on every rank; one tensor collective per
+        array."""
         kv = self._kv
-        if kv.rank == 0:
+        if kv.rank == root:
             values = [mx.nd.array(a, dtype=a.dtype) for a in arrays]
         else:
             values = [mx.nd.zeros(shape, dtype=dtype) for shape, dtype in specs]
@@ -449,7 +544,7 @@ class Checkpointer:
                 spec = f"{dtype}.{'x'.join(map(str, shape))}"
                 seen[spec] = seen.get(spec, -1) + 1
                 keys.append(f"__dg_ckpt.{spec}.{seen[spec]}")
-            kv.broadcast(keys, values, values)
+            kv._broadcast_root(keys, values, values, root, 0)
             for v in values:
                 v.wait_to_read()
         return values
@@ -671,6 +766,16 @@ def _load_trainer_states(trainer: gluon.Trainer, states_and_optimizer) -> None:
         updater.optimizer = trainer._updaters[0].optimizer
     trainer._optimizer = trainer._updaters[0].optimizer
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+
+
+def _number(name: str) -> int:
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def _restarted() -> bool:
+    """Whether this job was started again by its launcher (a restart or re-formation)."""
+    return any(int(os.environ.get(v, "0") or 0) > 0 for v in ("DG_RESTART", "DG_REFORMATION"))
 
 
 def _rng_state() -> dict:

@@ -115,6 +115,18 @@ def test_save_writes_the_documented_files_with_metadata_and_checksums(tmp_path):
     assert trainer.optimizer.num_update == 1
 
 
+def test_a_node_local_checkpointer_on_one_process_saves_and_restores_as_usual(tmp_path):
+    net = _model()
+    trainer = _trainer(net)
+    _step(net, trainer, seed=0)
+    checkpoints = Checkpointer(tmp_path, kv="local", node_local=True)
+    assert checkpoints.save(net, trainer, epoch=1) == str(tmp_path / "ckpt-000001")
+    other = _model(seed=1)
+    state = checkpoints.restore(other, _trainer(other))
+    assert (state["epoch"], state["path"]) == (1, str(tmp_path / "ckpt-000001"))
+    _same(_values(other), _values(net))
+
+
 def test_restore_returns_none_when_there_is_no_checkpoint(tmp_path):
     net = _model()
     assert Checkpointer(tmp_path / "missing", kv="local").restore(net) is None
@@ -364,7 +376,8 @@ def test_saving_a_deferred_model_before_its_first_forward_raises(tmp_path):
 @pytest.mark.parametrize("kwargs, complaint", [
     ({"keep": 0}, "keep must be an int >= 1 or None"),
     ({"keep": 2.5}, "keep must be an int >= 1 or None"),
-    ({"directory": ""}, "directory must be a non-empty path")])
+    ({"directory": ""}, "directory must be a non-empty path"),
+    ({"node_local": "yes"}, "node_local must be True or False")])
 def test_bad_constructor_arguments_raise_a_value_error_naming_them(tmp_path, kwargs,
                                                                    complaint):
     kwargs = {"directory": tmp_path, **kwargs}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,38 @@ def test_a_restarted_job_resumes_exactly_across_nodes(cluster, tmp_path, backend
     for rank in (0, 1):
         got = np.load(killed / f"final_rank{rank}.npz")
         assert max(float(np.abs(got[k] - expected[k]).max()) for k in expected.files) < 1e-6
+
+
+def test_node_local_checkpoints_resume_from_the_newest_copy_any_node_holds(cluster,
+                                                                          tmp_path):
+    # each node's first worker writes the whole checkpoint to its own "disk"
+    # (tmp_path/node<i>); node 0 then loses its newest one, and the job resumes from
+    # node 1's copy, exactly where the uninterrupted run went on
+    script = WORKERS / "node_local_ckpt.py"
+    first = run_nodes(cluster, [script, tmp_path, "first"], cwd=tmp_path)
+    assert first.returncodes == [0, 0], first.report()
+    disks = [tmp_path / f"node{n}" for n in (0, 1)]
+    for disk in disks:
+        assert sorted(p.name for p in disk.iterdir()) == ["ckpt-000001", "ckpt-000002"]
+    copies = [np.load(disk / "ckpt-000002" / "params.npz") for disk in disks]
+    assert sorted(copies[0].files) == sorted(copies[1].files)
+    for key in copies[0].files:      # BatchNorm's running statistics too: rank 0's
+        assert np.array_equal(copies[0][key], copies[1][key]), key
+
+    shutil.rmtree(disks[0] / "ckpt-000002")
+    resumed = run_nodes(cluster, [script, tmp_path, "resume"], cwd=tmp_path)
+    assert resumed.returncodes == [0, 0], resumed.report()
+    record = json.loads(worker_lines(resumed.stdout[0], 0)[-1])
+    assert record["restored"] == 5
+    assert record["path"] == str(disks[1] / "ckpt-000002")
+    assert record["saved"].endswith("ckpt-000003")     # numbered by the job, not the node
+    for disk in disks:
+        assert (disk / "ckpt-000003" / "meta.json").exists()
+    continued = np.load(tmp_path / "continued.npz")
+    for rank in (0, 1):
+        got = np.load(tmp_path / f"resumed_rank{rank}.npz")
+        for key in continued.files:
+            assert np.abs(got[key] - continued[key]).max() < 1e-6, key
 
 
 def test_a_node_that_never_joins_is_named_after_the_join_timeout(cluster, tmp_path):
