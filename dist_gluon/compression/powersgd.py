@@ -22,7 +22,6 @@ import mxnet as mx
 import numpy as np
 
 from .base import Codec, check_number, plain_sum
-from .twobit import Scratch
 
 # gradient elements per bucket (PyTorch DDP's 25 MB of float32): a bucket's P and Q
 # travel in one sum each
@@ -65,11 +64,11 @@ class PowerSGD(Codec):
         # state, on the gradient's context (NumPy arrays between load_state() and the
         # tensor's next step)
         self._steps: dict = {}      # index -> steps reduced (shared)
-        self._q: dict = {}          # index -> Q, m x r float32 (shared)
+        self._qt: dict = {}         # index -> Q^T, r x m float32 (shared)
+        self._q: dict = {}          # index -> Q, m x r, restored and not yet used
         self._errors: dict = {}     # index -> E, n x m float32 (this worker's)
         # bucket's first key -> _Layout: its sum buffers, reused every step
         self._layouts: dict = {}
-        self._scratch = Scratch()
 
     def matrix_shape(self, shape: tuple) -> tuple[int, int] | None:
         """The ``(n, m)`` a gradient of ``shape`` is compressed as, or None when it
@@ -126,22 +125,22 @@ class PowerSGD(Codec):
         matrices = []
         for item in layout.matrices:
             m = self._matrix(item, grads[item.position])
-            q = self._initial_q(item.index, item.m, item.r, ctx)
+            qt = self._initial_qt(item.index, item.m, item.r, ctx)
             # P^T = Q^T M^T, straight into the sum's buffer
-            mx.nd.dot(q, m, transpose_a=True, transpose_b=True, out=item.p)
+            mx.nd.dot(qt, m, transpose_b=True, out=item.p)
             matrices.append(m)
         kv.pushpull(f"{key}.psgd.P.{layout.p.size}", layout.p, priority=priority)
         for position, view in layout.riders:
             view.reshape(grads[position].shape).copyto(grads[position])
         bases = layout.orthonormal_rows()
         for item, m, basis in zip(layout.matrices, matrices, bases):
-            # Q = M^T P
-            mx.nd.dot(m, basis, transpose_a=True, transpose_b=True, out=item.q)
-        kv.pushpull(f"{key}.psgd.Q.{layout.q.size}", layout.q, priority=priority)
+            # Q^T = P^T M
+            mx.nd.dot(basis, m, out=item.qt)
+        kv.pushpull(f"{key}.psgd.Q.{layout.qt.size}", layout.qt, priority=priority)
         for item, m, basis in zip(layout.matrices, matrices, bases):
-            q = self._q[item.index]
-            item.q.copyto(q)
-            self._approximate(item, grads[item.position], m, basis, q, workers)
+            qt = self._qt[item.index]
+            item.qt.copyto(qt)
+            self._approximate(item, grads[item.position], m, basis, qt, workers)
 
     def _matrix(self, item, grad) -> mx.nd.NDArray:
         """M = grad + E, held in this worker's error array (n x m, float32)."""
@@ -158,32 +157,34 @@ class PowerSGD(Codec):
         mx.nd.elemwise_add(error, g, out=error)
         return error
 
-    def _approximate(self, item, grad, m, basis, q, workers: int) -> None:
-        """grad = P Q^T; E = M - P Q^T / N (M is held in E)."""
+    @staticmethod
+    def _approximate(item, grad, m, basis, qt, workers: int) -> None:
+        """grad = P Q^T; E = M - P Q^T / N (M is held in E), in one gemm."""
         target = grad.reshape((item.n, item.m))
-        approx = mx.nd.dot(basis, q, transpose_a=True, transpose_b=True,
+        approx = mx.nd.dot(basis, qt, transpose_a=True,
                            out=target if grad.dtype == np.float32 else None)
-        share = mx.nd._internal._div_scalar(
-            approx, scalar=float(workers),
-            out=self._scratch.get("share", grad.context, "float32", grad.size)
-            .reshape((item.n, item.m)))
-        mx.nd.elemwise_sub(m, share, out=m)
+        mx.nd.linalg.gemm(basis, qt, m, transpose_a=True, alpha=-1.0 / workers, beta=1.0,
+                          out=m)
         if grad.dtype != np.float32:
             mx.nd.Cast(approx, dtype=grad.dtype, out=target)
 
-    def _initial_q(self, index, m: int, r: int, ctx) -> mx.nd.NDArray:
-        q = self._q.get(index)
+    def _initial_qt(self, index, m: int, r: int, ctx) -> mx.nd.NDArray:
+        """Q^T (r x m) on ``ctx``: the previous step's, a restored one, or a new one drawn
+        from the seed (the same on every worker)."""
+        qt = self._qt.get(index)
+        if qt is not None and qt.shape == (r, m) and qt.context == ctx:
+            return qt
+        q = self._q.pop(index, None)        # restored by load_state, m x r
         if q is None or q.shape != (m, r):
             seed = (self.seed * 1000003 + hash_index(index)) % (1 << 32)
             q = np.random.RandomState(seed).standard_normal((m, r)).astype(np.float32)
-        if isinstance(q, np.ndarray) or q.context != ctx:
-            q = mx.nd.array(q if isinstance(q, np.ndarray) else q.asnumpy(), ctx=ctx,
-                            dtype="float32")
-        self._q[index] = q
-        return q
+        qt = self._qt[index] = mx.nd.array(np.ascontiguousarray(q.T), ctx=ctx,
+                                           dtype="float32")
+        return qt
 
     def shared_state(self) -> dict:
-        return {"steps": dict(self._steps), "q": _to_numpy(self._q)}
+        q = {index: qt.asnumpy().T for index, qt in self._qt.items()}
+        return {"steps": dict(self._steps), "q": {**self._q, **q}}
 
     def local_state(self) -> dict:
         return {"errors": _to_numpy(self._errors)}
@@ -191,6 +192,7 @@ class PowerSGD(Codec):
     def load_state(self, shared: dict, local: dict) -> None:
         self._steps = dict(shared.get("steps", {}))
         self._q = {k: np.array(v, dtype=np.float32) for k, v in shared.get("q", {}).items()}
+        self._qt = {}
         self._errors = {k: np.array(v, dtype=np.float32)
                         for k, v in local.get("errors", {}).items()}
 
@@ -225,18 +227,18 @@ def _buckets(entries: list, limit: int) -> list[list]:
 class _Matrix:
     """One compressed gradient of a bucket (at ``position`` in it): its ``n x m``
     matrix of rank ``r``, and its views into the bucket's P (``r x n``, as P^T) and Q
-    (``m x r``) buffers."""
+    (``r x m``, as Q^T) buffers."""
 
     def __init__(self, position: int, index, n: int, m: int, r: int):
         self.position, self.index, self.n, self.m, self.r = position, index, n, m, r
-        self.p = self.q = None
+        self.p = self.qt = None
 
 
 class _Layout:
     """The sum buffers of one bucket, made once and reused every step (a key sent with a
     new array each step would wait for the previous one): P holds the riders (float32
     tensors sent whole) and then every P^T, grouped by shape so that the same-shape
-    ones are orthonormalised in one batched call; Q holds every Q."""
+    ones are orthonormalised in one batched call; Q holds every Q^T."""
 
     def __init__(self, signature: tuple, entries: list, rank: int):
         self.signature = signature
@@ -252,7 +254,7 @@ class _Layout:
         p_size = sum(size for _, size in riders) + sum(i.r * i.n for i in self.matrices)
         q_size = sum(i.m * i.r for i in self.matrices)
         self.p = mx.nd.zeros((p_size,), ctx=ctx, dtype="float32")
-        self.q = mx.nd.zeros((q_size,), ctx=ctx, dtype="float32")
+        self.qt = mx.nd.zeros((q_size,), ctx=ctx, dtype="float32")
         offset = 0
         self.riders = []
         for position, size in riders:
@@ -266,7 +268,7 @@ class _Layout:
             for item in items:
                 item.p = self.p[offset:offset + r * n].reshape((r, n))
                 offset += r * n
-                item.q = self.q[q_offset:q_offset + item.m * r].reshape((item.m, r))
+                item.qt = self.qt[q_offset:q_offset + item.m * r].reshape((r, item.m))
                 q_offset += item.m * r
             self.groups.append((self.p[start:offset].reshape((len(items), r, n)), items))
         self.matrices = [item for _, items in self.groups for item in items]
