@@ -106,8 +106,9 @@ class PowerSGD(Codec):
         """Steps 1-5 of the class docstring for one bucket: float32 tensors that travel
         whole ride with the P matrices."""
         key = entries[0][1]
-        if isinstance(entries[0][0], int):
-            priority = -entries[0][0]
+        if all(isinstance(index, int) for index, *_ in entries):
+            # as urgent as its first layer: the next forward pass needs it first
+            priority = -min(index for index, *_ in entries)
         if not any(shape for *_, shape in entries):
             plain_sum(kv, [k for _, k, _, _ in entries], [g for _, _, g, _ in entries],
                       priority)
