@@ -10,11 +10,17 @@ with rank ``r`` by one step of subspace iteration warm-started from the previous
     M = grad + E;  P = M Q;  P = sum over workers;  P = orthonormal basis of P
     Q = M^T P;  Q = sum over workers;  grad = P Q^T;  E = M - P Q^T / N
 
-so two sums per step travel ``r (n + m)`` values instead of ``n m``. Every P of a step
-travels in one collective, together with the uncompressed tensors (vectors such as
-biases and BatchNorm parameters, and matrices too small to gain), and every Q in a
-second. P is orthonormalised by a Householder QR in float64 (numerically stable where
-Gram-Schmidt in float32 is not), on the summed P, which is the same on every worker.
+so two sums per step travel ``r (n + m)`` values instead of ``n m``. The tensors of a
+step go in buckets of about 25 MB of gradient (PyTorch DDP's default), in backward order:
+a bucket's P matrices travel in one collective, together with its uncompressed float32
+tensors (vectors such as biases and BatchNorm parameters, and matrices too small to
+gain), and its Q matrices in a second, so the last layers' sums start while the backward
+pass of the first ones still runs. P is orthonormalised by a Householder LQ
+factorisation of P^T in float64 (``linalg.gelqf``, batched over same-shape matrices;
+numerically stable where Gram-Schmidt or Cholesky-QR in float32 is not), on the summed
+P, which is the same on every worker. Everything runs in MXNet operators (``dot``,
+``linalg.gemm``, ``gelqf``) on the gradient's context, queued on the engine; E and Q stay
+there, and become NumPy arrays only when Checkpointer asks for the state.
 """
 from __future__ import annotations
 
