@@ -24,6 +24,8 @@ there, and become NumPy arrays only when Checkpointer asks for the state.
 """
 from __future__ import annotations
 
+import math
+
 import mxnet as mx
 import numpy as np
 
@@ -82,7 +84,7 @@ class PowerSGD(Codec):
         if len(shape) < 2:
             return None
         n = int(shape[0])
-        m = int(np.prod(shape[1:]))
+        m = math.prod(shape[1:])
         r = min(self.rank, n, m)
         if n * m < max(self.min_size, 1) or n * m < self.min_compression_rate * r * (n + m):
             return None

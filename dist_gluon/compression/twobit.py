@@ -37,6 +37,8 @@ row-major order, so no operator has to gather.
 """
 from __future__ import annotations
 
+import math
+
 import mxnet as mx
 import numpy as np
 
@@ -69,9 +71,8 @@ class TwoBit(Codec):
         # index -> residual, flat, in the gradient's dtype, on its context (a NumPy
         # array between load_state() and the tensor's next step)
         self._residuals: dict = {}
-        # index -> packed words: a key sent with a new array each step would wait for
-        # the previous one, so each tensor keeps its own
-        self._wires: dict = {}
+        # index -> _Tensor: its packed words and how it travels
+        self._tensors: dict = {}
         self._scratch = Scratch()
 
     def reduce(self, kv, indices, keys, grads, priority) -> None:
@@ -80,16 +81,26 @@ class TwoBit(Codec):
         plain_keys, plain = [], []
         # backward order: the last layers' gradients are ready first
         for index, key, grad in reversed(list(zip(indices, keys, grads))):
-            if grad.size < max(self.min_size, 1):
+            # a few calls into MXNet per tensor and step: with ResNet-50's 161 tensors
+            # the Python side, not the kernels, sets the codec's pace
+            signature = (grad.shape, grad.dtype, grad.context, packing)
+            tensor = self._tensors.get(index)
+            fresh = tensor is None or tensor.signature != signature
+            if fresh:
+                tensor = self._tensors[index] = _Tensor(signature, self.min_size)
+            if tensor.plain:
                 plain_keys.append(key)
                 plain.append(grad)
                 continue
-            wire = self._wire(index, grad, packing)
-            packing.encode(grad, self._residual(index, grad), self.threshold, wire,
-                           self._scratch)
-            kv.pushpull(f"{key}.2bit", wire,
+            residual = self._residuals.get(index)
+            if fresh or not isinstance(residual, mx.nd.NDArray):
+                residual = self._residual(index, grad)
+            packing.encode(grad, residual, self.threshold, tensor.wire, self._scratch,
+                           tensor.fused)
+            kv.pushpull(f"{key}.2bit", tensor.wire,
                         priority=-index if isinstance(index, int) else priority)
-            packing.decode(wire, grad, self.threshold, self._scratch)
+            packing.decode(tensor.wire, grad, self.threshold, self._scratch, tensor.fused,
+                           tensor.size)
         plain_sum(kv, plain_keys[::-1], plain[::-1], priority)
 
     def _residual(self, index, grad) -> mx.nd.NDArray:
@@ -101,15 +112,6 @@ class TwoBit(Codec):
             residual = mx.nd.zeros((grad.size,), ctx=grad.context, dtype=grad.dtype)
         self._residuals[index] = residual
         return residual
-
-    def _wire(self, index, grad, packing: Packing) -> mx.nd.NDArray:
-        words = packing.words(grad.size)
-        wire = self._wires.get(index)
-        if (wire is None or wire.shape != (words,) or wire.context != grad.context
-                or wire.dtype != np.dtype(packing.carrier)):
-            wire = self._wires[index] = mx.nd.zeros((words,), ctx=grad.context,
-                                                    dtype=packing.carrier)
-        return wire
 
     def local_state(self) -> dict:
         return {"residuals": {index: r.asnumpy() if isinstance(r, mx.nd.NDArray) else r
@@ -138,6 +140,21 @@ def _quantize(grad: mx.nd.NDArray, residual: mx.nd.NDArray, t: float,
                        out=residual)
     if dtype != np.float32:
         mx.nd.Cast(code, dtype="float32", out=codes[:size])
+
+
+class _Tensor:
+    """What the codec keeps of one gradient between steps, valid while its shape, dtype
+    and context (``signature``) stay: its packed words (a key sent with a new array each
+    step would wait for the previous one, so each tensor keeps its own), its size and
+    whether it goes through the fused kernels."""
+
+    def __init__(self, signature: tuple, min_size: int):
+        self.signature = signature
+        shape, dtype, ctx, packing = signature
+        self.size = math.prod(shape)
+        self.plain = self.size < max(min_size, 1)
+        self.fused = packing.fused_for(dtype, ctx)
+        self.wire = mx.nd.zeros((packing.words(self.size),), ctx=ctx, dtype=packing.carrier)
 
 
 class Scratch:
@@ -204,14 +221,17 @@ class Packing:
 
     def fused(self, grad: mx.nd.NDArray) -> bool:
         """Whether ``grad`` goes through the fused kernels (:mod:`._kernels`)."""
-        return (self.use_kernels and grad.context.device_type == "cpu"
-                and np.dtype(grad.dtype) in (np.float32, np.float64) and _kernels.available())
+        return self.fused_for(grad.dtype, grad.context)
+
+    def fused_for(self, dtype, ctx) -> bool:
+        return (self.use_kernels and ctx.device_type == "cpu"
+                and np.dtype(dtype) in (np.float32, np.float64) and _kernels.available())
 
     def encode(self, grad: mx.nd.NDArray, residual: mx.nd.NDArray, threshold: float,
-               wire: mx.nd.NDArray, scratch: Scratch) -> None:
+               wire: mx.nd.NDArray, scratch: Scratch, fused: bool | None = None) -> None:
         """Quantise ``grad`` plus ``residual`` (updated) and pack the codes into
-        ``wire``."""
-        if self.fused(grad):
+        ``wire``; ``fused``: :meth:`fused` of ``grad``, if the caller knows it."""
+        if self.fused(grad) if fused is None else fused:
             mx.nd.dg_twobit_quantize(grad, residual, threshold=threshold, width=self.width,
                                      per_word=self.per_word, carrier=self.carrier, out=wire)
             return
@@ -220,13 +240,15 @@ class Packing:
         self.pack(codes, wire)
 
     def decode(self, wire: mx.nd.NDArray, grad: mx.nd.NDArray, threshold: float,
-               scratch: Scratch) -> None:
+               scratch: Scratch, fused: bool | None = None, size: int | None = None
+               ) -> None:
         """Unpack the summed ``wire`` into ``grad``: ``threshold * (field - workers)``."""
-        if self.fused(grad):
+        if self.fused(grad) if fused is None else fused:
+            size = grad.size if size is None else size
             mx.nd.dg_twobit_dequantize(wire, threshold=threshold, width=self.width,
                                        per_word=self.per_word, workers=self.workers,
-                                       size=grad.size, dtype=np.dtype(grad.dtype).name,
-                                       out=grad.reshape((-1,)))
+                                       size=size, dtype=np.dtype(grad.dtype).name,
+                                       out=grad.reshape((size,)))
             return
         self.unpack(wire, grad, threshold, scratch)
 
