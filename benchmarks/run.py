@@ -15,6 +15,10 @@
 3. Scaling: samples/s of examples/mnist/train_gluon.py with 1 and 2 workers.
 4. SyncBatchNorm: the training step of ResNet-18 with dg.SyncBatchNorm against
    nn.BatchNorm, 2 workers (bench_syncbn.py).
+5. Codecs: GB/s of gradient that each compression codec processes on one core (2-bit
+   fused and on stock operators, PowerSGD, fp16) on a 4096 x 25088 matrix and on
+   ResNet-50's gradients, beside MXNet's own C++ 2-bit and a memory copy
+   (bench_codecs.py, one process).
 
 Every job runs through ``python -m dist_gluon.launch`` with OMP_NUM_THREADS=1 per
 process. The results go to benchmarks/RESULTS.md (and the raw numbers to
@@ -59,6 +63,7 @@ FULL = {
     "mnist_epochs": 4, "mnist_reps": 2, "scaling_backends": BACKENDS,
     "mnist_large_batches": (128,),
     "syncbn": {"warmup": 3, "rounds": 10, "backends": BACKENDS},
+    "codecs": {"quick": False},
 }
 QUICK = {
     "sizes_mib": (1, 10), "comm_reps": 3, "comm_warmup": 1,
@@ -67,6 +72,7 @@ QUICK = {
     "mnist_epochs": 1, "mnist_reps": 1, "scaling_backends": ("horovod",),
     "mnist_large_batches": (),
     "syncbn": {"warmup": 1, "rounds": 3, "backends": ("horovod",)},
+    "codecs": {"quick": True},
 }
 
 
@@ -366,6 +372,63 @@ def run_syncbn(cfg, timeout: float) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- part 5
+CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "fp16", "mxnet 2bit", "memory copy")
+
+
+def run_codecs(cfg, workdir: Path, timeout: float) -> dict:
+    """Codec throughput on one core, in one process (no launcher: nothing is sent)."""
+    shapes = workdir / "resnet50_shapes.json"
+    shapes.write_text(json.dumps(resnet50_shapes()))
+    cmd = [PY, str(HERE / "bench_codecs.py"), "--shapes", str(shapes)]
+    if cfg["codecs"]["quick"]:
+        cmd.append("--quick")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    payloads = [json.loads(line[len(RESULT_TAG):]) for line in proc.stdout.splitlines()
+                if line.startswith(RESULT_TAG)]
+    if proc.returncode == 0 and payloads:
+        log("codec throughput measured")
+        return payloads[-1]
+    tail = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-8:]
+    log(f"codec throughput FAILED: {' | '.join(tail)[:400]}")
+    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+
+
+def codecs_table(codecs: dict) -> list[str]:
+    if "error" in codecs:
+        return [f"Not measured: {codecs['error']}."]
+    cases = codecs["cases"]
+    names = {"matrix": "matrix", "resnet50": "ResNet-50"}
+    header = " | ".join(f"{names.get(c, c)} ({cases[c]['tensors']} tensor"
+                        f"{'s' if cases[c]['tensors'] > 1 else ''}, "
+                        f"{cases[c]['bytes'] / MIB:.0f} MiB): GB/s, ms" for c in cases)
+    lines = [f"| codec | {header} |", "|---|" + "---:|" * len(cases)]
+    for row in CODEC_ROWS:
+        cells = []
+        for case in cases.values():
+            seconds = case["seconds"].get(row)
+            cells.append("–" if seconds is None else
+                         f"{case['bytes'] / seconds / 1e9:.2f}, {seconds * 1e3:.0f}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def codec_targets(codecs: dict) -> list[str]:
+    rows = []
+    for case, entry in codecs.get("cases", {}).items():
+        ours, theirs = entry["seconds"].get("2bit"), entry["seconds"].get("mxnet 2bit")
+        ok = None if ours is None or theirs is None else ours <= theirs
+        rows.append(f"| codecs, {case}: our 2-bit at least as fast as MXNet's 2-bit "
+                    f"(MXNet's time / ours >= 1) | {ratio(theirs, ours)} | {verdict(ok)} |")
+    return rows
+
+
 # --------------------------------------------------------------------------- report
 def ms(seconds) -> str:
     return "–" if seconds is None else f"{seconds * 1e3:.1f}"
@@ -515,7 +578,7 @@ def targets(results: dict) -> list[str]:
                 rate = nbytes / t / 1e9
                 rows.append(f"| horovod over MPI, {case} sum >= {bound:g} GB/s | "
                             f"{rate:.2f} GB/s | {verdict(rate >= bound)} |")
-    return rows
+    return rows + codec_targets(results.get("codecs", {}))
 
 
 def scaling_table(scaling: dict) -> list[str]:
@@ -701,6 +764,31 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             *syncbn_table(results["syncbn"]),
             "",
         ]
+    if "codecs" in results:
+        codecs = results["codecs"]
+        load_note = "" if "error" in codecs else (
+            f" Load average during this part: {codecs['load_start'][0]:.2f} at its start, "
+            f"{codecs['load_end'][0]:.2f} at its end.")
+        text += [
+            "## 5. Codec throughput on one core",
+            "",
+            "GB/s of float32 gradient (10^9 bytes) that a codec's `reduce` processes, "
+            "and the milliseconds it takes, on a kvstore whose sum does nothing (one "
+            "process, OMP_NUM_THREADS=1): the codec's own CPU time per step on each "
+            "worker. *2bit* runs on the fused kernels (dist_gluon/compression/"
+            "_kernels.cc, loaded with `mx.library.load`)"
+            + ("" if codecs.get("fused_kernels", True) else
+               " -- **which did not load on this machine, so it ran on stock operators**")
+            + "; *2bit operators* is its fallback on MXNet's stock operators; *powersgd* "
+            "is rank 4; *mxnet 2bit* is MXNet's own C++ 2-bit: a `device` kvstore with "
+            "`set_gradient_compression`, push (quantise) and pull (dequantise) per "
+            "tensor; *memory copy* is a one-thread `NDArray.copyto` of the same tensors "
+            "(each byte read and written once). Median of 3 timed repetitions (2 with "
+            "--quick) after a warm-up." + load_note,
+            "",
+            *codecs_table(codecs),
+            "",
+        ]
     text += ["## Targets (reported, not asserted)", "", *targets(results), ""]
     path.write_text("\n".join(text))
 
@@ -713,8 +801,8 @@ def parse_args(argv=None):
                         help="smaller sizes and fewer repetitions (a few minutes); writes "
                              "RESULTS-quick.md unless --out is given")
     parser.add_argument("--only", action="append",
-                        choices=("comm", "trainer", "scaling", "syncbn"),
-                        help="run only this part (repeatable); default: all four")
+                        choices=("comm", "trainer", "scaling", "syncbn", "codecs"),
+                        help="run only this part (repeatable); default: all five")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report")
     parser.add_argument("--job-timeout", type=float, default=900,
                         help="seconds one benchmark job may run (default: 900)")
@@ -727,7 +815,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    parts = args.only or ["comm", "trainer", "scaling", "syncbn"]
+    parts = args.only or ["comm", "trainer", "scaling", "syncbn", "codecs"]
     started = time.monotonic()
     results = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick
                                                                  else ""),
@@ -744,6 +832,8 @@ def main(argv=None) -> int:
             results["scaling"] = run_scaling(cfg, args.job_timeout)
         if "syncbn" in parts:
             results["syncbn"] = run_syncbn(cfg, args.job_timeout)
+        if "codecs" in parts:
+            results["codecs"] = run_codecs(cfg, Path(tmp), args.job_timeout)
     results["load_end"] = load()
     results["others_cpu_share"] = others_share(cpu_start, cpu_seconds(),
                                                results["machine"]["cores"] or 1)
@@ -762,6 +852,7 @@ def main(argv=None) -> int:
                if isinstance(entry, dict) and entry.get("errors")]
     failed += [f"syncbn {backend}" for backend, payload in results.get("syncbn", {}).items()
                if "error" in payload]
+    failed += ["codecs"] if "error" in results.get("codecs", {}) else []
     if failed:
         log(f"failed jobs: {', '.join(failed)}")
     return 1 if failed else 0

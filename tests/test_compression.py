@@ -133,6 +133,18 @@ def test_a_resumed_compressed_run_equals_the_uninterrupted_one(job, codec, rank)
                       _weights(job, f"{codec}_resumed", rank)) == 0.0
 
 
+def test_a_steady_compressed_step_copies_nothing_between_mxnet_and_numpy(backend, tmp_path):
+    """Every codec runs on MXNet's engine: in steady steps no gradient-sized array goes
+    to NumPy or comes from it (each such copy would wait for the backward pass and, on a
+    GPU, drain the device), on every backend."""
+    assert_ok(run(_job(backend, "host_copies", tmp_path), tmp_path))
+    for rank in (0, 1):
+        counts = json.loads((tmp_path / f"host_copies_rank{rank}.json").read_text())
+        assert set(counts) == {"fp16", "2bit", "2bit-operators", "powersgd"}
+        for case, found in counts.items():
+            assert found["count"] == 0, f"rank {rank}, {case}: {found['summary']}"
+
+
 # ------------------------------------------------------------------------- one process
 def test_on_one_process_compression_changes_nothing(tmp_path):
     assert_ok(run([sys.executable, str(CASES), str(tmp_path), "dg"], tmp_path))
@@ -177,30 +189,70 @@ def test_predivision_with_2bit_or_powersgd_is_refused():
                                   gradient_predivide_factor=2.0, kv="local")
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "operators"])
 @pytest.mark.parametrize("workers", [2, 3, 4, 7, 8, 16, 100, 200])
 @pytest.mark.parametrize("bits", [24, 31])
-def test_packed_codes_of_every_worker_sum_to_the_sum_of_codes(workers, bits):
+def test_packed_codes_of_every_worker_sum_to_the_sum_of_codes(workers, bits, fused):
     rng = np.random.RandomState(workers)
     codes = rng.randint(-1, 2, size=(workers, 1001)).astype(np.int8)
     width = (2 * workers).bit_length()
     per_word = bits // width
-    words = sum(twobit._pack(c, width, per_word) for c in codes)
+    carrier = "float32" if bits == 24 else "int32"
+    words = sum(twobit._pack(c, width, per_word, carrier, fused).astype(np.int64) for c in codes)
     assert words.max() < 2 ** bits
     # through the carrier dtype, as the backend sums it
     carrier = np.float32 if bits == 24 else np.int32
-    fields = twobit._unpack(words.astype(carrier), width, per_word, 1001)
+    fields = twobit._unpack(words.astype(carrier), width, per_word, 1001, fused)
+    assert fields.min() >= 0 and fields.max() <= 2 * workers
     summed = fields.astype(int) - workers
     assert np.array_equal(summed, codes.sum(axis=0))
 
 
-def test_2bit_quantisation_keeps_mxnets_residual():
-    codec = compression.TwoBit(threshold=0.5)
+def _one_worker_2bit(grad, residual, fused, carrier="int32", threshold=0.5):
+    """One worker's 2-bit step through the codec's engine path: (what the optimizer
+    would see, the new residual)."""
+    per_word = 10 if carrier == "int32" else 8
+    packing = twobit.Packing(3, per_word, carrier, workers=1, use_kernels=fused)
+    assert packing.fused(grad) == (fused and grad.dtype != np.float16)
+    wire = mx.nd.zeros((packing.words(grad.size),), dtype=carrier)
+    scratch = twobit.Scratch()
+    packing.encode(grad, residual, threshold, wire, scratch)
+    packing.decode(wire, grad, threshold, scratch)
+    return grad.asnumpy(), residual.asnumpy()
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "operators"])
+def test_2bit_quantisation_keeps_mxnets_residual(fused):
     grad = mx.nd.array([0.7, -0.2, -0.6, 0.3, 0.5, -0.5])
-    assert codec._quantize(0, grad).tolist() == [1, 0, -1, 0, 1, -1]
-    np.testing.assert_allclose(codec._residuals[0], [0.2, -0.2, -0.1, 0.3, 0.0, 0.0],
-                               atol=1e-7)
+    residual = mx.nd.zeros((6,))
+    sent, kept = _one_worker_2bit(grad, residual, fused)
+    assert sent.tolist() == [0.5, 0, -0.5, 0, 0.5, -0.5]
+    np.testing.assert_allclose(kept, [0.2, -0.2, -0.1, 0.3, 0.0, 0.0], atol=1e-7)
     # the residual joins the next gradient: 0.3 + 0.3 = 0.6 >= 0.5 is sent
-    assert codec._quantize(0, mx.nd.array([0, 0, 0, 0.3, 0, 0]))[3] == 1
+    sent, _ = _one_worker_2bit(mx.nd.array([0, 0, 0, 0.3, 0, 0]), residual, fused)
+    assert sent[3] == 0.5
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "operators"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+@pytest.mark.parametrize("carrier", ["int32", "float32"])
+@pytest.mark.parametrize("size", [1, 7, 11, 1003])
+def test_2bit_on_the_engine_is_bit_identical_to_numpy(fused, dtype, carrier, size):
+    """Residual and sent values, step after step, equal MXNet's semantics written in
+    NumPy in the gradient's dtype, for sizes that leave every kind of padding."""
+    rng = np.random.RandomState(size)
+    t = np.dtype(dtype).type(0.5)
+    reference = np.zeros(size, dtype)
+    residual = mx.nd.zeros((size,), dtype=dtype)
+    for _ in range(4):
+        grad = (rng.randn(size) * 0.7).astype(dtype)
+        sent, kept = _one_worker_2bit(mx.nd.array(grad, dtype=dtype), residual, fused,
+                                      carrier)
+        reference += grad
+        codes = (reference >= t).view(np.int8) - (reference <= -t).view(np.int8)
+        reference -= np.multiply(codes, t, dtype=dtype)
+        assert np.array_equal(kept, reference)
+        assert np.array_equal(sent, codes.astype(dtype) * t)
 
 
 def test_powersgd_compresses_matrices_and_conv_kernels_not_vectors():

@@ -3,6 +3,7 @@
     python compression_cases.py OUT_DIR dg        # DistributedTrainer with every codec
     python compression_cases.py OUT_DIR mxnet     # MXNet's own dist_sync kvstore, 2-bit
     python compression_cases.py OUT_DIR reference # 2-bit in NumPy, uneven batches
+    python compression_cases.py OUT_DIR host_copies  # copies MXNet <-> NumPy per step
 
 Both modes train the same two-layer network from the same initial weights on the same
 data (each worker its own half of every global batch) with plain SGD, and save every
@@ -118,6 +119,7 @@ import dist_gluon as dg  # noqa: E402
 
 kv = dg.create()
 rank, workers = kv.rank, kv.num_workers
+
 CODECS = {
     "none": None,
     "fp16": "fp16",
@@ -127,6 +129,56 @@ CODECS = {
     "powersgd_full": {"type": "powersgd", "rank": 8, "min_compression_rate": 0},
 }
 
+if mode == "host_copies":
+    # a hybridized conv net (conv kernels and dense matrices for PowerSGD, vectors that
+    # ride along), 2 warm-up steps, then 3 steady steps counted, for every codec; 2-bit
+    # also on its stock-operator path (the fallback where the fused kernels cannot load)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from host_copies import HostCopies
+
+    from dist_gluon.compression import twobit
+
+    def conv_net():
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(8, 3, in_channels=3, activation="relu"),
+                gluon.nn.BatchNorm(in_channels=8), gluon.nn.Flatten(),
+                gluon.nn.Dense(32, activation="relu", in_units=8 * 6 * 6),
+                gluon.nn.Dense(CLASSES, in_units=32))
+        net.initialize(mx.init.Xavier(rnd_type="gaussian"))
+        net.hybridize()
+        return net
+
+    images = mx.nd.random.normal(shape=(4, 3, 8, 8))
+    labels = mx.nd.array(rng.randint(0, CLASSES, 4))
+    counts = {}
+    for case, compression in [("fp16", "fp16"), ("2bit", CODECS["2bit"]),
+                              ("2bit-operators", CODECS["2bit"]),
+                              ("powersgd", {"type": "powersgd", "rank": 2})]:
+        mx.random.seed(rank)
+        net = conv_net()
+        trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": LR},
+                                        compression=compression, prefix=f"copies.{case}")
+        fused = twobit.Packing.fused
+        if case == "2bit-operators":
+            twobit.Packing.fused = lambda self, grad: False
+        try:
+            for step in range(5):
+                if step == 2:
+                    mx.nd.waitall()
+                    copies = HostCopies().__enter__()
+                with autograd.record():
+                    loss = loss_fn(net(images), labels)
+                loss.backward()
+                trainer.step(images.shape[0])
+            mx.nd.waitall()
+            copies.__exit__(None, None, None)
+        finally:
+            twobit.Packing.fused = fused
+        counts[case] = {"count": copies.count, "summary": copies.summary()}
+    with open(os.path.join(out_dir, f"host_copies_rank{rank}.json"), "w") as f:
+        json.dump(counts, f)
+    print("host copies done", flush=True)
+    sys.exit(0)
 wire = {}
 original_pushpull = kv.pushpull
 

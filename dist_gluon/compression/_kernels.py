@@ -1,0 +1,93 @@
+"""The fused codec kernels (_kernels.cc), compiled once per machine with the system C++
+compiler and loaded with ``mx.library.load``; None where they cannot be (no compiler,
+no ``lib_api.h`` in the MXNet wheel, ``DG_COMPRESSION_KERNELS=0``), and the codecs then
+run on MXNet's stock operators, with the same results.
+
+The library is built under ``$DG_KERNEL_CACHE`` (default ``~/.cache/dist_gluon``), in a
+folder named after a hash of the source and of MXNet's version, under a file lock, so
+the workers of a job build it once between them; ``python -m
+dist_gluon.compression._kernels`` builds it ahead (as ``make setup`` can).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import mxnet as mx
+
+_SOURCE = Path(__file__).with_name("_kernels.cc")
+_OPS = ("dg_twobit_quantize", "dg_twobit_dequantize")
+# No -ffast-math: the arithmetic must be the operator path's, bit for bit
+# (-fno-trapping-math only lets the compiler compute both sides of a select).
+# -Bsymbolic: horovod's MXNet library exports lib_api.h's classes too, and ours must
+# register its operators in its own registry, not in horovod's.
+_FLAGS = ["-shared", "-fPIC", "-std=c++11", "-O3", "-ffp-contract=off",
+          "-fno-trapping-math", "-Wl,-Bsymbolic"]
+_loaded: bool | None = None
+
+
+def available() -> bool:
+    """True when the fused kernels are loaded (building them on first use)."""
+    global _loaded
+    if _loaded is None:
+        _loaded = False
+        if os.environ.get("DG_COMPRESSION_KERNELS", "1") != "0":
+            _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    if all(hasattr(mx.nd, op) for op in _OPS):
+        return True
+    try:
+        library = build()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as err:
+        warnings.warn(f"dist_gluon: the fused 2-bit kernels could not be built ({err}); "
+                      "compression runs on MXNet's stock operators (same results, slower)",
+                      stacklevel=3)
+        return False
+    mx.library.load(str(library), verbose=False)
+    return all(hasattr(mx.nd, op) for op in _OPS)
+
+
+def build() -> Path:
+    """The compiled library, built now if this machine has none for this source."""
+    package = Path(mx.__file__).parent
+    include, lib_api = package / "include", package / "src" / "lib_api.cc"
+    if not (include / "mxnet" / "lib_api.h").exists() or not lib_api.exists():
+        raise RuntimeError(f"the MXNet wheel at {package} has no lib_api.h or lib_api.cc")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    digest = hashlib.sha256(_SOURCE.read_bytes() + lib_api.read_bytes()
+                            + " ".join([compiler, *_FLAGS, mx.__version__]).encode()
+                            ).hexdigest()[:16]
+    cache = Path(os.environ.get("DG_KERNEL_CACHE")
+                 or Path.home() / ".cache" / "dist_gluon") / f"kernels-{digest}"
+    library = cache / "libdg_kernels.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if library.exists():
+            return library
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            target = Path(tmp) / library.name
+            subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE), str(lib_api),
+                            "-o", str(target)],
+                           check=True, capture_output=True, timeout=600)
+            os.replace(target, library)
+    return library
+
+
+if __name__ == "__main__":
+    print(build())
+    sys.exit(0 if available() else 1)
