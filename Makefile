@@ -14,7 +14,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup system-packages horovod test test-fast demo lm-demo lint bench bench-cluster clean
+.PHONY: setup kernels system-packages horovod test test-fast demo lm-demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -55,6 +55,14 @@ $(STAMP): setup.py constraints.txt | system-packages
 	$(PIP) install -q -c constraints.txt -e '.[examples,test]'
 	$(PY) -c 'import mxnet, numpy, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
 	@touch $(STAMP)
+
+# The fused 2-bit kernels (dist_gluon/compression/_kernels.cc), compiled once per machine
+# with the system g++ into ~/.cache/dist_gluon; without a compiler 2-bit runs on MXNet's
+# stock operators (same results, slower) and this says so.
+setup: kernels
+kernels: $(STAMP)
+	@$(PY) -c 'from dist_gluon.compression import _kernels as k; print("==> 2-bit kernels:", k.build())' || \
+		echo "==> the fused 2-bit kernels could not be built: 2-bit uses MXNet's operators"
 
 # horovod 0.28.1 with MXNet, Gloo and, when `mpicc` is found, MPI. Quick when the
 # installed build already has what it can have (hvd.mpi_built()); an environment built
