@@ -21,7 +21,9 @@ with ``g`` this worker's gradient (as the trainer hands it over):
 
 Tensors smaller than ``min_compress_bytes`` (BytePS's ``BYTEPS_MIN_COMPRESS_BYTES``,
 65536) travel uncompressed; with momentum they get BytePS's Nesterov step after the
-sum (its Python ``NagAdapter``): ``m = mu * (m + S)``, gradient ``S + m``.
+sum (its Python ``NagAdapter``): ``m = mu * (m + S)``, gradient ``S + m``, unless
+``momentum_uncompressed=False`` (dist_gluon.compat.byteps's trainer runs the adapter
+itself, after the weight decay, as BytePS's does).
 
 The compressors (``compress``; ``decompress`` fills a zero tensor):
 
@@ -212,7 +214,8 @@ class BytePSCompressor(Codec):
     name = "byteps"
 
     def __init__(self, ef: Any = None, momentum: Any = None, momentum_mu: Any = None,
-                 seed: Any = None, min_compress_bytes: Any = None):
+                 seed: Any = None, min_compress_bytes: Any = None,
+                 momentum_uncompressed: bool = True):
         if _flag(ef) and ef != "vanilla":
             raise ValueError(f"compression parameter 'ef' must be 'vanilla' (BytePS's error "
                              f"feedback) or empty, got {ef!r}")
@@ -234,9 +237,11 @@ class BytePSCompressor(Codec):
             min_compress_bytes = int(os.environ.get("BYTEPS_MIN_COMPRESS_BYTES", 65536))
         self.min_compress_bytes = check_number("min_compress_bytes", min_compress_bytes, 0,
                                                integer=True)
+        self.momentum_uncompressed = bool(momentum_uncompressed)
         self.params = {"ef": self.ef, "momentum": self.momentum,
                        "momentum_mu": self.momentum_mu, "seed": self.seed,
-                       "min_compress_bytes": self.min_compress_bytes}
+                       "min_compress_bytes": self.min_compress_bytes,
+                       "momentum_uncompressed": self.momentum_uncompressed}
         self._states: dict[Any, _TensorState] = {}
         self._lr: float | None = None
         # unseeded: this worker's own stream (drawn once per process)
@@ -261,7 +266,7 @@ class BytePSCompressor(Codec):
             else:
                 self._reduce_compressed(kv, index, key, grad, priority)
         plain_sum(kv, plain_keys, plain, priority)
-        if self.momentum:
+        if self.momentum and self.momentum_uncompressed:
             for index, grad in zip(small, plain):
                 self._nesterov_after_sum(index, grad)
 
@@ -374,15 +379,20 @@ class OneBit(BytePSCompressor):
     momentum : 'nesterov' or None
         Nesterov momentum before compression, with ``momentum_mu``.
     momentum_mu : float
+    seed : int, optional
+        Accepted by every compressor, used by randomk and dithering.
     min_compress_bytes : int, default $BYTEPS_MIN_COMPRESS_BYTES or 65536
         Smaller tensors travel uncompressed.
+    momentum_uncompressed : bool, default True
+        Nesterov momentum (after the sum) on the tensors that travel uncompressed.
     """
 
     name = "onebit"
 
     def __init__(self, scaling: Any = False, ef=None, momentum=None, momentum_mu=None,
-                 seed=None, min_compress_bytes=None):
-        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes)
+                 seed=None, min_compress_bytes=None, momentum_uncompressed=True):
+        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes,
+                         momentum_uncompressed)
         if isinstance(scaling, str):      # BytePS passes it on as str(bool)
             scaling = scaling.lower() in ("true", "1")
         self.scaling = bool(scaling)
@@ -412,8 +422,9 @@ class _Sparse(BytePSCompressor):
     """topk and randomk: ``k`` (index, value) pairs."""
 
     def __init__(self, k, ef=None, momentum=None, momentum_mu=None, seed=None,
-                 min_compress_bytes=None):
-        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes)
+                 min_compress_bytes=None, momentum_uncompressed=True):
+        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes,
+                         momentum_uncompressed)
         self.k = check_number("k", k, 0, strict=True)
         self.params = {"k": self.k, **self.params}
 
@@ -479,8 +490,10 @@ class Dithering(BytePSCompressor):
     name = "dithering"
 
     def __init__(self, k, partition=None, normalize=None, ef=None, momentum=None,
-                 momentum_mu=None, seed=None, min_compress_bytes=None):
-        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes)
+                 momentum_mu=None, seed=None, min_compress_bytes=None,
+                 momentum_uncompressed=True):
+        super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes,
+                         momentum_uncompressed)
         self.k = check_number("k", k, 1, integer=True)
         partition = partition or "linear"
         normalize = normalize or "max"
