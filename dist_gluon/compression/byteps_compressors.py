@@ -205,11 +205,20 @@ class _TensorState:
         self.steps = 0
         self.last_lr: float | None = None
 
+    def on(self, ctx) -> _TensorState:
+        """The arrays on ``ctx`` (a checkpoint restores them to the CPU)."""
+        for field in ("momentum", "error", "server_error", "nag"):
+            value = getattr(self, field)
+            if value is not None and value.context != ctx:
+                setattr(self, field, value.as_in_context(ctx))
+        return self
+
 
 class BytePSCompressor(Codec):
     """Common part of BytePS's compressors: error feedback, momentum, the server's
-    turn, state. Subclasses define ``_compress(p, stream, step)`` -> message and
-    ``_decompress(message rows)`` -> dense rows, and how the message travels."""
+    turn, state. Subclasses define ``_compress(p, stream, step)`` -> (message, what it
+    decompresses to) and ``_decompress_rows(message rows)`` -> dense rows, and how the
+    message travels."""
 
     name = "byteps"
 
@@ -282,7 +291,7 @@ class BytePSCompressor(Codec):
         return 1.0 if lr is None or last is None or lr == 0 else last / lr
 
     def _reduce_compressed(self, kv, index, key, grad, priority) -> None:
-        state = self._state(index)
+        state = self._state(index).on(grad.context)
         g = grad.reshape((-1,))
         ratio = self._ratio(state) if self.ef else 1.0
         # 1-2: momentum, then the error kept from the last step
@@ -295,9 +304,9 @@ class BytePSCompressor(Codec):
             p = p + ratio * state.error if ratio != 1.0 else p + state.error
         # 3: this worker's message
         step = state.steps
-        message = self._compress(p, self._worker_stream, step)
+        message, sent = self._compress(p, self._worker_stream, step)
         if self.ef:
-            state.error = p - self._decompress_one(message, p)
+            state.error = p - sent
         # 4: every worker's message, decompressed and summed as the server does
         rows = self._gather(kv, key, message, priority)
         total = self._decompress_rows(rows, g).sum(axis=0)
@@ -305,24 +314,19 @@ class BytePSCompressor(Codec):
         q = total
         if self.ef and state.server_error is not None:
             q = q + ratio * state.server_error if ratio != 1.0 else q + state.server_error
-        reply = self._compress(q, self._server_stream, step)
-        result = self._decompress_one(reply, q)
+        _, result = self._compress(q, self._server_stream, step)
         if self.ef:
             state.server_error = q - result
         state.steps = step + 1
         grad[:] = result.reshape(grad.shape)
 
     def _nesterov_after_sum(self, index, grad) -> None:
-        state = self._state(index)
+        state = self._state(index).on(grad.context)
         if state.nag is None:
             state.nag = mx.nd.zeros_like(grad)
         state.nag += grad
         state.nag *= self.momentum_mu
         grad += state.nag
-
-    def _decompress_one(self, message, like) -> mx.nd.NDArray:
-        rows = tuple(part.expand_dims(0) for part in message)
-        return self._decompress_rows(rows, like)[0]
 
     # ------------------------------------------------------------ subclasses
     def _compress(self, p: mx.nd.NDArray, stream: int, step: int) -> tuple:
@@ -358,6 +362,12 @@ class BytePSCompressor(Codec):
             self._state(index).steps = int(steps)
         for index, lr in shared.get("last_lr", {}).items():
             self._state(index).last_lr = lr
+
+
+def _require_k(name: str, k) -> None:
+    if k is None:
+        raise ValueError(f"the {name} compressor needs 'k' (BytePS has no default), e.g. "
+                         f"{{'type': {name!r}, 'k': {0.01 if name != 'dithering' else 4}}}")
 
 
 def _k_of(k, size: int) -> int:
@@ -404,7 +414,9 @@ class OneBit(BytePSCompressor):
             scale = (mx.nd.abs(p).astype("float64").sum() / p.size).astype("float32")
         else:
             scale = mx.nd.ones((1,), ctx=p.context, dtype="float32")
-        return (_pack(negative, 1), scale.reshape((1,)))
+        # what the receiver unpacks, computed from the signs directly
+        sent = mx.nd.broadcast_mul(1.0 - 2.0 * negative, scale.reshape((1,)))
+        return (_pack(negative, 1), scale.reshape((1,))), sent.astype(p.dtype, copy=False)
 
     def _decompress_rows(self, rows, like):
         words, scales = rows
@@ -421,10 +433,11 @@ class OneBit(BytePSCompressor):
 class _Sparse(BytePSCompressor):
     """topk and randomk: ``k`` (index, value) pairs."""
 
-    def __init__(self, k, ef=None, momentum=None, momentum_mu=None, seed=None,
+    def __init__(self, k=None, ef=None, momentum=None, momentum_mu=None, seed=None,
                  min_compress_bytes=None, momentum_uncompressed=True):
         super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes,
                          momentum_uncompressed)
+        _require_k(self.name, k)
         self.k = check_number("k", k, 0, strict=True)
         self.params = {"k": self.k, **self.params}
 
@@ -442,7 +455,9 @@ class _Sparse(BytePSCompressor):
         # indices travel as float32 (exact below 2**24 elements), else float64
         index_dtype = "float32" if p.size <= 1 << 24 else "float64"
         indices = self._indices(p, stream, step)
-        return (indices.astype(index_dtype), mx.nd.take(p, indices.astype("int64")))
+        message = (indices.astype(index_dtype), mx.nd.take(p, indices.astype("int64")))
+        sent = self._decompress_rows(tuple(part.expand_dims(0) for part in message), p)[0]
+        return message, sent
 
     def _decompress_rows(self, rows, like):
         indices, values = rows
@@ -489,11 +504,12 @@ class Dithering(BytePSCompressor):
 
     name = "dithering"
 
-    def __init__(self, k, partition=None, normalize=None, ef=None, momentum=None,
+    def __init__(self, k=None, partition=None, normalize=None, ef=None, momentum=None,
                  momentum_mu=None, seed=None, min_compress_bytes=None,
                  momentum_uncompressed=True):
         super().__init__(ef, momentum, momentum_mu, seed, min_compress_bytes,
                          momentum_uncompressed)
+        _require_k(self.name, k)
         self.k = check_number("k", k, 1, integer=True)
         partition = partition or "linear"
         normalize = normalize or "max"
@@ -504,6 +520,8 @@ class Dithering(BytePSCompressor):
             raise ValueError(f"compression parameter 'normalize' must be 'max' or 'l2', got "
                              f"{normalize!r}")
         self.partition, self.normalize = partition, normalize
+        # the denominator of a decoded level: k (linear) or 2**(k-1) (natural)
+        self._levels = float(self.k if partition == "linear" else 1 << (self.k - 1))
         # a signed level (linear) or signed exponent + 1 (natural), shifted to 0..2k
         self._width = (2 * self.k).bit_length()
         if self._width > _WORD_BITS:
@@ -537,18 +555,21 @@ class Dithering(BytePSCompressor):
             code = mx.nd.where(level > 0, mx.nd.log2(mx.nd.maximum(level, 1.0)) + 1,
                                mx.nd.zeros_like(level))
         signed = mx.nd.where(p < 0, -code, code) + self.k
-        return (_pack(signed.astype("float32"), self._width), scale.astype("float32"))
+        scale = scale.astype("float32")
+        # what the receiver decodes: the same float32 arithmetic as _decompress_rows
+        magnitude = mx.nd.broadcast_mul(level.astype("float32"), scale) / self._levels
+        sent = mx.nd.where(p < 0, -magnitude, magnitude).astype(p.dtype, copy=False)
+        return (_pack(signed.astype("float32"), self._width), scale), sent
 
     def _decompress_rows(self, rows, like):
         words, scales = rows
         signed = _unpack(words, self._width, like.size) - self.k
         code = mx.nd.abs(signed)
         if self.partition == "linear":
-            level, levels = code, float(self.k)
+            level = code
         else:
             level = mx.nd.where(code > 0, mx.nd.power(2.0, code - 1), mx.nd.zeros_like(code))
-            levels = float(1 << (self.k - 1))
-        magnitude = mx.nd.broadcast_mul(level, scales.reshape((-1, 1))) / levels
+        magnitude = mx.nd.broadcast_mul(level, scales.reshape((-1, 1))) / self._levels
         values = mx.nd.where(signed < 0, -magnitude, magnitude)
         return values.astype(like.dtype, copy=False)
 

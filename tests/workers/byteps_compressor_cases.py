@@ -7,14 +7,17 @@ rank replays the whole job in NumPy: every worker's momentum, error feedback and
 compression, the server's sum of the decompressed messages, its error feedback and
 compression of the sum. The random draws are the codec's own (a hash of seed, step and
 element, transcribed here); without a seed the ranks exchange their streams first.
-From the third step on, a step must make no copy between MXNet and NumPy.
-Prints one line per configuration and 'byteps compressor cases passed'.
+From the third step on, a step must make no copy between MXNet and NumPy. Last, a
+DistributedTrainer with each compressor resumes from a Checkpointer exactly. Prints one
+line per configuration and 'byteps compressor cases passed'.
 """
 import sys
+import tempfile
 from pathlib import Path
 
 import mxnet as mx
 import numpy as np
+from mxnet import autograd, gluon
 
 import dist_gluon as dg
 from dist_gluon import compression
@@ -208,12 +211,50 @@ def check(kv, spec):
           f"{STEPS} steps equal BytePS's algorithm")
 
 
+def resumes_exactly(kv, spec, directory):
+    """Train 2 steps, save, train 2 more; a fresh net and trainer restored from the
+    checkpoint take the same 2 steps to the same weights, bit for bit."""
+    spec = dict(spec, min_compress_bytes=0)
+    data = np.random.RandomState(kv.rank).randn(4 * 8, 20).astype(F32)
+
+    def build():
+        net = gluon.nn.Dense(30, in_units=20)
+        net.initialize(mx.init.Uniform())
+        trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
+                                        {"learning_rate": 0.1}, kv=kv, compression=spec)
+        return net, trainer
+
+    def train(net, trainer, steps):
+        for step in steps:
+            with autograd.record():
+                loss = (net(mx.nd.array(data[8 * step:8 * step + 8])) ** 2).sum()
+            loss.backward()
+            trainer.step(8)
+        return net.weight.data().asnumpy()
+
+    checkpoints = dg.Checkpointer(directory, kv=kv)
+    net, trainer = build()
+    dg.broadcast_parameters(net.collect_params(), kv=kv)
+    train(net, trainer, [0, 1])
+    checkpoints.save(net, trainer, epoch=1)
+    expected = train(net, trainer, [2, 3])
+    net, trainer = build()
+    checkpoints.restore(net, trainer)
+    assert np.array_equal(train(net, trainer, [2, 3]), expected), f"{spec}: resumed differently"
+
+
 def main():
     kv = dg.create()
     if kv.num_workers < 2:
         raise SystemExit("run on 2 or more workers (codecs run only on several)")
     for spec in CONFIGS:
         check(kv, spec)
+    directory = kv.broadcast_object(tempfile.mkdtemp() if kv.rank == 0 else None)
+    for spec in CONFIGS:
+        if spec.get("seed") or spec["type"] in ("onebit", "topk"):
+            resumes_exactly(kv, spec, f"{directory}/{spec['type']}{CONFIGS.index(spec)}")
+    print("DistributedTrainer: every deterministic configuration resumes from a "
+          "Checkpointer exactly")
     print("byteps compressor cases passed")
 
 
