@@ -182,6 +182,20 @@ def _unpack(words: mx.nd.NDArray, width: int, size: int) -> mx.nd.NDArray:
     return fields.reshape((rows, -1))[:, :size]
 
 
+_ONES: dict = {}
+
+
+def _sum64(x: mx.nd.NDArray) -> mx.nd.NDArray:
+    """The sum of ``x``'s elements accumulated in float64, shape (1,), as BytePS sums in
+    double (a dot product with ones: MXNet's float64 reduction is several times
+    slower)."""
+    key = (x.size, x.context)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = mx.nd.ones((x.size,), ctx=x.context, dtype="float64")
+    return mx.nd.dot(x.reshape((-1,)).astype("float64"), ones).reshape((1,))
+
+
 def _allgather(kv, key: str, part: mx.nd.NDArray, priority: int) -> mx.nd.NDArray:
     """Every worker's ``part`` (same shape on all), stacked in rank order, through the
     backend's sum: this worker's row of a zero buffer, summed."""
@@ -309,12 +323,13 @@ class BytePSCompressor(Codec):
             state.error = p - sent
         # 4: every worker's message, decompressed and summed as the server does
         rows = self._gather(kv, key, message, priority)
-        total = self._decompress_rows(rows, g).sum(axis=0)
+        dense = self._decompress_rows(rows, g)
+        total = mx.nd.add_n(*[dense[i] for i in range(dense.shape[0])])
         # 5: the server compresses the sum for the reply
         q = total
         if self.ef and state.server_error is not None:
             q = q + ratio * state.server_error if ratio != 1.0 else q + state.server_error
-        _, result = self._compress(q, self._server_stream, step)
+        _, result = self._compress(q, self._server_stream, step, pack=False)
         if self.ef:
             state.server_error = q - result
         state.steps = step + 1
@@ -329,7 +344,9 @@ class BytePSCompressor(Codec):
         grad += state.nag
 
     # ------------------------------------------------------------ subclasses
-    def _compress(self, p: mx.nd.NDArray, stream: int, step: int) -> tuple:
+    def _compress(self, p: mx.nd.NDArray, stream: int, step: int, pack: bool = True) -> tuple:
+        """(message, what it decompresses to); the server's reply is only decompressed
+        here (``pack=False``: no message)."""
         raise NotImplementedError
 
     def _decompress_rows(self, rows: tuple, like: mx.nd.NDArray) -> mx.nd.NDArray:
@@ -408,15 +425,16 @@ class OneBit(BytePSCompressor):
         self.scaling = bool(scaling)
         self.params = {"scaling": self.scaling, **self.params}
 
-    def _compress(self, p, stream, step):
+    def _compress(self, p, stream, step, pack=True):
         negative = (p < 0).astype("float32")
         if self.scaling:
-            scale = (mx.nd.abs(p).astype("float64").sum() / p.size).astype("float32")
+            scale = (_sum64(mx.nd.abs(p)) / p.size).astype("float32")
         else:
             scale = mx.nd.ones((1,), ctx=p.context, dtype="float32")
         # what the receiver unpacks, computed from the signs directly
         sent = mx.nd.broadcast_mul(1.0 - 2.0 * negative, scale.reshape((1,)))
-        return (_pack(negative, 1), scale.reshape((1,))), sent.astype(p.dtype, copy=False)
+        message = (_pack(negative, 1), scale.reshape((1,))) if pack else None
+        return message, sent.astype(p.dtype, copy=False)
 
     def _decompress_rows(self, rows, like):
         words, scales = rows
@@ -451,7 +469,7 @@ class _Sparse(BytePSCompressor):
     def _indices(self, p, stream, step) -> mx.nd.NDArray:
         raise NotImplementedError
 
-    def _compress(self, p, stream, step):
+    def _compress(self, p, stream, step, pack=True):
         # indices travel as float32 (exact below 2**24 elements), else float64
         index_dtype = "float32" if p.size <= 1 << 24 else "float64"
         indices = self._indices(p, stream, step)
@@ -530,13 +548,13 @@ class Dithering(BytePSCompressor):
         self.params = {"k": self.k, "partition": partition, "normalize": normalize,
                        **self.params}
 
-    def _compress(self, p, stream, step):
+    def _compress(self, p, stream, step, pack=True):
         # BytePS takes each |p| as a float, the scale as a double (a float on the wire)
         magnitude = mx.nd.abs(p).astype("float32").astype("float64")
         if self.normalize == "max":
-            scale = mx.nd.abs(p).astype("float64").max()
+            scale = mx.nd.abs(p).max().astype("float64")        # a max is exact
         else:
-            scale = mx.nd.sqrt(mx.nd.square(p).astype("float64").sum())
+            scale = mx.nd.sqrt(_sum64(mx.nd.square(p)))
         ratio = mx.nd.broadcast_div(magnitude, scale)
         u = uniforms(p.size, stream, step, p.context)
         if self.partition == "linear":
@@ -559,7 +577,8 @@ class Dithering(BytePSCompressor):
         # what the receiver decodes: the same float32 arithmetic as _decompress_rows
         magnitude = mx.nd.broadcast_mul(level.astype("float32"), scale) / self._levels
         sent = mx.nd.where(p < 0, -magnitude, magnitude).astype(p.dtype, copy=False)
-        return (_pack(signed.astype("float32"), self._width), scale), sent
+        message = (_pack(signed.astype("float32"), self._width), scale) if pack else None
+        return message, sent
 
     def _decompress_rows(self, rows, like):
         words, scales = rows
