@@ -96,7 +96,7 @@ def allreduce_(kv: Backend, key_: str, tensor: mx.nd.NDArray, op: int, priority:
     if op not in _OP_NAMES:
         raise ValueError(f"unknown reduction op {op!r}; use Average, Sum, Min, Max or Product")
     if prescale != 1.0:
-        tensor *= prescale
+        scale_(tensor, prescale)
     if op in (SUM, AVERAGE):
         kv.pushpull(key_, tensor, priority=priority)
     elif kv.num_workers > 1:
@@ -105,8 +105,18 @@ def allreduce_(kv: Backend, key_: str, tensor: mx.nd.NDArray, op: int, priority:
         tensor[:] = mx.nd.array(reduced, ctx=tensor.context, dtype=tensor.dtype)
     factor = postscale / kv.num_workers if op == AVERAGE else postscale
     if factor != 1.0:
-        tensor *= factor
+        scale_(tensor, factor)
     return tensor
+
+
+def scale_(tensor: mx.nd.NDArray, factor: float) -> None:
+    """``tensor *= factor`` in place as horovod scales: an integer tensor is multiplied
+    in double precision and truncated toward zero (MXNet's own ``*=`` would cast the
+    factor to the integer type first: 0.5 becomes 0)."""
+    if np.dtype(tensor.dtype).kind in "iub":
+        tensor[:] = (tensor.astype("float64") * factor).astype(tensor.dtype)
+    else:
+        tensor *= factor
 
 
 def broadcast_(kv: Backend, key_: str, tensor: mx.nd.NDArray, root_rank: int,

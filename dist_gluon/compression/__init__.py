@@ -21,11 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 from .base import Codec
+from .byteps_compressors import Dithering, OneBit, RandomK, TopK
 from .fp16 import FP16
 from .powersgd import PowerSGD
 from .twobit import TwoBit
 
 CODECS: dict[str, type[Codec]] = {"fp16": FP16, "2bit": TwoBit, "powersgd": PowerSGD}
+# BytePS's compressors, with its parameter names (byteps_compressors.py)
+CODECS.update({"onebit": OneBit, "topk": TopK, "randomk": RandomK, "dithering": Dithering})
 
 
 def parse(compression: Any) -> dict | None:

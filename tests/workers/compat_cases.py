@@ -70,12 +70,22 @@ close(hvd.allreduce(mx.nd.ones((4,)) * (r + 1), name="v", op=hvd.Sum),
       np.full(4, sum(q + 1 for q in ranks)))
 ints = hvd.allreduce(mx.nd.array([r + 1, 10], dtype="int32"), op=hvd.Sum)
 assert ints.dtype == np.int32 and ints.asnumpy().tolist() == [N * (N + 1) // 2, 10 * N]
+# integers averaged or scaled as horovod does: in double precision, truncated toward zero
+mine_ints = np.array([r + 1, -(r + 1), 7 * (r + 1)])
+every_ints = np.stack([np.array([q + 1, -(q + 1), 7 * (q + 1)]) for q in ranks])
+averaged = hvd.allreduce(mx.nd.array(mine_ints, dtype="int32"))
+assert averaged.dtype == np.int32
+assert averaged.asnumpy().tolist() == np.trunc(every_ints.sum(0) / N).astype(int).tolist()
+scaled = hvd.allreduce(mx.nd.array(mine_ints, dtype="int32"), op=hvd.Sum,
+                       prescale_factor=0.5, postscale_factor=3.0)
+assert scaled.asnumpy().tolist() == (np.trunc(every_ints * 0.5).sum(0) * 3).tolist()
 grouped = hvd.grouped_allreduce([mine, mine * 2], op=hvd.Sum)
 close(grouped[0], every.sum(0))
 close(grouped[1], 2 * every.sum(0))
 expect_error(ValueError, ["supersedes average"], hvd.allreduce, mine, average=True, op=hvd.Sum)
 expect_error(NotImplementedError, ["Adasum", "op=Average"], hvd.allreduce, mine, op=hvd.Adasum)
-print("allreduce: Average, Sum, Min, Max, Product, scale factors, in place, int32, grouped")
+print("allreduce: Average, Sum, Min, Max, Product, scale factors, in place, int32 "
+      "(truncated averages), grouped")
 
 # ---------------------------------------------------------------- broadcast
 root = N - 1
@@ -167,6 +177,7 @@ for api in (hvd, bps):
     api.broadcast_parameters(params, root_rank=root)
     for k in keys:
         close(params[k], np.full(2, 10 * root + keys.index(k)))
+assert bps.parameter_index == len(keys)                           # BytePS counts them
 mx.random.seed(r)                                                 # different on every rank
 deferred = gluon.nn.Dense(3)
 deferred.initialize(mx.init.Uniform())
@@ -219,6 +230,9 @@ net, trainer = hvd_trainer(gradient_predivide_factor=4.0)
 backward(net)
 trainer.allreduce_grads()
 close(net.weight.grad()[0], sum(grads) / 4.0)                     # horovod's in-between sum
+# horovod.mxnet leaves the sum in the gradients when nccl_built() < 21000 (else it averages
+# in the allreduce): the answer matches what allreduce_grads() just did
+assert hvd.nccl_built() < 21000 and hvd.nccl_built() == 0
 trainer.update(r + 1)
 close(net.weight.data()[0], horovod_w)
 expect_error(ValueError, ["Compression.fp16", "'2bit'"], hvd.DistributedTrainer,
@@ -233,10 +247,48 @@ for compression_params, tol in ((None, 1e-6), ({"fp16": True}, 1e-3)):
     backward(net)
     trainer.step(r + 1)
     close(net.weight.data()[0], byteps_w, tol)
-expect_error(NotImplementedError, ["onebit", "'2bit'"], bps.DistributedTrainer,
-             net.collect_params(), "sgd", {"learning_rate": LR},
-             compression_params={"compressor": "onebit", "ef": "vanilla"})
-print("DistributedTrainer: horovod's and BytePS's scaling, predivide, fp16, first broadcast")
+# BytePS's gc examples' defaults: empty settings, no compression
+net = linear(r + 1)
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": LR},
+                                 root_rank=root, compression_params={
+                                     "compressor": "", "ef": None, "momentum": "",
+                                     "scaling": False, "k": 1, "fp16": False})
+backward(net)
+trainer.step(r + 1)
+close(net.weight.data()[0], byteps_w)
+# onebit with momentum: the optimizer's momentum and wd move into the compression; this
+# 12-byte weight travels uncompressed and gets BytePS's weight decay (wdmom) and Nesterov
+# momentum (nag) after the sum: g' = (1 + mu) (g + wd w), SGD without momentum or wd
+MU, WD = 0.9, 0.01
+net = linear(r + 1)
+optimizer_params = {"learning_rate": LR, "momentum": MU, "wd": WD}
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd", optimizer_params,
+                                 root_rank=root, compression_params={
+                                     "compressor": "onebit", "ef": "vanilla",
+                                     "momentum": "nesterov", "scaling": True})
+assert trainer._optimizer.momentum == 0 and trainer._optimizer.wd == 0
+codec = trainer._averager.codec                                   # dist_gluon's codec
+assert codec.name == "onebit" and codec.scaling and codec.ef == "vanilla" and \
+    codec.momentum == "nesterov" and codec.momentum_mu == MU, codec
+backward(net)
+trainer.step(r + 1)
+mean_grad = sum(g / (q + 1) for q, g in enumerate(grads)) / N
+close(net.weight.data()[0], (root + 1) - LR * (1 + MU) * (mean_grad + WD * (root + 1)), 1e-5)
+assert isinstance(bps.Compression.nag(bps.Compression.none, MU, 1024), bps.Compression.nag)
+assert isinstance(bps.Compression.wdmom(bps.Compression.none, MU, WD, 1024),
+                  bps.Compression.wdmom)
+for params, kind, words in (
+        ({"compressor": "twobit"}, ValueError, ["'twobit'", "'onebit'"]),
+        ({"compressor": "", "ef": "vanilla"}, ValueError, ["'compressor'"]),
+        ({"compressor": "topk"}, KeyError, ["'k'"]),
+        ({"compressor": "onebit", "momentum": "nesterov"}, KeyError, ["momentum"]),
+        ({"compressor": "onebit", "fp16": True}, NotImplementedError, ["fp16"]),
+        ({"compressor": "onebit", "ef": "fancy"}, ValueError, ["'vanilla'"]),
+        ({"compressor": "dithering", "k": 2, "partition": "log"}, ValueError, ["partition"])):
+    expect_error(kind, words, bps.DistributedTrainer, net.collect_params(), "sgd",
+                 {"learning_rate": LR}, compression_params=params)
+print("DistributedTrainer: horovod's and BytePS's scaling, predivide, fp16, first broadcast, "
+      "BytePS's compression_params")
 
 # ---------------------------------------------------------------- DistributedOptimizer
 for api, expected in ((hvd, 1.0 - LR * sum(grads) / (N * (r + 1))),
