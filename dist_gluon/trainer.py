@@ -100,6 +100,13 @@ class TrainerBase(gluon.Trainer):
             entries.append((i, grads[0]))
         return entries
 
+    def _tell_codec_learning_rate(self) -> None:
+        """A codec whose error feedback follows the learning rate (BytePS's, which scale
+        the kept error by the previous rate over this one) hears this step's rate."""
+        tell = getattr(self._averager.codec, "set_learning_rate", None)
+        if tell is not None:
+            tell(self.learning_rate)
+
     def _spread_grads(self) -> None:
         """Copy every summed gradient from the first device to the others."""
         if len(self._contexts) < 2:
@@ -364,6 +371,7 @@ class DistributedTrainer(TrainerBase):
 
     def _allreduce_grads(self):
         averager = self._averager
+        self._tell_codec_learning_rate()
         entries = self._grad_entries()
         if averager.codec is not None:
             # a gradient the codec refuses fails on one process too, not first on N

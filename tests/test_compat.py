@@ -118,6 +118,7 @@ def test_byteps_compressors_equal_a_numpy_transcription_of_byteps(backend, tmp_p
         assert lines[-1] == "byteps compressor cases passed"
 
 
+@pytest.mark.slow      # 30-60 s per run; the transcription test covers the codecs fast
 @pytest.mark.parametrize("flags", [(), ("--compressor", "onebit", "--ef", "vanilla",
                                         "--compress-momentum", "nesterov", "--scaling")],
                          ids=["defaults", "onebit-ef-nesterov-scaling"])

@@ -43,7 +43,6 @@ import mxnet as mx
 import numpy as np
 
 from ..compression import CODECS
-from ..compression.byteps_compressors import BytePSCompressor
 from . import _collectives as _c
 from ._training import Compression as _PeerCompression
 from ._training import PeerOptimizer, PeerTrainer, _Compressor, broadcast_dict, broadcast_model
@@ -347,10 +346,8 @@ class DistributedTrainer(PeerTrainer):
         super().step(batch_size, ignore_stale_grad)
 
     def _allreduce_grads(self):
-        codec = self._averager.codec
-        if isinstance(codec, BytePSCompressor):
-            # BytePS's trainer writes it to lr.s for the error feedback's ratio
-            codec.set_learning_rate(self.learning_rate)
+        # BytePS's trainer writes it to lr.s for the error feedback's ratio
+        self._tell_codec_learning_rate()
         self._sum_grads(1.0 / self._scale / self._bps_size)
         if self._adapters is not None:
             for param, adapter in zip(self._params, self._adapters):

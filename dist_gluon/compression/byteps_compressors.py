@@ -64,9 +64,9 @@ On the wire (through the backend's sum, the collective every backend has):
 Differences from BytePS: BytePS compresses each partition of a tensor
 (``BYTEPS_PARTITION_BYTES``, 4 MB) separately, here the whole tensor is one; the error
 feedback's learning-rate ratio needs the trainer to tell the codec its learning rate
-(:meth:`set_learning_rate`; ``dist_gluon.compat.byteps.DistributedTrainer`` does, as
-BytePS's trainer writes its ``lr.s`` file); with one process nothing is compressed and
-no momentum is added, as in BytePS, which compresses only in distributed jobs.
+(:meth:`set_learning_rate`; DistributedTrainer and the BytePS-style trainer do at
+every step, as BytePS's trainer writes its ``lr.s`` file); with one process nothing is
+compressed and no momentum is added, as in BytePS, which compresses only in distributed jobs.
 """
 from __future__ import annotations
 
