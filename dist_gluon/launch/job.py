@@ -33,12 +33,11 @@ import signal
 import socket
 import time
 
-from .. import jobenv
-from ..rendezvous import GlooRendezvous
-from . import channel, secret
+from . import channel, jobenv, secret
 from .channel import JoinError, Link, Listener, connect_to_master, refuse
 from .node import Node, free_port
 from .processes import TERM_GRACE
+from .rendezvous import GlooRendezvous
 from .supervisor import Supervisor
 
 SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers

@@ -10,8 +10,8 @@ import sys
 import tempfile
 import time
 
-from .. import jobcontrol, jobenv
-from . import mpi, secret
+from .. import jobcontrol
+from . import jobenv, mpi, secret
 from .processes import TERM_GRACE, Process, terminate
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
