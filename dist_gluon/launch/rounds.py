@@ -172,10 +172,10 @@ class RoundWatch:
             failure = view.service_failure(running)
             if failure:
                 return RoundEnd(Outcome.FAILED, 1, failure)
-            decision = self.supervisor.check(states)
-            if decision is not None and decision[0] == "fail":
-                return RoundEnd(Outcome.FAILED, decision[1], decision[2])
-            if decision is not None and decision[0] == "ok":
+            verdict = self.supervisor.check(states)
+            if verdict is not None and not verdict.ok:
+                return RoundEnd(Outcome.FAILED, verdict.status, verdict.report)
+            if verdict is not None and verdict.ok:
                 services_by = services_by or time.monotonic() + SERVICE_GRACE
                 if view.services_ended() or time.monotonic() > services_by:
                     if config.elastic and states and all(s["acked"] for s in states):
