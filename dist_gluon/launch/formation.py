@@ -12,7 +12,7 @@ from . import channel, policy
 from .channel import JoinError, Link, Listener, refuse
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
-from .protocol import Hello, Tick
+from .protocol import Hello, Preempt, Tick, from_node
 
 
 class Peer:
@@ -161,7 +161,8 @@ class Formation:
                 except queue.Empty:
                     break
                 ended = ended or wire is None
-                preempted = preempted or (wire is not None and wire.get("type") == "preempt")
+                preempted = preempted or (wire is not None
+                                          and isinstance(from_node(wire), Preempt))
             if preempted:
                 refuse(peer.link, f"{peer} was preempted before it was admitted; it "
                                   "leaves", status=0)

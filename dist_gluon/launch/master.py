@@ -13,7 +13,7 @@ from .formation import Formation
 from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
-from .protocol import End, News, RoundSpec, Start
+from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, from_node
 from .rendezvous import GlooRendezvous
 from .rounds import JobView, Ledger, RoundWatch
 
@@ -207,9 +207,10 @@ def _wait_stopped(links: dict[int, Link], out, timeout: float,
                 continue
             if wire is None:
                 break
-            if wire.get("type") == "preempt" and n not in preempted:
+            message = from_node(wire)
+            if isinstance(message, Preempt) and n not in preempted:
                 preempted.append(n)
-            confirmed = wire.get("type") == "stopped"
+            confirmed = isinstance(message, Stopped)
         if not confirmed:
             out.say(f"node {n} did not confirm that its processes ended")
             missing.append(n)
