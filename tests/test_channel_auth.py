@@ -18,7 +18,7 @@ import pytest
 
 from conftest import REPO, assert_ok, launch, worker_lines
 from dist_gluon.launch import channel, secret
-from dist_gluon.rendezvous import GlooRendezvous
+from dist_gluon.launch.rendezvous import GlooRendezvous
 
 SECRET = "the job's secret"
 HELLO = {"type": "hello", "node": 1, "host": "node1", "nproc": 1}
@@ -298,7 +298,7 @@ def test_the_rendezvous_serves_only_requests_with_the_job_token():
 
 
 def test_workers_get_the_token_in_the_address_that_horovod_puts_in_every_url():
-    from dist_gluon.jobenv import horovod_worker_env
+    from dist_gluon.launch.jobenv import horovod_worker_env
     env = horovod_worker_env("10.0.0.1", 29500, "eth0", "node1", 0, 2, 0, 1, 0, 2,
                              rendezvous_token="ab12")
     assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "10.0.0.1:29500/ab12"

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from conftest import REPO
-from dist_gluon import jobenv
 from dist_gluon.backends import pslite
+from dist_gluon.launch import jobenv
 
 WORKER = """
 import dist_gluon as dg

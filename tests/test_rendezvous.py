@@ -1,5 +1,6 @@
 """The Gloo rendezvous and the job environment the launcher gives workers, without
-importing mxnet or horovod (dist_gluon.rendezvous, dist_gluon.jobenv)."""
+importing mxnet or horovod (dist_gluon.launch.rendezvous,
+dist_gluon.launch.jobenv)."""
 from __future__ import annotations
 
 import http.client
@@ -15,7 +16,7 @@ import time
 import pytest
 
 from conftest import REPO
-from dist_gluon.jobenv import (
+from dist_gluon.launch.jobenv import (
     _proc_route_iface,
     gloo_iface,
     horovod_worker_env,
@@ -27,7 +28,7 @@ from dist_gluon.jobenv import (
     route_source_addr,
     worker_layout,
 )
-from dist_gluon.rendezvous import GlooRendezvous
+from dist_gluon.launch.rendezvous import GlooRendezvous
 
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv").exists() else sys.executable
 
@@ -294,7 +295,7 @@ def test_the_modules_import_neither_mxnet_nor_horovod():
     script = (
         "import importlib.util, sys\n"
         "for name in ('jobenv', 'rendezvous'):\n"
-        f"    spec = importlib.util.spec_from_file_location(name, r'{REPO}/dist_gluon/'"
+        f"    spec = importlib.util.spec_from_file_location(name, r'{REPO}/dist_gluon/launch/'"
         " + name + '.py')\n"
         "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in "

@@ -21,12 +21,8 @@ after), or no hello within HANDSHAKE_TIMEOUT, logs it with the peer's address an
 on waiting for the job's own launchers; once every node has joined it listens no more
 (an elastic job's node 0 keeps listening for nodes that join later: ``Listener``).
 
-node -> master: hello {node, host, nproc, servers, nonce}, status {states,
-service_failure, services_ended}, stacks {found}, stopped, idle (between rounds),
-preempt (its launcher got SIGTERM)
-master -> node: start {spec}, hint {low}, verdicts {verdicts}, stacks {ranks},
-stop {number} (stop at the next step boundary), news {report}, end {status, report,
-again, terminated, grace}, tick
+The messages themselves, and the spec of a round, are protocol.py's dataclasses; a hello
+carries the connecting side's nonce besides what protocol.Hello says.
 """
 from __future__ import annotations
 
@@ -40,11 +36,13 @@ import socket
 import threading
 import time
 
+from .protocol import End, Message
 from .secret import ENV as SECRET_ENV
 from .secret import FILE_FLAG as SECRET_FILE_FLAG
 
 HEARTBEAT = 0.5        # default of --heartbeat
 SILENCE = 8.0          # default of --silence-limit
+STATUS_EVERY = 0.1     # seconds between a node's status reports
 HELLO_LIMIT = 64 << 10          # bytes of a line before the peer has authenticated
 LINE_LIMIT = 64 << 20           # after: a stacks report of many ranks can be long
 HANDSHAKE_TIMEOUT = 10.0        # seconds to send the challenge or the hello
@@ -208,10 +206,13 @@ class Link:
                 self._sending_since = None
                 self._outbox.task_done()
 
-    def send(self, message: dict) -> bool:
-        """Queue ``message``; never blocks. False when the link is closed."""
+    def send(self, message: Message | dict) -> bool:
+        """Queue ``message`` (protocol.py's, or its wire form); never blocks. False when
+        the link is closed."""
         if self.closed:
             return False
+        if isinstance(message, Message):
+            message = message.to_wire()
         # the text as it is now (callers may change the dict later); the writer signs it
         self._outbox.put(json.dumps(message).encode())
         return True
@@ -341,7 +342,7 @@ class Listener:
 def refuse(link: Link, report: str, status: int = 2) -> None:
     """Tell a launcher that joined why it cannot take part (or no longer), and close
     its link; it exits with ``status``."""
-    link.send({"type": "end", "status": status, "again": False, "report": report})
+    link.send(End(status, False, report))
     link.close()
 
 

@@ -45,7 +45,9 @@ import time
 
 from .. import jobcontrol
 from . import output, ssh
+from .config import LaunchConfig
 from .processes import TAIL_LINES, Process
+from .protocol import RoundSpec
 
 MPIRUN = "mpirun"
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_rank.py")
@@ -69,11 +71,11 @@ def _link_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
-def control_link(spec: dict, node_rank: int | None = None) -> str:
+def control_link(spec: RoundSpec, node_rank: int | None = None) -> str:
     """Where node ``node_rank`` links its job-control directory for the ranks of this
     run, the same path on every node (None: the template with ``{node}``)."""
-    job = re.sub(r"[^\w.-]", "_", f"{spec['master_addr']}-{spec['rendezvous_port']}")
-    name = f"dg-mpi-{job}-r{spec['restart']}-node" + (
+    job = re.sub(r"[^\w.-]", "_", f"{spec.master_addr}-{spec.rendezvous_port}")
+    name = f"dg-mpi-{job}-r{spec.restart}-node" + (
         "{node}" if node_rank is None else str(node_rank))
     return os.path.join(_link_dir(), name)
 
@@ -243,23 +245,23 @@ def _network_cidr(addr: str) -> str | None:
     return None
 
 
-def mpirun_command(spec: dict, args, environ: dict[str, str],
+def mpirun_command(spec: RoundSpec, config: LaunchConfig, environ: dict[str, str],
                    hosts: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     """mpirun's argv and environment for one run of the job.
 
     Parameters
     ----------
-    spec : dict
+    spec : RoundSpec
         The run's spec (node 0's decisions): nproc, nnodes, restart, master_addr,
         rendezvous_port.
-    args : argparse.Namespace
-        The launcher's arguments: command, ssh_port, ssh_identity_file, iface.
+    config : LaunchConfig
+        The launcher's settings: command, ssh_port, ssh_identity_file, iface.
     environ : dict
         The workers' common environment (DG_* and the rest), from the node.
     hosts : list of str, optional
         Every node's host, in node-rank order, when there are several nodes.
     """
-    nproc, nnodes = spec["nproc"], spec["nnodes"]
+    nproc, nnodes = spec.nproc, spec.nnodes
     root_flags, root_env = _root_options(environ)
     env = {k: v for k, v in environ.items() if not _STALE.match(k)}
     env.update(root_env)
@@ -274,14 +276,14 @@ def mpirun_command(spec: dict, args, environ: dict[str, str],
     if nnodes == 1:
         argv += ["--host", f"localhost:{nproc}", "--mca", "btl", "self,vader"]
     else:
-        master = spec["master_addr"]
+        master = spec.master_addr
         argv += ["--host", ",".join(f"{h}:{nproc}" for h in hosts), "--map-by", "slot",
                  "--mca", "btl", "self,vader,tcp",
                  # node 0 starts every node's daemon itself (nodes need not reach each
                  # other over ssh), with the ssh options of -H
                  "--mca", "plm_rsh_no_tree_spawn", "1",
-                 "--mca", "plm_rsh_args", " ".join(ssh.ssh_argv(args, "")[1:-1])]
-        network = args.iface or _network_cidr(master)
+                 "--mca", "plm_rsh_args", " ".join(ssh.ssh_argv(config, "")[1:-1])]
+        network = config.iface or _network_cidr(master)
         if network:
             argv += ["--mca", "oob_tcp_if_include", network,
                      "--mca", "btl_tcp_if_include", network]
@@ -289,7 +291,7 @@ def mpirun_command(spec: dict, args, environ: dict[str, str],
             if name in _FORWARD or name.startswith(_FORWARD_PREFIXES) \
                     or name in root_env:
                 argv += ["-x", name]
-    argv += [sys.executable, SHIM, *args.command]
+    argv += [sys.executable, SHIM, *config.command]
     return argv, env
 
 
@@ -304,16 +306,16 @@ def start(node, base: dict[str, str]) -> None:
         os.unlink(link)
     os.symlink(directory, link)
     ranks = []
-    for local_rank in range(spec["nproc"]):
+    for local_rank in range(spec.nproc):
         rank, _ = node._worker_env(base, local_rank)
         ranks.append(Rank(rank, directory, owned_link=link if local_rank == 0 else None))
     node.processes.extend(ranks)
     if node.node_rank != 0:
         return
     hosts = None
-    if spec["nnodes"] > 1:
-        hosts = [spec["master_addr"]] + list(spec["hosts"][1:])
-    argv, env = mpirun_command(spec, node.args, base, hosts)
+    if spec.nnodes > 1:
+        hosts = [spec.master_addr] + list(spec.hosts[1:])
+    argv, env = mpirun_command(spec, node.config, base, hosts)
     try:
         mpirun = Process("mpirun", "mpirun", None, argv, env)
     except OSError as err:

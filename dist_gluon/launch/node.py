@@ -10,9 +10,11 @@ import sys
 import tempfile
 import time
 
-from .. import jobcontrol, jobenv
-from . import mpi, secret
+from .. import jobcontrol
+from . import jobenv, mpi, secret
+from .config import LaunchConfig
 from .processes import TERM_GRACE, Process, terminate
+from .protocol import RoundSpec
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 # --compat byteps: stand-ins for the peers' packages (dist_gluon/compat/_shims), first on
@@ -32,14 +34,14 @@ def free_port(bind_addr: str = "") -> int:
 class Node:
     """One run (one restart) of this node's processes.
 
-    ``spec`` is what node 0 decided for this run, the same on every node: backend,
-    nnodes, nodes (the node ranks of this formation, in order), nproc, servers, restart,
-    reformation, elastic, master_addr and the ports of the Gloo rendezvous or of the
-    ps-lite scheduler. ``node_rank`` is this node's position in the formation.
+    ``spec`` is what node 0 decided for this run, the same on every node
+    (:class:`~dist_gluon.launch.protocol.RoundSpec`); ``node_rank`` is this node's
+    position in the formation; ``config`` this launcher's settings (the worker command,
+    --iface, the job secret).
     """
 
-    def __init__(self, args, node_rank: int, spec: dict):
-        self.args, self.node_rank, self.spec = args, node_rank, spec
+    def __init__(self, config: LaunchConfig, node_rank: int, spec: RoundSpec):
+        self.config, self.node_rank, self.spec = config, node_rank, spec
         self.host = socket.gethostname()
         self.processes: list[Process] = []
         self._records: dict[int, jobcontrol.Record] = {}
@@ -51,12 +53,12 @@ class Node:
     @property
     def nproc(self) -> int:
         """This node's workers (0 on a node that only runs ps-lite servers)."""
-        return self.spec["slots"][self.node_rank]
+        return self.spec.slots[self.node_rank]
 
     @property
     def first_rank(self) -> int:
         # ranks are numbered node by node, over the nodes that run workers
-        return sum(self.spec["slots"][:self.node_rank])
+        return sum(self.spec.slots[:self.node_rank])
 
     @property
     def ranks(self) -> list[int]:
@@ -65,22 +67,22 @@ class Node:
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         spec = self.spec
-        nproc, nnodes = self.nproc, spec["nnodes"]
+        nproc, nnodes = self.nproc, spec.nnodes
         base = dict(os.environ)
         base.pop(secret.ENV, None)      # the launchers' alone
         base.setdefault("PYTHONUNBUFFERED", "1")
         base.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, nproc))))
-        base.update({"DG_NUM_WORKERS": str(sum(spec["slots"])), "DG_BACKEND": spec["backend"],
-                     "DG_RESTART": str(spec["restart"]), "DG_NNODES": str(nnodes),
-                     "DG_REFORMATION": str(spec.get("reformation", 0)),
+        base.update({"DG_NUM_WORKERS": str(spec.num_workers), "DG_BACKEND": spec.backend,
+                     "DG_RESTART": str(spec.restart), "DG_NNODES": str(nnodes),
+                     "DG_REFORMATION": str(spec.reformation),
                      "DG_NODE_RANK": str(self.node_rank),
                      jobcontrol.ENV_DIR: self._control_dir})
-        if spec.get("elastic"):
+        if spec.elastic:
             base["DG_ELASTIC"] = "1"        # dist_gluon.stop_requested() asks every rank
         if base.get(COMPAT_ENV):
             base["PYTHONPATH"] = os.pathsep.join(
                 p for p in (_COMPAT_SHIMS, base.get("PYTHONPATH")) if p)
-        if spec["backend"] == "horovod":
+        if spec.backend == "horovod":
             self._start_horovod(base)
         else:
             self._start_pslite(base)
@@ -93,38 +95,39 @@ class Node:
 
     def _start_horovod(self, base):
         spec = self.spec
-        if spec.get("transport") == "mpi":
+        if spec.transport == "mpi":
             mpi.start(self, base)
             return
-        nproc, nnodes = spec["nproc"], spec["nnodes"]
+        nproc, nnodes = spec.nproc, spec.nnodes
         if nnodes == 1:
             addr, iface, label = "127.0.0.1", "lo", "localhost"
         else:
-            addr = socket.gethostbyname(spec["master_addr"])
-            iface = self.args.iface or jobenv.gloo_iface(addr)
+            addr = socket.gethostbyname(spec.master_addr)
+            iface = self.config.iface or jobenv.gloo_iface(addr)
             label = self.host
         for local_rank in range(nproc):
             rank, env = self._worker_env(base, local_rank)
             layout = jobenv.worker_layout([nproc] * nnodes, self.node_rank, local_rank)
             env.update(jobenv.horovod_worker_env(
-                addr, spec["rendezvous_port"], iface, label, **layout._asdict(),
-                rendezvous_token=secret.rendezvous_token(self.args.job_secret, spec)))
-            self._spawn(str(rank), "worker", rank, self.args.command, env)
+                addr, spec.rendezvous_port, iface, label, **layout._asdict(),
+                rendezvous_token=secret.rendezvous_token(self.config.job_secret,
+                                                         spec.to_wire())))
+            self._spawn(str(rank), "worker", rank, list(self.config.command), env)
 
     def _start_pslite(self, base):
         spec = self.spec
-        nproc, nnodes = self.nproc, spec["nnodes"]
-        counts = spec["server_counts"]
+        nproc, nnodes = self.nproc, spec.nnodes
+        counts = spec.server_counts
         if nnodes == 1:
             root, node_host = "127.0.0.1", "127.0.0.1"
         else:
             # ZeroMQ binds and connects numeric addresses only
-            root = socket.gethostbyname(spec["master_addr"])
+            root = socket.gethostbyname(spec.master_addr)
             node_host = jobenv.route_source_addr(root)
         common = dict(base)
-        common.update(jobenv.pslite_env(root, spec["scheduler_port"], sum(spec["slots"]),
+        common.update(jobenv.pslite_env(root, spec.scheduler_port, spec.num_workers,
                                         sum(counts), node_host,
-                                        p3=spec["backend"] == "p3"))
+                                        p3=spec.backend == "p3"))
         service = [sys.executable, "-c", "import mxnet"]
         if self.node_rank == 0:
             self._spawn("scheduler", "scheduler", None, service,
@@ -136,7 +139,7 @@ class Node:
         for local_rank in range(nproc):
             rank, env = self._worker_env(common, local_rank)
             env.update(jobenv.pslite_role_env("worker"))
-            self._spawn(str(rank), "worker", rank, self.args.command, env)
+            self._spawn(str(rank), "worker", rank, list(self.config.command), env)
 
     def _spawn(self, label, role, rank, argv, env):
         try:

@@ -8,9 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from typing import NamedTuple
 
 from . import output, secret
+from .config import Host, LaunchConfig
 from .processes import Process, terminate
 
 PARENT_ENV = "DG_LAUNCHED_BY"
@@ -23,15 +23,6 @@ _NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
                   "DG_CONTROL_DIR", PARENT_ENV,
                   secret.ENV}     # a command line shows in ps: the secret goes by stdin
 END_GRACE = 20.0        # seconds the other node launchers get once one has ended
-
-
-class Host(NamedTuple):
-    """A host of -H/--hostfile: its workers (slots; 0 for a host that only runs ps-lite
-    servers) and its ps-lite servers (None: the launcher's --servers)."""
-
-    name: str
-    slots: int
-    servers: int | None = None
 
 
 def parse_hosts(text: str) -> list[Host]:
@@ -122,49 +113,49 @@ def _forwarded_env() -> dict[str, str]:
             if (k in _FORWARD or k.startswith(_FORWARD_PREFIXES)) and k not in _NOT_FORWARDED}
 
 
-def node_command(args, node_rank: int, master_addr: str) -> str:
+def node_command(config: LaunchConfig, node_rank: int, master_addr: str) -> str:
     """The shell command that starts node ``node_rank``'s launcher on its host."""
-    host = args.host_slots[node_rank]
-    nnodes = f"{args.min_nodes}:{args.max_nodes}" if args.elastic \
-        else str(len(args.host_slots))
+    host = config.host_slots[node_rank]
+    nnodes = f"{config.min_nodes}:{config.max_nodes}" if config.elastic \
+        else str(len(config.host_slots))
     argv = [sys.executable, "-m", "dist_gluon.launch",
             "--nnodes", nnodes, "--node-rank", str(node_rank),
-            "--master-addr", master_addr, "--master-port", str(args.master_port),
-            "--join-timeout", f"{args.join_timeout:g}",
-            "--heartbeat", f"{args.heartbeat:g}", "--silence-limit", f"{args.silence_limit:g}",
-            "-n", str(host.slots), "--backend", args.backend,
-            "--servers", str(args.servers if host.servers is None else host.servers),
-            "--max-restarts", str(args.max_restarts),
-            "--stall-warning", f"{args.stall_warning or 0:g}"]
-    if args.elastic:
-        argv += ["--preempt-grace", f"{args.preempt_grace:g}",
-                 "--last-call", f"{args.last_call:g}"]
-    for flag, value in (("--timeout", args.timeout), ("--stall-timeout", args.stall_timeout),
-                        ("--iface", args.iface), ("--transport", args.transport),
+            "--master-addr", master_addr, "--master-port", str(config.master_port),
+            "--join-timeout", f"{config.join_timeout:g}",
+            "--heartbeat", f"{config.heartbeat:g}", "--silence-limit", f"{config.silence_limit:g}",
+            "-n", str(host.slots), "--backend", config.backend,
+            "--servers", str(config.servers if host.servers is None else host.servers),
+            "--max-restarts", str(config.max_restarts),
+            "--stall-warning", f"{config.stall_warning or 0:g}"]
+    if config.elastic:
+        argv += ["--preempt-grace", f"{config.preempt_grace:g}",
+                 "--last-call", f"{config.last_call:g}"]
+    for flag, value in (("--timeout", config.timeout), ("--stall-timeout", config.stall_timeout),
+                        ("--iface", config.iface), ("--transport", config.transport),
                         # node 0's mpirun starts the other nodes' MPI ranks over ssh
-                        ("--ssh-port", args.ssh_port),
-                        ("--ssh-identity-file", args.ssh_identity_file)):
+                        ("--ssh-port", config.ssh_port),
+                        ("--ssh-identity-file", config.ssh_identity_file)):
         if value is not None:
             argv += [flag, str(value)]
-    argv += ["--", *args.command]
+    argv += ["--", *config.command]
     env = dict(_forwarded_env(), **{PARENT_ENV: "ssh"})
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     return f"cd {shlex.quote(os.getcwd())} && exec env {assignments} {shlex.join(argv)}"
 
 
-def ssh_argv(args, host: str) -> list[str]:
+def ssh_argv(config: LaunchConfig, host: str) -> list[str]:
     argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
             "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR"]
-    if args.ssh_port is not None:
-        argv += ["-p", str(args.ssh_port)]
-    if args.ssh_identity_file is not None:
-        argv += ["-i", args.ssh_identity_file]
+    if config.ssh_port is not None:
+        argv += ["-p", str(config.ssh_port)]
+    if config.ssh_identity_file is not None:
+        argv += ["-i", config.ssh_identity_file]
     return argv + [host]
 
 
-def run(args) -> int:
+def run(config: LaunchConfig) -> int:
     """Start every host's launcher and wait for them; node 0's exit status wins."""
-    master = args.master_addr or args.host_slots[0][0]
+    master = config.master_addr or config.host_slots[0][0]
     launchers: list[Process] = []
     job_secret = (secret.generate() + "\n").encode()
 
@@ -173,8 +164,8 @@ def run(args) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for rank, (host, *_) in enumerate(args.host_slots):
-            argv = ssh_argv(args, host) + [node_command(args, rank, master)]
+        for rank, (host, *_) in enumerate(config.host_slots):
+            argv = ssh_argv(config, host) + [node_command(config, rank, master)]
             # stdin stays open: the node launcher ends when this process goes away
             launchers.append(Process("", "launcher", rank, argv, None, stdin=subprocess.PIPE))
             try:
@@ -188,30 +179,30 @@ def run(args) -> int:
             if all(c is not None for c in codes):
                 break
             # an elastic job goes on without a host whose launcher ended; node 0's ends it
-            ended = codes[0] is not None if args.elastic \
+            ended = codes[0] is not None if config.elastic \
                 else any(c is not None for c in codes)
             if ended_at is None and ended:
                 ended_at = time.monotonic()
             if ended_at is not None and time.monotonic() - ended_at > END_GRACE:
-                stuck = [args.host_slots[i][0] for i, c in enumerate(codes) if c is None]
+                stuck = [config.host_slots[i][0] for i, c in enumerate(codes) if c is None]
                 output.emit(f"dist_gluon.launch: the launchers on {', '.join(stuck)} "
                             "did not end; closing their ssh sessions\n")
                 break
             time.sleep(0.1)
         codes = [p.returncode for p in launchers]
-        if args.elastic and codes[0] != 255:
+        if config.elastic and codes[0] != 255:
             # the job went on without those hosts; node 0's launcher said why
-            gone = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
+            gone = [config.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
             if gone:
                 output.emit(f"dist_gluon.launch: the ssh session to {', '.join(gone)} "
                             "ended (exit 255) while the elastic job ran\n")
         elif codes[0] == 255 or any(c == 255 for c in codes):
-            bad = [args.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
+            bad = [config.host_slots[i][0] for i, c in enumerate(codes) if c == 255]
             output.emit(f"dist_gluon.launch: ssh to {', '.join(bad)} failed (exit 255):"
                         " check that passwordless ssh works (--ssh-port, "
                         "--ssh-identity-file) and that dist_gluon is installed there "
                         "at the same path\n")
-        if codes[0] not in (None, 0) or args.elastic:
+        if codes[0] not in (None, 0) or config.elastic:
             return 1 if codes[0] is None else codes[0]
         return next((c for c in codes if c not in (None, 0)), 0 if None not in codes else 1)
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import time
+from typing import NamedTuple
 
 from .. import jobcontrol
 from .processes import signal_name
@@ -91,6 +92,15 @@ def exit_status(s: dict) -> int:
     return code if code > 0 else 128 - code
 
 
+class Verdict(NamedTuple):
+    """The supervisor's judgement of a job that is over: every worker ended cleanly
+    (``ok``), or the job failed with exit ``status`` and ``report``."""
+
+    ok: bool
+    status: int = 0
+    report: str | None = None
+
+
 class Supervisor:
     """Judges a job from its rank states; see the module docstring."""
 
@@ -105,9 +115,9 @@ class Supervisor:
         self._finalized: set[int] = set()
 
     # ------------------------------------------------------------------ one look
-    def check(self, states: list[dict], now: float | None = None):
-        """None while the job runs; ('ok',) when every worker ended cleanly; ('fail',
-        status, report) when the job has failed."""
+    def check(self, states: list[dict], now: float | None = None) -> Verdict | None:
+        """None while the job runs; a :class:`Verdict` once every worker ended cleanly
+        or the job has failed."""
         now = time.monotonic() if now is None else now
         if not states:
             return None
@@ -118,7 +128,7 @@ class Supervisor:
         if all(_left(s) for s in states):
             self._release(states, jobcontrol.FINALIZE)
             if all(s["returncode"] == 0 for s in states):
-                return ("ok",)
+                return Verdict(True)
             return None
         return self._watch_stall(states, now)
 
@@ -155,7 +165,7 @@ class Supervisor:
         if waiting and now - self._released_at < EXIT_WAIT:
             return None
         cause = self._cause(states)
-        return ("fail", exit_status(cause), self._failure_report(cause, states))
+        return Verdict(False, exit_status(cause), self._failure_report(cause, states))
 
     def _cause(self, states) -> dict:
         candidates = [s for s in states if _failed(s)] + self._deadlocked(states)
@@ -221,7 +231,7 @@ class Supervisor:
         waited = now - self._stall_since
         if self.stall_timeout is not None and waited >= self.stall_timeout:
             report = self._stall_report(states, low, lagging, ahead, waited)
-            return ("fail", 124, report + f"\nstall timeout ({self.stall_timeout:g} s).")
+            return Verdict(False, 124, report + f"\nstall timeout ({self.stall_timeout:g} s).")
         if self.stall_warning is not None and waited >= self.stall_warning \
                 and not self._stall_warned:
             self._stall_warned = True

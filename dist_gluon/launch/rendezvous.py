@@ -27,7 +27,7 @@ Only the job's own workers get in. The C++ client cannot sign a request, but it 
 every URL as ``http://`` + ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` + ``:`` + port + ``/`` +
 scope + ``/`` + key and parses the host and port from the text before the first ``/``:
 given the address ``<addr>:<port>/<token>`` (see ``rendezvous_token`` in
-:func:`dist_gluon.jobenv.horovod_worker_env`) it sends ``/<token>:<port>/<scope>/<key>``.
+:func:`dist_gluon.launch.jobenv.horovod_worker_env`) it sends ``/<token>:<port>/<scope>/<key>``.
 A server made with a ``token`` (unguessable, derived from the job secret) answers 403 to
 any request whose path does not start with it, and reports the first such request from
 each address.
@@ -183,7 +183,7 @@ class GlooRendezvous:
 
     Node 0's launcher runs it on the master address; every worker of the job gets its
     address and port in ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` and ``HOROVOD_GLOO_RENDEZVOUS_PORT``
-    (see :func:`dist_gluon.jobenv.horovod_worker_env`). It serves requests on its own
+    (see :func:`dist_gluon.launch.jobenv.horovod_worker_env`). It serves requests on its own
     threads and logs nothing.
 
     Keys left behind by workers that died mid-rendezvous would send the next attempt's
@@ -205,7 +205,7 @@ class GlooRendezvous:
 
     Examples
     --------
-    >>> from dist_gluon.jobenv import horovod_worker_env, worker_layout
+    >>> from dist_gluon.launch.jobenv import horovod_worker_env, worker_layout
     >>> with GlooRendezvous("0.0.0.0", 0) as rendezvous:
     ...     envs = [horovod_worker_env("127.0.0.1", rendezvous.port, "lo", "localhost",
     ...                                **worker_layout([2], 0, r)._asdict())

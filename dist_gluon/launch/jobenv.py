@@ -125,7 +125,7 @@ def horovod_worker_env(rendezvous_addr: str, rendezvous_port: int, iface: str, h
     Parameters
     ----------
     rendezvous_addr : str
-        IPv4 address (or name) of the :class:`~dist_gluon.rendezvous.GlooRendezvous`, as
+        IPv4 address (or name) of the :class:`~dist_gluon.launch.rendezvous.GlooRendezvous`, as
         this node reaches it.
     rendezvous_port : int
         Its port.
@@ -142,7 +142,7 @@ def horovod_worker_env(rendezvous_addr: str, rendezvous_port: int, iface: str, h
         (``HOROVOD_GLOO_TIMEOUT_SECONDS``); horovod's default is 30.
     rendezvous_token : str, optional
         The token of a rendezvous that serves only its own job's workers (see
-        :class:`~dist_gluon.rendezvous.GlooRendezvous`); it travels in every request's
+        :class:`~dist_gluon.launch.rendezvous.GlooRendezvous`); it travels in every request's
         path: ``HOROVOD_GLOO_RENDEZVOUS_ADDR`` becomes ``<addr>:<port>/<token>``.
 
     Examples

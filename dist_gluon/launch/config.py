@@ -1,0 +1,94 @@
+"""What the launcher was asked to do: one frozen :class:`LaunchConfig`, made once from the
+command line (cli.py) and read by everything below it (the master, the agents, a node's
+processes, the ssh fan-out). Nothing below cli.py sees argparse."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+BACKENDS = ("horovod", "dist_sync", "p3", "dist_async")
+TRANSPORTS = ("gloo", "mpi")
+
+
+class Host(NamedTuple):
+    """A host of -H/--hostfile: its workers (slots; 0 for a host that only runs ps-lite
+    servers) and its ps-lite servers (None: the launcher's --servers)."""
+
+    name: str
+    slots: int
+    servers: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launcher's settings, checked and with every default resolved.
+
+    Parameters
+    ----------
+    command : tuple of str
+        The worker command (what followed ``--``).
+    backend, transport : str
+        One of BACKENDS; ``gloo`` or ``mpi`` (horovod only).
+    num_workers : int
+        Workers on this node (-n); 0 on a node that only runs ps-lite servers.
+    servers : int
+        ps-lite servers on this node (0 on worker-only nodes, or with horovod).
+    nnodes : int or None
+        Nodes of the job (MAX of an elastic job); None only for -H without --nnodes.
+    elastic : bool
+        ``--nnodes MIN:MAX``: the job re-forms between ``min_nodes`` and ``max_nodes``.
+    node_rank : int or None
+        This node's rank; None when this launcher fans out over ssh (-H/--hostfile).
+    stall_warning : float or None
+        Seconds before a stall is reported; None: never (``--stall-warning 0``).
+    job_secret : str or None
+        The secret every launcher of the job shares (secret.py); None with -H, whose
+        launcher makes one per job.
+    host_slots : tuple of Host or None
+        -H/--hostfile: the hosts to start one launcher on each; None otherwise.
+    """
+
+    command: tuple[str, ...]
+    # the job, on every node
+    backend: str = "horovod"
+    transport: str = "gloo"
+    num_workers: int = 1
+    servers: int = 1
+    compat: str | None = None
+    timeout: float | None = None
+    max_restarts: int = 0
+    # watching the workers
+    stall_warning: float | None = 60.0
+    stall_timeout: float | None = None
+    stacks_signal: str | None = None
+    # several machines, one launcher per node
+    nnodes: int | None = 1
+    elastic: bool = False
+    min_nodes: int | None = 1
+    max_nodes: int | None = 1
+    node_rank: int | None = 0
+    master_addr: str | None = None
+    master_port: int = 29500
+    join_timeout: float = 300.0
+    heartbeat: float = 0.5
+    silence_limit: float = 8.0
+    preempt_grace: float = 20.0
+    last_call: float = 10.0
+    server_nodes: int | None = None
+    iface: str | None = None
+    job_secret: str | None = field(default=None, repr=False)
+    job_secret_file: str | None = None
+    # several machines, one command over ssh
+    host_slots: tuple[Host, ...] | None = None
+    ssh_port: int | None = None
+    ssh_identity_file: str | None = None
+
+    @property
+    def over_ssh(self) -> bool:
+        """This launcher starts one launcher per host over ssh (-H/--hostfile)."""
+        return self.host_slots is not None
+
+    @property
+    def several_nodes(self) -> bool:
+        """The job may span more than one node (the channel and a real address)."""
+        return (self.max_nodes or 1) > 1

@@ -1,0 +1,215 @@
+"""Node 0's view of which nodes make up the job: the members of the current formation,
+the nodes waiting to join it (elastic), how they are gathered before the first round
+and admitted later. What to decide is policy.py's; this module holds the links."""
+from __future__ import annotations
+
+import queue
+import signal
+import socket
+import time
+
+from . import channel, policy
+from .channel import JoinError, Link, Listener, refuse
+from .config import LaunchConfig
+from .job import Interrupted, Preemption
+from .protocol import Hello, Preempt, Tick, from_node
+
+
+class Peer:
+    """Another node's launcher: its link and what it said in its hello."""
+
+    def __init__(self, node: int, link: Link, hello: Hello):
+        self.node, self.link, self.hello = node, link, hello
+        self.host = hello.host
+
+    def __str__(self):
+        return f"node {self.node} ({self.host})"
+
+
+class Formation:
+    """The nodes of the job besides node 0: ``members`` run the rounds, ``waiting``
+    (elastic) joined since and come in at the next re-formation."""
+
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+        self.config, self.out, self.preemption = config, out, preemption
+        self.hello = Hello(0, socket.gethostname(), config.num_workers, config.servers)
+        self.members: dict[int, Peer] = {}
+        self.waiting: dict[int, Peer] = {}
+        self.listener: Listener | None = None
+
+    # ------------------------------------------------------------------ who is in
+    def peers(self) -> list[Peer]:
+        return list(self.members.values()) + list(self.waiting.values())
+
+    def who(self, node: int) -> str:
+        if node == 0:
+            return f"node 0 ({self.hello.host})"
+        peer = self.members.get(node) or self.waiting.get(node)
+        return str(peer) if peer else f"node {node}"
+
+    def names(self) -> dict[int, str]:
+        return {n: self.who(n) for n in [0, *self.members, *self.waiting]}
+
+    def order(self) -> list[int]:
+        """The formation's node ranks: node 0, then the others by rank."""
+        return [0] + sorted(self.members)
+
+    def layout(self) -> tuple[list[int], list[int]]:
+        """The workers and the ps-lite servers of each node of the formation, in
+        :meth:`order`. On horovod every node runs node 0's -n."""
+        config = self.config
+        hellos = [self.hello] + [self.members[n].hello for n in sorted(self.members)]
+        if config.backend == "horovod":
+            return [config.num_workers] * len(hellos), [0] * len(hellos)
+        return ([h.nproc for h in hellos],
+                [config.servers if h.servers is None else h.servers for h in hellos])
+
+    def workers(self) -> int:
+        return sum(self.layout()[0])
+
+    # ------------------------------------------------------------------ joining
+    def gather(self, listen_addr: str) -> None:
+        """Wait for the other nodes: all of them (static), or MIN and then any more that
+        join within --last-call of the previous one, up to MAX (elastic)."""
+        config = self.config
+        self.out.say(f"waiting for {self._wanted()} on port {config.master_port}")
+        if not config.elastic:
+            joined = channel.accept_nodes(config.master_port, config.nnodes,
+                                          config.join_timeout, self.out.say,
+                                          config.job_secret, listen_addr)
+            self.members = {n: Peer(n, link, Hello.from_wire(hello))
+                            for n, (link, hello) in joined.items()}
+            return
+        self.listener = Listener(config.master_port, config.job_secret, self.out.say,
+                                 listen_addr, config.max_nodes)
+        limit = time.monotonic() + config.join_timeout
+        last_join, next_tick = time.monotonic(), 0.0
+        while True:
+            if self.preemption is not None and self.preemption.at is not None:
+                raise Interrupted(signal.SIGTERM)
+            if self.take_joiners(waiting=False):
+                last_join = time.monotonic()
+            for n in [n for n, p in self.members.items() if p.link.closed
+                      or p.link.gone(config.silence_limit)]:
+                self.out.say(f"{self.members.pop(n)} left before the job started")
+            now = time.monotonic()
+            if now >= next_tick:
+                next_tick = now + config.heartbeat
+                for peer in self.members.values():
+                    peer.link.send(Tick())
+            count = len(self.members) + 1
+            if policy.ready_to_start(count, now - last_join, config.min_nodes,
+                                     config.max_nodes, config.last_call):
+                return
+            if now > limit:
+                self._too_few_joined(count)
+            time.sleep(0.05)
+
+    def _too_few_joined(self, count: int):
+        config = self.config
+        for peer in self.members.values():
+            refuse(peer.link, f"only {policy.plural(count, 'node')} of at least "
+                              f"{config.min_nodes} joined; the job did not start")
+        raise JoinError(
+            f"only {policy.plural(count, 'node')} joined within --join-timeout "
+            f"{config.join_timeout:g} s, fewer than the minimum {config.min_nodes} of "
+            f"--nnodes {config.min_nodes}:{config.max_nodes} (start the launcher on "
+            f"more machines with --master-addr {config.master_addr} --master-port "
+            f"{config.master_port})")
+
+    def _wanted(self) -> str:
+        config = self.config
+        if not config.elastic:
+            return f"{config.nnodes - 1} more node(s)"
+        return (f"{config.min_nodes - 1} to {config.max_nodes - 1} more nodes (--nnodes "
+                f"{config.min_nodes}:{config.max_nodes})")
+
+    def take_joiners(self, waiting: bool = True) -> bool:
+        """Elastic: the launchers that joined since the last look, added to the waiting
+        nodes (or, before the first round, to the members) if the job has room and their
+        node rank is free."""
+        if self.listener is None:
+            return False
+        config, took = self.config, False
+        into = self.waiting if waiting else self.members
+        for link, wire in self.listener.poll():
+            hello = Hello.from_wire(wire)
+            taken = {0, *self.members, *self.waiting}
+            refusal = policy.admission_refusal(hello.node, taken, config.min_nodes,
+                                               config.max_nodes)
+            if refusal:
+                refuse(link, refusal)
+                continue
+            peer = into[hello.node] = Peer(hello.node, link, hello)
+            took = True
+            count = len(taken) + 1
+            if not waiting:
+                self.out.say(f"{peer} joined ({count} of at most {config.max_nodes} nodes)")
+            else:
+                self.out.say(f"{peer} joined; the job re-forms with {count} nodes at the "
+                             "next step boundary the workers agree on "
+                             "(dist_gluon.stop_requested()) or their next checkpoint")
+        return took
+
+    def watch_waiting(self) -> None:
+        """Drop the waiting nodes that went away or were preempted before admission."""
+        for n in list(self.waiting):
+            peer, ended, preempted = self.waiting[n], False, False
+            while True:
+                try:
+                    wire = peer.link.inbox.get_nowait()
+                except queue.Empty:
+                    break
+                ended = ended or wire is None
+                preempted = preempted or (wire is not None
+                                          and isinstance(from_node(wire), Preempt))
+            if preempted:
+                refuse(peer.link, f"{peer} was preempted before it was admitted; it "
+                                  "leaves", status=0)
+                self.out.say(f"{peer} was preempted before it was admitted")
+                del self.waiting[n]
+            elif ended or peer.link.closed or peer.link.gone(self.config.silence_limit):
+                self.out.say(f"{peer} left before it could be admitted")
+                peer.link.close(flush=0)
+                del self.waiting[n]
+
+    def tick_waiting(self) -> None:
+        for peer in self.waiting.values():
+            peer.link.send(Tick())
+
+    def admit_waiting(self) -> None:
+        """The waiting nodes the job has room for become members."""
+        self.take_joiners()
+        for n in policy.admitted(self.waiting, len(self.members), self.config.max_nodes):
+            self.members[n] = self.waiting.pop(n)
+
+    # ------------------------------------------------------------------ leaving
+    def drop(self, node: int) -> Peer | None:
+        return self.members.pop(node, None)
+
+    def lost_reason(self, node: int) -> str:
+        peer = self.members.get(node)
+        if peer is None:
+            return f"node {node} lost"
+        if peer.link.closed:
+            return f"{peer} lost: its launcher's connection closed"
+        return (f"{peer} lost: nothing heard from its launcher for "
+                f"{self.config.silence_limit:g} s")
+
+    def end_waiting(self, status: int, report: str | None) -> None:
+        for peer in self.waiting.values():
+            refuse(peer.link, "the job ended before this node could be admitted"
+                   + (f": {report.splitlines()[0]}" if report else " (it finished)"),
+                   status=status)
+        self.waiting.clear()
+
+    def refuse_all(self, report: str, status: int = 2) -> None:
+        for peer in self.peers():
+            refuse(peer.link, report, status=status)
+
+    def close(self) -> None:
+        for peer in self.peers():
+            peer.link.close()
+        if self.listener is not None:
+            self.listener.close()
+

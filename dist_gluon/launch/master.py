@@ -1,0 +1,217 @@
+"""Node 0's launcher: gathers the nodes, runs the rounds and decides after each (the
+job loop is described in job.py; the decisions are policy.py's)."""
+from __future__ import annotations
+
+import queue
+import signal
+import time
+
+from . import channel, policy, secret
+from .channel import JoinError, Link, refuse
+from .config import LaunchConfig
+from .formation import Formation
+from .job import Interrupted, Preemption, check_multinode_host
+from .node import Node, free_port
+from .policy import Decision, Outcome, RoundEnd, Standing
+from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, from_node
+from .rendezvous import GlooRendezvous
+from .rounds import JobView, Ledger, RoundWatch
+
+STATIC_CONFIRM = 15.0   # seconds the nodes of a static job get to confirm their end
+
+
+class Master:
+    """Node 0's launcher: gathers the nodes, runs the rounds, decides after each."""
+
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+        self.config, self.out, self.preemption = config, out, preemption
+        self.formation = Formation(config, out, preemption)
+        self.ledger = Ledger()
+        # the address node 0 listens on for the other nodes (and Gloo's rendezvous)
+        self.listen_addr = ""
+
+    # ------------------------------------------------------------------ the job
+    def run(self) -> int:
+        config = self.config
+        if config.several_nodes:
+            problem = check_multinode_host(config)
+            if problem:
+                self.out.say(problem)
+                return 1
+            self.listen_addr = channel.listen_address(config.master_addr)
+            try:
+                self.formation.gather(self.listen_addr)
+            except JoinError as err:
+                self.out.say(str(err))
+                return 1
+        deadline = None if config.timeout is None else time.monotonic() + config.timeout
+        try:
+            while True:
+                spec, problem = self._spec()
+                if problem:
+                    self.formation.refuse_all(problem)
+                    self.out.say(problem)
+                    time.sleep(0.5)     # the links' writers deliver it before they close
+                    return 2 if self.ledger.runs == 0 else 1
+                status = self._round(spec, deadline)
+                if status is not None:
+                    return status
+                self.ledger.runs += 1
+        finally:
+            self.formation.close()
+
+    def _standing(self) -> Standing:
+        config, formation, ledger = self.config, self.formation, self.ledger
+        return Standing(
+            elastic=config.elastic, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+            max_restarts=config.max_restarts, restarts=ledger.restarts,
+            reformations=ledger.reformations, nodes=1 + len(formation.members),
+            waiting=len(formation.waiting), workers=formation.workers(),
+            checkpoint=ledger.checkpoint, preempt_grace=config.preempt_grace,
+            names=formation.names())
+
+    # ------------------------------------------------------------------ one round
+    def _spec(self) -> tuple[RoundSpec, str | None]:
+        """The next round's spec, the same on every node; or why no round can start."""
+        config, formation = self.config, self.formation
+        order = formation.order()
+        slots, servers = formation.layout()
+        port = free_port("" if config.several_nodes else "127.0.0.1")
+        horovod = config.backend == "horovod"
+        spec = RoundSpec(
+            backend=config.backend, nnodes=len(order), nodes=order,
+            nproc=config.num_workers, servers=config.servers, restart=self.ledger.runs,
+            reformation=self.ledger.reformations, elastic=config.elastic,
+            master_addr=config.master_addr or "127.0.0.1", transport=config.transport,
+            hosts=[None] + [formation.members[n].host for n in order[1:]],
+            slots=slots, server_counts=servers,
+            rendezvous_port=port if horovod else None,
+            scheduler_port=None if horovod else port)
+        return spec, policy.round_problem(slots, servers, config.backend)
+
+    def _round(self, spec: RoundSpec, deadline: float | None) -> int | None:
+        """Run one round; the launcher's exit status, or None to run another."""
+        config, formation = self.config, self.formation
+        rendezvous = None
+        if spec.backend == "horovod":
+            rendezvous = GlooRendezvous(
+                (self.listen_addr or "0.0.0.0") if config.several_nodes else "127.0.0.1",
+                spec.rendezvous_port, secret.rendezvous_token(config.job_secret,
+                                                              spec.to_wire()),
+                self.out.say)
+            rendezvous.start()
+        node = Node(config, 0, spec)
+        links = {n: p.link for n, p in formation.members.items()}
+        view = JobView(node, links, self.out)
+        view.preempted = [n for n in self.ledger.preempts if n in links]
+        self.ledger.preempts = []
+        watch = RoundWatch(config, formation, view, self.preemption, self.ledger)
+        end = RoundEnd(Outcome.ERROR, 1)
+        try:
+            for link in links.values():
+                link.send(Start(spec))
+            node.start()
+            end = watch.watch(deadline)
+        except Interrupted as stop:
+            end = RoundEnd(Outcome.INTERRUPTED, 128 + stop.signum,
+                           f"interrupted by {signal.Signals(stop.signum).name}")
+        finally:
+            decision, end = self._decide(end)
+            unconfirmed = self._end_round(node, end, decision)
+            if rendezvous is not None:
+                rendezvous.stop()
+        if not decision.again:
+            formation.end_waiting(decision.status, decision.report)
+            return decision.status
+        return self._next_formation(unconfirmed, end)
+
+    def _decide(self, end: RoundEnd) -> tuple[Decision, RoundEnd]:
+        """Apply policy.decide: count the restart, let the lost nodes go."""
+        formation = self.formation
+        if end.outcome is Outcome.LOST and self.config.elastic:
+            end = end._replace(report="; ".join(formation.lost_reason(n) for n in end.lost))
+        decision = policy.decide(end, self._standing())
+        if end.outcome is Outcome.LOST and self.config.elastic:
+            for n in end.lost:
+                formation.drop(n).link.close(flush=0)
+        if decision.restart:
+            self.ledger.restarts += 1
+        return decision, end
+
+    def _end_round(self, node: Node, end: RoundEnd, decision: Decision) -> list[int]:
+        """Tell every node how the round ends, end this node's processes and wait for
+        the others' to end; the nodes that did not confirm."""
+        config, formation = self.config, self.formation
+        terminated = policy.terminated(end, decision)
+        grace = policy.kill_grace(end, decision, config.elastic)
+        for n, peer in formation.members.items():
+            if n in decision.leaving:
+                peer.link.send(End(0, False, decision.leaving[n]))
+            else:
+                peer.link.send(End(decision.status, decision.again, decision.report,
+                                   terminated, grace))
+        if decision.report:
+            self.out.say(decision.report + "\nterminated the rest of the job." if terminated
+                         else decision.report)
+        node.terminate(grace)
+        unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
+                                     if n not in decision.leaving}, self.out,
+                                    config.silence_limit if config.elastic
+                                    else STATIC_CONFIRM, self.ledger.preempts)
+        for n in decision.leaving:
+            formation.drop(n)
+        return unconfirmed
+
+    def _next_formation(self, unconfirmed: list[int], end: RoundEnd) -> int | None:
+        """After a round that runs again: drop the nodes that did not confirm, admit
+        the waiting ones, say what happens; or end the job when too few remain."""
+        config, formation = self.config, self.formation
+        if not config.elastic:
+            self.out.say(policy.formation_news(end, self._standing(), changed=False))
+            return None
+        before = set(formation.members) | set(end.lost)
+        for n in unconfirmed:
+            self.out.say(f"{formation.drop(n)} did not confirm that its processes "
+                         "ended: it leaves the job")
+        formation.admit_waiting()
+        count = 1 + len(formation.members)
+        if count < config.min_nodes:
+            formation.end_waiting(1, None)
+            report = policy.too_few(count, self._standing())
+            for peer in formation.members.values():
+                refuse(peer.link, report, status=1)
+            self.out.say(report)
+            return 1
+        changed = set(formation.members) != before
+        if changed:
+            self.ledger.reformations += 1
+        message = policy.formation_news(end, self._standing(), changed)
+        self.out.say(message)
+        for peer in formation.members.values():
+            peer.link.send(News(message))
+        return None
+
+
+def _wait_stopped(links: dict[int, Link], out, timeout: float,
+                  preempted: list[int]) -> list[int]:
+    """Wait for each node to confirm its processes ended; the nodes that did not. A
+    preemption reported meanwhile is added to ``preempted``."""
+    limit = time.monotonic() + timeout
+    missing = []
+    for n, link in links.items():
+        confirmed = False
+        while not confirmed and time.monotonic() < limit:
+            try:
+                wire = link.receive(timeout=0.2)
+            except queue.Empty:
+                continue
+            if wire is None:
+                break
+            message = from_node(wire)
+            if isinstance(message, Preempt) and n not in preempted:
+                preempted.append(n)
+            confirmed = isinstance(message, Stopped)
+        if not confirmed:
+            out.say(f"node {n} did not confirm that its processes ended")
+            missing.append(n)
+    return missing

@@ -1,0 +1,245 @@
+"""What the launchers of one job say to each other over the channel (channel.py): one
+dataclass per message, and the spec of a round, the same on every node.
+
+On the wire a message is a JSON object whose ``type`` names it, e.g. ``{"type": "stop",
+"number": 2}``; :meth:`Message.to_wire` makes it and :func:`from_node` / :func:`from_master`
+read it back (one place for each). Optional fields left at None are not sent, so a
+message reads on the wire exactly as it always has.
+
+node -> master: :class:`Hello` (the channel adds its nonce), :class:`Status`,
+:class:`StacksFound`, :class:`Stopped`, :class:`Idle` (between rounds), :class:`Preempt`
+(its launcher got SIGTERM).
+master -> node: :class:`Start`, :class:`Hint`, :class:`Verdicts`, :class:`StacksRequest`,
+:class:`Stop` (stop at the next step boundary), :class:`News`, :class:`End`, :class:`Tick`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class Message:
+    """A message of the channel; subclasses are dataclasses that name their ``TYPE``."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"type": self.TYPE}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.metadata.get("local") or (value is None and f.metadata.get("optional")):
+                continue
+            wire[f.name] = value.to_wire() if isinstance(value, RoundSpec) else value
+        return wire
+
+
+def _optional(default=None):
+    """A field that is not sent while it is None."""
+    return field(default=default, metadata={"optional": True})
+
+
+# ---------------------------------------------------------------------- the round
+@dataclass(frozen=True)
+class RoundSpec:
+    """One round of the job as node 0 decided it; every node starts its processes from it.
+
+    ``nodes`` are the node ranks of the formation in order (node 0 first); ``slots`` and
+    ``server_counts`` the workers and ps-lite servers of each, in that order; ``hosts``
+    their host names (None for node 0). ``restart`` counts the rounds before this one
+    (DG_RESTART), ``reformation`` the changes of the set of nodes (DG_REFORMATION). A
+    horovod round has a ``rendezvous_port`` (Gloo's), a ps-lite round a ``scheduler_port``.
+    """
+
+    backend: str
+    nnodes: int
+    nodes: list[int]
+    nproc: int
+    servers: int
+    restart: int
+    reformation: int
+    elastic: bool
+    master_addr: str
+    transport: str
+    hosts: list[str | None]
+    slots: list[int]
+    server_counts: list[int]
+    rendezvous_port: int | None = None
+    scheduler_port: int | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return sum(self.slots)
+
+    def to_wire(self) -> dict[str, Any]:
+        wire = dataclasses.asdict(self)
+        for port in ("rendezvous_port", "scheduler_port"):
+            if wire[port] is None:
+                del wire[port]
+        return wire
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> RoundSpec:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in wire.items() if k in names}
+        values.setdefault("reformation", 0)
+        values.setdefault("elastic", False)
+        values.setdefault("transport", "gloo")
+        return cls(**values)
+
+
+# ---------------------------------------------------------------------- node -> master
+@dataclass(frozen=True)
+class Hello(Message):
+    """A node's launcher introduces itself (node 0 makes its own, never sent)."""
+
+    TYPE: ClassVar[str] = "hello"
+    node: int | None
+    host: str | None
+    nproc: int | None
+    servers: int | None = None
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> Hello:
+        return cls(wire.get("node"), wire.get("host"), wire.get("nproc"), wire.get("servers"))
+
+
+@dataclass(frozen=True)
+class Status(Message):
+    """A node's ranks (supervisor.py's rank states) and its ps-lite services; node 0
+    stamps ``received`` with its own monotonic clock on arrival (never sent)."""
+
+    TYPE: ClassVar[str] = "status"
+    states: list[dict] = field(default_factory=list)
+    service_failure: str | None = None
+    services_ended: bool = False
+    received: float | None = field(default=None, metadata={"local": True})
+
+
+@dataclass(frozen=True)
+class StacksFound(Message):
+    TYPE: ClassVar[str] = "stacks"
+    found: dict[int, str]
+
+
+@dataclass(frozen=True)
+class Stopped(Message):
+    """The node's processes of the round have ended."""
+
+    TYPE: ClassVar[str] = "stopped"
+
+
+@dataclass(frozen=True)
+class Idle(Message):
+    """Between rounds: the node is alive."""
+
+    TYPE: ClassVar[str] = "idle"
+
+
+@dataclass(frozen=True)
+class Preempt(Message):
+    """The node's launcher got SIGTERM (elastic: a preemption notice)."""
+
+    TYPE: ClassVar[str] = "preempt"
+
+
+# ---------------------------------------------------------------------- master -> node
+@dataclass(frozen=True)
+class Start(Message):
+    TYPE: ClassVar[str] = "start"
+    spec: RoundSpec
+
+
+@dataclass(frozen=True)
+class Hint(Message):
+    """The lowest collective count in the job (names the next key in reports)."""
+
+    TYPE: ClassVar[str] = "hint"
+    low: int
+
+
+@dataclass(frozen=True)
+class Verdicts(Message):
+    """How ranks waiting at their exit end (jobcontrol.FINALIZE / ABANDON), by rank."""
+
+    TYPE: ClassVar[str] = "verdicts"
+    verdicts: dict[int, int]
+
+
+@dataclass(frozen=True)
+class StacksRequest(Message):
+    TYPE: ClassVar[str] = "stacks"
+    ranks: list[int]
+
+
+@dataclass(frozen=True)
+class Stop(Message):
+    """Stop every worker at its next step boundary (request ``number``)."""
+
+    TYPE: ClassVar[str] = "stop"
+    number: int
+
+
+@dataclass(frozen=True)
+class News(Message):
+    """Something the node's launcher should say (the job re-forms or restarts)."""
+
+    TYPE: ClassVar[str] = "news"
+    report: str
+
+
+@dataclass(frozen=True)
+class End(Message):
+    """The round (``again``: and not the job) ends; the node exits with ``status``.
+    ``terminated`` (default: status != 0) says whether to add that the node's processes
+    were ended; ``grace`` is the seconds between their SIGTERM and SIGKILL."""
+
+    TYPE: ClassVar[str] = "end"
+    status: int
+    again: bool
+    report: str | None
+    terminated: bool | None = _optional()
+    grace: float | None = _optional()
+
+
+@dataclass(frozen=True)
+class Tick(Message):
+    """Node 0 is alive."""
+
+    TYPE: ClassVar[str] = "tick"
+
+
+# ---------------------------------------------------------------------- reading
+def from_node(wire: dict[str, Any]) -> Message | None:
+    """A message that a node's launcher sent; None for a type node 0 does not know."""
+    kind = wire.get("type")
+    if kind == "status":
+        return Status(wire.get("states", []), wire.get("service_failure"),
+                      bool(wire.get("services_ended")))
+    if kind == "stacks":
+        return StacksFound({int(r): t for r, t in wire["found"].items()})
+    if kind == "hello":
+        return Hello.from_wire(wire)
+    simple = {"stopped": Stopped, "idle": Idle, "preempt": Preempt}.get(kind)
+    return simple() if simple else None
+
+
+def from_master(wire: dict[str, Any]) -> Message | None:
+    """A message that node 0's launcher sent; None for a type this node does not know."""
+    kind = wire.get("type")
+    if kind == "start":
+        return Start(RoundSpec.from_wire(wire["spec"]))
+    if kind == "hint":
+        return Hint(wire["low"])
+    if kind == "verdicts":
+        return Verdicts({int(r): v for r, v in wire["verdicts"].items()})
+    if kind == "stacks":
+        return StacksRequest(list(wire["ranks"]))
+    if kind == "stop":
+        return Stop(wire["number"])
+    if kind == "news":
+        return News(wire["report"])
+    if kind == "end":
+        return End(wire["status"], wire.get("again", False), wire.get("report"),
+                   wire.get("terminated"), wire.get("grace"))
+    return Tick() if kind == "tick" else None

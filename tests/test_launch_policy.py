@@ -1,0 +1,234 @@
+"""The launcher's decisions as pure functions (dist_gluon.launch.policy), its messages
+(protocol) and its configuration (cli -> LaunchConfig): no sockets, no processes."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+
+import pytest
+
+from dist_gluon.launch import cli, policy, protocol
+from dist_gluon.launch.config import LaunchConfig
+from dist_gluon.launch.policy import Decision, Outcome, RoundEnd, Standing, StopRequest
+from dist_gluon.launch.processes import TERM_GRACE
+
+NAMES = {0: "node 0 (h0)", 1: "node 1 (h1)", 2: "node 2 (h2)"}
+
+
+def static(**kw) -> Standing:
+    return Standing(elastic=False, min_nodes=2, max_nodes=2, max_restarts=kw.pop("max", 1),
+                    nodes=2, workers=4, names=NAMES, **kw)
+
+
+def elastic(**kw) -> Standing:
+    values = dict(elastic=True, min_nodes=2, max_nodes=3, max_restarts=3, nodes=3,
+                  workers=3, names=NAMES, checkpoint=(1, 20))
+    values.update(kw)
+    return Standing(**values)
+
+
+# ------------------------------------------------------------------ after a round
+def test_a_finished_static_job_exits_0_silently_an_elastic_one_sums_itself_up():
+    assert policy.decide(RoundEnd(Outcome.DONE), static()) == Decision(0, False, None, {})
+    decision = policy.decide(RoundEnd(Outcome.DONE),
+                             elastic(nodes=2, workers=2, reformations=1, restarts=1))
+    assert decision == Decision(0, False, "the job finished on 2 nodes (2 workers) after 1 "
+                                "re-formation and 1 restart of at most 3", {})
+
+
+def test_a_failure_restarts_while_restarts_remain_then_ends_with_the_ranks_status():
+    failed = RoundEnd(Outcome.FAILED, 3, "rank 1 (h1) failed")
+    assert policy.decide(failed, static(restarts=0)) == Decision(
+        3, True, "rank 1 (h1) failed", {}, restart=True)
+    assert policy.decide(failed, static(restarts=1)) == Decision(
+        3, False, "rank 1 (h1) failed", {})
+
+
+@pytest.mark.parametrize("outcome,status", [(Outcome.TIMEOUT, 124),
+                                            (Outcome.INTERRUPTED, 130), (Outcome.ERROR, 1)])
+def test_timeout_interrupt_and_errors_end_the_job_whatever_restarts_remain(outcome, status):
+    end = RoundEnd(outcome, status, "why")
+    assert policy.decide(end, static(restarts=0, max=5)) == Decision(status, False, "why", {})
+    assert policy.decide(end, elastic()) == Decision(status, False, "why", {})
+
+
+def test_a_static_job_that_loses_a_node_ends_with_restarts_left():
+    decision = policy.decide(RoundEnd(Outcome.LOST, 1, lost=(1,)), static(max=5))
+    assert decision.status == 1 and not decision.again
+    assert decision.report.startswith("the launcher of node 1 disconnected or went silent")
+
+
+def test_an_elastic_job_that_loses_a_node_re_forms_while_min_remain():
+    lost = RoundEnd(Outcome.LOST, 1, "node 2 (h2) lost: its launcher's connection closed",
+                    lost=(2,))
+    assert policy.decide(lost, elastic()) == Decision(1, True, lost.report, {}, restart=True)
+    # no restart left: the job ends, saying so
+    ended = policy.decide(lost, elastic(restarts=3))
+    assert not ended.again and ended.status == 1
+    assert ended.report.endswith("no restart left (--max-restarts 3): the job ends")
+    # below MIN: the job ends even with restarts left; a waiting node counts
+    too_few = policy.decide(lost, elastic(nodes=2))
+    assert not too_few.again and too_few.report.endswith(
+        "1 node left, fewer than the minimum 2 of --nnodes 2:3: the job ends")
+    assert policy.decide(lost, elastic(nodes=2, waiting=1)).again
+
+
+def test_a_preempted_node_leaves_and_the_others_go_on_without_using_a_restart():
+    decision = policy.decide(RoundEnd(Outcome.STOPPED, lost=(2,)), elastic())
+    assert decision == Decision(0, True, None, {2: (
+        "node 2 (h2) was preempted (SIGTERM) and left the job; the workers saved "
+        "checkpoint epoch 1 step 20; the other nodes go on without it")})
+    late = policy.decide(RoundEnd(Outcome.STOPPED, lost=(2,), late=True), elastic())
+    assert "did not stop within --preempt-grace 20 s; the steps since checkpoint epoch 1 " \
+        "step 20 are lost" in late.leaving[2]
+
+
+def test_node_0_preempted_ends_the_job_and_below_min_every_node_hears_why():
+    sigterm = 128 + signal.SIGTERM
+    zero = policy.decide(RoundEnd(Outcome.STOPPED, lost=(0,)), elastic())
+    assert zero.status == sigterm and not zero.again and not zero.leaving
+    assert zero.report.startswith("node 0 (h0) was preempted (SIGTERM): it hosts the job's "
+                                  "rendezvous")
+    below = policy.decide(RoundEnd(Outcome.STOPPED, lost=(1,)), elastic(nodes=2))
+    assert below.status == sigterm and not below.again and 1 in below.leaving
+    assert below.report.startswith("node 1 (h1) preempted; 1 node left, fewer than")
+
+
+def test_a_planned_stop_with_no_node_leaving_restarts_everyone():
+    assert policy.decide(RoundEnd(Outcome.STOPPED), elastic()) == Decision(0, True, None, {})
+
+
+def test_processes_are_reported_terminated_only_when_something_went_wrong():
+    failed = RoundEnd(Outcome.FAILED, 1)
+    again = Decision(1, True, "x", {}, True)
+    ends = Decision(1, False, "x", {})
+    assert policy.terminated(failed, again) and policy.terminated(failed, ends)
+    lost = RoundEnd(Outcome.LOST, 1, lost=(2,))
+    assert not policy.terminated(lost, again) and policy.terminated(lost, ends)
+    assert not policy.terminated(RoundEnd(Outcome.STOPPED), Decision(143, False, "x", {}))
+    assert not policy.terminated(RoundEnd(Outcome.DONE), Decision(0, False, None, {}))
+
+
+def test_an_elastic_job_re_forming_after_a_loss_kills_blocked_workers_quickly():
+    again = Decision(1, True, "x", {}, True)
+    lost = RoundEnd(Outcome.LOST, 1, lost=(2,))
+    assert policy.kill_grace(lost, again, elastic=True) == policy.KILL_GRACE
+    assert policy.kill_grace(lost, again, elastic=False) == TERM_GRACE
+    assert policy.kill_grace(RoundEnd(Outcome.STOPPED), Decision(0, True, None, {}),
+                             elastic=True) == TERM_GRACE
+
+
+# ------------------------------------------------------------------ admission
+def test_a_joining_node_needs_a_free_rank_below_max_and_room_in_the_job():
+    assert policy.admission_refusal(2, {0, 1}, 2, 3) is None
+    assert policy.admission_refusal(1, {0, 1}, 2, 3).startswith(
+        "node rank 1 is taken or out of range [1, 3) (nodes now in the job: 0, 1)")
+    assert "out of range" in policy.admission_refusal(3, {0}, 2, 3)
+    assert "out of range" in policy.admission_refusal(0, {0}, 2, 3)
+    assert "out of range" in policy.admission_refusal("1", {0}, 2, 3)
+    # a full job says so rather than that every rank is taken
+    assert policy.admission_refusal(2, {0, 1, 2}, 2, 3) == (
+        "the job already has its maximum of 3 nodes (--nnodes 2:3)")
+
+
+def test_the_first_round_starts_at_max_or_after_the_last_call_with_min():
+    assert policy.ready_to_start(3, 0.0, 2, 3, 10.0)
+    assert not policy.ready_to_start(2, 9.9, 2, 3, 10.0)
+    assert policy.ready_to_start(2, 10.0, 2, 3, 10.0)
+    assert not policy.ready_to_start(1, 60.0, 2, 3, 10.0)
+
+
+def test_waiting_nodes_come_in_lowest_rank_first_up_to_max():
+    assert policy.admitted({3, 1, 2}, members=0, max_nodes=3) == [1, 2]
+    assert policy.admitted({2}, members=2, max_nodes=3) == []
+    assert policy.admitted({4, 2}, members=1, max_nodes=5) == [2, 4]
+
+
+def test_what_every_node_hears_as_the_next_round_starts():
+    changed = policy.formation_news(RoundEnd(Outcome.LOST, lost=(2,)),
+                                    elastic(nodes=2, workers=2, restarts=1, reformations=1),
+                                    changed=True)
+    assert changed == ("re-forming with 2 nodes (2 workers) from checkpoint epoch 1 step 20 "
+                       "(re-formation 1; restart 1 of at most 3)")
+    planned = policy.formation_news(RoundEnd(Outcome.STOPPED), elastic(checkpoint=None),
+                                    changed=False)
+    assert planned.startswith("the workers stopped at a step boundary") and \
+        "(none was saved since the launcher started) (planned: no restart used)" in planned
+    assert policy.formation_news(RoundEnd(Outcome.FAILED), static(restarts=1),
+                                 changed=False) == "restarting the job on every node (1 of 1)"
+
+
+def test_a_round_needs_a_worker_and_on_ps_lite_a_server():
+    assert policy.round_problem([2, 0], [1, 0], "dist_sync") is None
+    assert policy.round_problem([0, 0], [1, 1], "p3").startswith("no node of this job runs "
+                                                                 "workers")
+    assert "ps-lite server" in policy.round_problem([1, 1], [0, 0], "dist_async")
+    assert policy.round_problem([1, 1], [0, 0], "horovod") is None
+
+
+# ------------------------------------------------------------------ planned stops
+def test_a_stop_ends_right_after_a_checkpoint_unless_the_workers_agreed_to_stop():
+    stop = StopRequest(1, "admit", None, saves=2)
+    assert stop.ended(saves=2, acked=False, now=100.0) is None
+    assert stop.ended(saves=3, acked=False, now=101.0) == RoundEnd(Outcome.STOPPED)
+    asked = StopRequest(2, "preempt", 1, saves=2, deadline=200.0)
+    assert asked.ended(saves=3, acked=True, now=101.0) is None          # exiting itself
+    assert asked.ended(saves=3, acked=True, now=101.0 + policy.CHECKPOINT_EXIT + 0.1) == \
+        RoundEnd(Outcome.STOPPED, lost=(1,))
+    late = StopRequest(3, "preempt", 2, saves=0, deadline=200.0)
+    assert late.ended(saves=0, acked=False, now=199.0) is None
+    assert late.ended(saves=0, acked=False, now=201.0) == RoundEnd(Outcome.STOPPED, lost=(2,),
+                                                                   late=True)
+
+
+# ------------------------------------------------------------------ the wire
+def test_every_message_reads_back_as_it_was_sent():
+    spec = protocol.RoundSpec("horovod", 2, [0, 1], 2, 0, 3, 1, True, "10.0.0.1", "gloo",
+                              [None, "h1"], [2, 2], [0, 0], rendezvous_port=4242)
+    to_node = [protocol.Start(spec), protocol.Hint(5), protocol.Verdicts({1: 2}),
+               protocol.StacksRequest([1, 3]), protocol.Stop(2), protocol.News("re-forming"),
+               protocol.End(1, True, "why", True, 0.5), protocol.End(2, False, "no"),
+               protocol.Tick()]
+    for message in to_node:
+        wire = json.loads(json.dumps(message.to_wire()))
+        assert protocol.from_master(wire) == message
+    to_master = [protocol.Status([{"rank": 0}], None, True), protocol.StacksFound({3: "st"}),
+                 protocol.Stopped(), protocol.Idle(), protocol.Preempt(),
+                 protocol.Hello(1, "h1", 2, 1)]
+    for message in to_master:
+        wire = json.loads(json.dumps(message.to_wire()))
+        assert protocol.from_node(wire) == message
+    assert protocol.from_node({"type": "something new"}) is None
+
+
+def test_the_wire_form_is_the_one_launchers_have_always_exchanged():
+    # a refusal carries no terminated/grace (the node decides from the status)
+    assert protocol.End(2, False, "full").to_wire() == {
+        "type": "end", "status": 2, "again": False, "report": "full"}
+    spec = protocol.RoundSpec("p3", 1, [0], 1, 1, 0, 0, False, "127.0.0.1", "gloo", [None],
+                              [1], [1], scheduler_port=9000)
+    assert set(spec.to_wire()) == {
+        "backend", "nnodes", "nodes", "nproc", "servers", "restart", "reformation",
+        "elastic", "master_addr", "transport", "hosts", "slots", "server_counts",
+        "scheduler_port"}
+    # node 0 stamps a status on arrival; the stamp never travels
+    status = dataclasses.replace(protocol.Status(), received=12.5)
+    assert "received" not in status.to_wire()
+
+
+# ------------------------------------------------------------------ the configuration
+def test_the_command_line_becomes_one_frozen_configuration(monkeypatch):
+    monkeypatch.delenv("DG_JOB_SECRET", raising=False)
+    config = cli.parse(["-n", "2", "--backend", "p3", "--stall-warning", "0", "--",
+                        "python", "x.py"])
+    assert isinstance(config, LaunchConfig)
+    assert (config.num_workers, config.backend, config.command) == (2, "p3",
+                                                                   ("python", "x.py"))
+    assert config.stall_warning is None and config.node_rank == 0 and not config.over_ssh
+    assert config.job_secret and config.job_secret not in repr(config)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.num_workers = 3
+    fan = cli.parse(["-H", "a:2,b:2", "--", "python", "x.py"])
+    assert fan.over_ssh and fan.host_slots == (("a", 2, None), ("b", 2, None))
+    assert fan.node_rank is None and fan.job_secret is None
