@@ -187,7 +187,8 @@ def replay(events: list[dict]) -> tuple[np.ndarray, float]:
                 w, b = w + mw, b + mb
                 first += batch
                 skip = min(length, skip + size * world)
-            if skip >= length:
+            # a checkpoint saved at an epoch's last step restores to (epoch, length)
+            if skip >= length and (epoch, skip) != end:
                 epoch, skip = epoch + 1, 0
     return w, b
 

@@ -4,8 +4,9 @@ Which one is horovod's choice at ``hvd.init()``: Gloo when the launcher gave the
 a Gloo rendezvous (``--transport gloo``), MPI when mpirun started it (``dist_gluon.launch
 --transport mpi``, or a plain ``mpirun -np N python train.py``, or ``srun --mpi=pmix``);
 rank, size and local rank then come from MPI. The launcher's side of a Gloo job
-(rendezvous, worker environment) is in dist_gluon/rendezvous.py and dist_gluon/jobenv.py,
-of an MPI job in dist_gluon/launch/mpi.py; none imports mxnet or horovod.
+(rendezvous, worker environment) is in dist_gluon/launch/rendezvous.py and
+dist_gluon/launch/jobenv.py, of an MPI job in dist_gluon/launch/mpi.py; none imports
+mxnet or horovod.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ priority order. On both, updates run on the workers and the servers only sum. On
 ``dist_async`` the servers run the optimizer and no worker waits for another
 (:class:`DistAsync`).
 
-The launcher's side of a ps-lite job, its environment, is in dist_gluon/jobenv.py
+The launcher's side of a ps-lite job, its environment, is in dist_gluon/launch/jobenv.py
 (which imports neither mxnet nor horovod); only this module reads ``DMLC_*`` variables.
 """
 from __future__ import annotations
