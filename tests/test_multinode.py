@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -331,6 +332,66 @@ def test_a_silent_node_ends_the_job_after_the_silence_limit(cluster, tmp_path):
     assert procs[0].returncode == 1, err
     assert "the launcher of node 1 disconnected or went silent" in err
     assert took is not None and took < 5, f"named after {took} s"   # default: 8 s
+
+
+def _kill_processes_with(marker: str) -> None:
+    """SIGKILL every process whose environment holds ``marker``: a host's launcher and
+    workers all at once, as when its machine dies."""
+    needle = f"DG_TEST_MARKER={marker}".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and needle in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+
+
+@pytest.mark.parametrize("fault", ["killed", "cut"])
+def test_a_fixed_size_job_ends_on_every_node_soon_after_a_host_is_lost(cluster, tmp_path,
+                                                                         fault):
+    # killed: every process of host 1 SIGKILLed (node 0 sees the link close); cut: host 1's
+    # link down (node 0 hears nothing for --silence-limit). Node 0 ends at once, without
+    # waiting for a confirmation that a dead node cannot send (it waited 15 s)
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nimport dist_gluon as dg\nkv = dg.create()\nkv.barrier()\n"
+                      "print('READY', flush=True)\ntime.sleep(120)\n")
+    port = str(next(_ports))
+    markers = [_marker_env() for _ in (0, 1)]
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+           "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"lost-host-{fault}"}
+    procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
+                               "--node-rank", str(i), "--master-addr",
+                               cluster.hosts[0].address, "--master-port", port, "-n", "1",
+                               "--heartbeat", "0.5", "--silence-limit", "3", "--",
+                               sys.executable, str(script)],
+                           cwd=tmp_path, env={**env, **markers[i]}, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    try:
+        for line in procs[0].stdout:
+            if "READY" in line:
+                break
+        time.sleep(0.5)             # rank 1 printed READY too, after the same barrier
+        if fault == "killed":
+            _kill_processes_with(markers[1]["DG_TEST_MARKER"])
+        else:
+            subprocess.run(["ip", "-n", cluster.hosts[1].namespace, "link", "set", "eth0",
+                            "down"], check=True)
+        lost = time.monotonic()
+        _, err = procs[0].communicate(timeout=60)
+        took = time.monotonic() - lost
+        print(f"node 0 ended {took:.2f} s after the host was {fault}")
+    finally:
+        subprocess.run(["ip", "-n", cluster.hosts[1].namespace, "link", "set", "eth0", "up"],
+                       check=True)
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 1, err
+    assert "the launcher of node 1 disconnected or went silent" in err
+    assert "did not confirm" not in err
+    # the targets are 2 s and --silence-limit + 2 s; a loaded CI machine gets slack
+    assert took < (4 if fault == "killed" else 3 + 4), f"node 0 ended {took:.1f} s after"
+    assert_nothing_left(markers[0]["DG_TEST_MARKER"])
 
 
 def test_heartbeat_must_be_shorter_than_the_silence_limit(tmp_path):

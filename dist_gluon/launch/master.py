@@ -154,8 +154,12 @@ class Master:
             self.out.say(decision.report + "\nterminated the rest of the job." if terminated
                          else decision.report)
         node.terminate(grace)
+        # a lost node cannot confirm anything: waiting for it held a static job's end
+        # for the whole confirmation time
+        gone = set(decision.leaving) | (set(end.lost) if end.outcome is Outcome.LOST
+                                        else set())
         unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
-                                     if n not in decision.leaving}, self.out,
+                                     if n not in gone}, self.out,
                                     config.silence_limit if config.elastic
                                     else STATIC_CONFIRM, self.ledger.preempts)
         for n in decision.leaving:
