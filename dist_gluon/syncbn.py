@@ -169,22 +169,23 @@ class SyncBatchNorm(nn.BatchNorm):
                 "rank needs at least one sample in every training step (the others wait "
                 "for its statistics). Shard with dist_gluon.ShardSampler, which pads the "
                 "shares to equal length, or skip the step on every rank")
-        channel = self._channel(x, axis)
         dtype = x.dtype
         if dtype != gamma.dtype:
             x = x.astype(gamma.dtype)
+        channel = self._channel(x, axis)
         # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
         # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
-        # backward gives the per-channel sums over x). Only the two functions are
-        # differentiated by hand, per channel in float64 NumPy; autograd chains them.
-        local = _LocalSums(axis, channel)(x)
+        # backward gives the per-channel sums over x). Only the two functions between
+        # are differentiated by hand, per channel, with MXNet operators on x's device;
+        # autograd chains them.
+        moments = _LocalMoments(axis, channel)(x)
         running = (running_mean, running_var) if autograd.is_recording() else None
-        # identity() first: with grad_req='add', MXNet 1.9's Cast writes the gradient of
-        # a parameter instead of adding to it
-        scale, shift = _GlobalAffine(channel, kwargs, running)(mx.nd.concat(
-            local, mx.nd.identity(gamma).astype("float64"),
-            mx.nd.identity(beta).astype("float64"), dim=0))
-        out = mx.nd.BatchNorm(x, scale, shift, channel.mean, channel.unit_var, axis=axis,
+        affine = _GlobalAffine(channel, x.size // channel.channels, kwargs, running)
+        # identity() first: with grad_req='add', MXNet 1.9's concat and Cast write the
+        # gradient of a parameter instead of adding to it
+        scale, shift = affine(mx.nd.concat(moments, mx.nd.identity(gamma),
+                                           mx.nd.identity(beta), dim=0))
+        out = mx.nd.BatchNorm(x, scale, shift, affine.mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -202,13 +203,15 @@ class SyncBatchNorm(nn.BatchNorm):
         return self._comm
 
 
-def _update_running(running: mx.nd.NDArray, batch: np.ndarray, momentum: float) -> None:
-    """``running = momentum * running + (1 - momentum) * batch`` in the dtype of the
-    running statistics, with momentum and 1 - momentum in float32 as MXNet's BatchNorm
-    computes them ((1 - 0.9f) is not 0.1)."""
+def _update_running(running: mx.nd.NDArray, batch: mx.nd.NDArray, momentum: float) -> None:
+    """``running = momentum * running + (1 - momentum) * batch`` on the engine, in the
+    dtype of the running statistics, with momentum and 1 - momentum rounded to float32
+    as MXNet's BatchNorm computes them ((1 - 0.9f) is not 0.1f)."""
     keep = np.float32(momentum)
-    values = running.asnumpy()
-    running[:] = values * keep + batch.astype(values.dtype) * (np.float32(1) - keep)
+    if batch.dtype != running.dtype:
+        batch = batch.astype(running.dtype)
+    mx.nd.elemwise_add(running * float(keep), batch * float(np.float32(1) - keep),
+                       out=running)
 
 
 # sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
@@ -223,28 +226,44 @@ class _Channel:
     script's thread is already a step ahead, and must not wait for it). Both keys are
     created here, on the script's thread in the order of the forward pass: ps-lite
     creates a key with a barrier of all workers, which must not run in MXNet's backward
-    threads."""
+    threads.
+
+    The forward collective sums, per channel, ``[n * mean, n * (var + mean^2), n]`` in
+    float64 (each worker's own batch's mean and biased variance, n its samples per
+    channel): in float64 the global ``E[x^2] - mean^2`` does not cancel (in float32 it
+    would, where a channel's mean is large next to its spread), and the sum is the same
+    on every rank. The backward collective sums the gradients of the global mean and
+    variance in the data's dtype (nothing cancels there)."""
 
     def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype):
         self.kv = kv
         self.channels = channels
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
         # Used by the forward pass, on the script's thread: the sums, and inputs of the
-        # BatchNorm operators (constants, and the global mean: no gradient flows through
-        # an operator's mean, _GlobalAffine accounts for it).
+        # BatchNorm operators (constants).
         self.sums = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.one = mx.nd.ones((1,), ctx=ctx, dtype="float64")
         self.ones = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.zeros = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
         self.unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.scratch = [mx.nd.zeros((channels,), ctx=ctx, dtype=dtype) for _ in range(2)]
-        self.mean = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
+        self._counts: dict[int, mx.nd.NDArray] = {}
         # Used by the backward functions only. MXNet calls them in its own threads once
         # their inputs are ready, when the script's thread may have queued the next
         # step's forward already: an operator they queue on an array of the forward pass
         # would wait for that next forward, which waits for this backward.
-        self.grads = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.grads = mx.nd.zeros((2 * channels,), ctx=ctx, dtype=dtype)
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         _pushpull(kv, self.backward_key, self.grads)
+
+    def count(self, n: int) -> mx.nd.NDArray:
+        """``[n]`` (float64) on the layer's device, made once per batch shape by an
+        operator (not uploaded from the host)."""
+        array = self._counts.get(n)
+        if array is None:
+            array = self._counts[n] = mx.nd.full((1,), n, ctx=self.one.context,
+                                                 dtype="float64")
+        return array
 
 
 def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
@@ -252,12 +271,11 @@ def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
     kv.pushpull(key, value, priority=_PRIORITY)
 
 
-class _LocalSums(autograd.Function):
-    """This worker's per-channel ``[n * mean, n * (var + mean^2), n]`` (float64; n
-    samples per channel, mean and biased var by MXNet's BatchNorm operator in training
-    mode: its own reductions are 10-50 times slower). One input only: an
-    autograd.Function of MXNet 1.9 drops the gradients of the inputs that follow one
-    whose gradient is not needed."""
+class _LocalMoments(autograd.Function):
+    """This worker's per-channel ``[mean, var]`` (biased variance), from MXNet's
+    BatchNorm operator in training mode (its own reductions are 10-50 times slower on
+    CPU). One input only: an autograd.Function of MXNet 1.9 drops the gradients of the
+    inputs that follow one whose gradient is not needed."""
 
     # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
     _EPS = 1e-10
@@ -270,77 +288,77 @@ class _LocalSums(autograd.Function):
         ch = self._channel
         _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
                                           eps=self._EPS, fix_gamma=False, output_mean_var=True)
-        self._x, self._mean = x, mean
-        self._m = m = mean.asnumpy().astype(np.float64)
-        var = np.maximum(invstd.asnumpy().astype(np.float64) ** -2 - self._EPS, 0)
-        n = x.size // ch.channels
-        return mx.nd.array(np.concatenate([n * m, n * (var + m * m), [n]]), ctx=x.context,
-                           dtype=np.float64)
+        var = mx.nd.relu(invstd ** -2 - self._EPS)
+        self._x, self._mean, self._n = x, mean, x.size // ch.channels
+        return mx.nd.concat(mean, var, dim=0)
 
-    def backward(self, dsums):
-        """With ds1, ds2 the gradients of the first two sums: ``dx = ds1 + 2 ds2 x``,
-        computed as ``(ds1 + 2 ds2 mean) + 2 ds2 (x - mean)`` (float64 where it cancels),
-        per channel an affine function of ``x - mean``, again by the BatchNorm
-        operator."""
-        ch, x = self._channel, self._x
-        ds = dsums.asnumpy()
-        ds1, ds2 = ds[:ch.channels], ds[ch.channels:2 * ch.channels]
-        slope = mx.nd.array(2 * ds2, ctx=x.context, dtype=x.dtype)
-        offset = mx.nd.array(ds1 + 2 * ds2 * self._m, ctx=x.context, dtype=x.dtype)
-        return mx.nd.BatchNorm(x, slope, offset, self._mean, ch.backward_unit_var,
-                               axis=self._axis, eps=_UNIT_EPS, fix_gamma=False,
-                               use_global_stats=True)
+    def backward(self, dmoments):
+        """``dx = dmean / n + 2 dvar (x - mean) / n``: per channel an affine function of
+        ``x - mean``, again by the BatchNorm operator."""
+        c, n = self._channel.channels, self._n
+        slope = dmoments[c:2 * c] * (2.0 / n)
+        offset = dmoments[:c] * (1.0 / n)
+        return mx.nd.BatchNorm(self._x, slope, offset, self._mean,
+                               self._channel.backward_unit_var, axis=self._axis,
+                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
 
 
 class _GlobalAffine(autograd.Function):
-    """From ``[local sums (2 C + 1), gamma, beta]`` (float64, one input for the reason
-    given in _LocalSums) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
-    shift`` (in the data's dtype): the sums over the workers (the forward collective)
-    give the global mean and biased variance, ``scale = gamma / sqrt(var + eps)`` and
-    ``shift = beta``. The global mean goes to the layer's channel (the BatchNorm
-    operator subtracts it), as do the running statistics. The backward pass sums the
-    gradients of the global sums over the workers (the backward collective: each
-    worker's loss depends on every worker's sums); those of gamma and beta stay this
-    worker's, which the trainer sums."""
+    """From ``[mean, var, gamma, beta]`` of this worker (one input for the reason
+    given in _LocalMoments) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
+    shift``: the rows of every worker (the forward collective) give the global mean
+    (``self.mean``, which the BatchNorm operator subtracts) and biased variance, ``scale
+    = gamma / sqrt(var + eps)`` and ``shift = beta``; the running statistics move
+    towards them. The backward pass sums the gradients of the global mean and variance
+    over the workers (the backward collective: each worker's loss depends on every
+    worker's statistics); those of gamma and beta stay this worker's, which the trainer
+    sums. Every operation runs on the engine, on the layer's device."""
 
-    def __init__(self, channel: _Channel, kwargs: dict, running):
+    def __init__(self, channel: _Channel, count: int, kwargs: dict, running):
         super().__init__()
         self._channel, self._kwargs, self._running = channel, kwargs, running
+        self._count = channel.count(count)
+        self.mean = None
 
     def forward(self, inputs):
         ch, c = self._channel, self._channel.channels
-        values = inputs.asnumpy()
-        ch.sums[:] = values[:2 * c + 1]
+        local = inputs[:2 * c].astype("float64")
+        mean, var = local[:c], local[c:]
+        mx.nd.broadcast_mul(mx.nd.concat(mean, mx.nd.square(mean) + var, ch.one, dim=0),
+                            self._count, out=ch.sums)
         _pushpull(ch.kv, ch.forward_key, ch.sums)
-        total = ch.sums.asnumpy()
-        n = total[2 * c]
-        mean = total[:c] / n
-        var = np.maximum(total[c:2 * c] / n - mean * mean, 0)
-        invstd = 1 / np.sqrt(var + self._kwargs["eps"])
-        gamma = np.ones(c) if self._kwargs["fix_gamma"] else values[2 * c + 1:3 * c + 1]
-        ch.mean[:] = mean
+        total = ch.sums[2 * c:]
+        moments = mx.nd.broadcast_div(ch.sums[:2 * c], total)
+        mean = moments[:c]
+        var = mx.nd.relu(moments[c:] - mx.nd.square(mean))
+        invstd = mx.nd.rsqrt(var + self._kwargs["eps"]).astype(inputs.dtype)
+        mean, var = mean.astype(inputs.dtype), var.astype(inputs.dtype)
         if self._running is not None:
             _update_running(self._running[0], mean, self._kwargs["momentum"])
             _update_running(self._running[1], var, self._kwargs["momentum"])
-        self._saved = (mean, invstd, gamma, n)
-        ctx, dtype = ch.mean.context, ch.mean.dtype
-        return (mx.nd.array(gamma * invstd, ctx=ctx, dtype=dtype),
-                mx.nd.array(values[3 * c + 1:], ctx=ctx, dtype=dtype))
+        gamma = None if self._kwargs["fix_gamma"] else inputs[2 * c:3 * c]
+        scale = invstd if gamma is None else gamma * invstd
+        self.mean = mean
+        weight = (self._count / total).astype(inputs.dtype)
+        self._saved = (inputs[:c], mean, invstd, scale, weight)
+        return scale, inputs[3 * c:].copy()
 
     def backward(self, dscale, dshift):
         """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
-        the mean through it, ``dmean = -scale * dshift``."""
-        ch = self._channel
-        mean, invstd, gamma, n = self._saved
-        dscale = dscale.asnumpy().astype(np.float64)
-        dshift = dshift.asnumpy().astype(np.float64)
-        dvar = -0.5 * dscale * gamma * invstd ** 3
-        dmean = -gamma * invstd * dshift - 2 * mean * dvar
-        ch.grads[:] = np.concatenate([dmean / n, dvar / n, [0]])
+        the mean through it, ``dmean = -scale * dshift``; and on the variance through
+        scale, ``dvar = -dscale * scale * invstd^2 / 2``. Summed over the workers, they
+        flow to this worker's row: ``d own_mean = w (dmean + 2 dvar (own_mean - mean))``
+        and ``d own_var = w dvar``, with ``w = n_own / n``."""
+        ch, c = self._channel, self._channel.channels
+        own_mean, mean, invstd, scale, weight = self._saved
+        dvar = dscale * scale * mx.nd.square(invstd) * -0.5
+        mx.nd.concat(-scale * dshift, dvar, dim=0, out=ch.grads)
         _pushpull(ch.kv, ch.backward_key, ch.grads)
-        dgamma = np.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
-        return mx.nd.array(np.concatenate([ch.grads.asnumpy(), dgamma, dshift]),
-                           ctx=ch.grads.context, dtype=np.float64)
+        dmean, dvar = ch.grads[:c], ch.grads[c:]
+        d_own_mean = mx.nd.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), weight)
+        d_own_var = mx.nd.broadcast_mul(dvar, weight)
+        dgamma = mx.nd.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
+        return mx.nd.concat(d_own_mean, d_own_var, dgamma, dshift, dim=0)
 
 
 def convert_sync_batchnorm(net, kv=None):

@@ -74,9 +74,6 @@ class _RecordingKV:
     def __init__(self):
         self.sent = []
 
-    def allgather_object(self, obj):
-        return [obj, np.zeros(0, dtype=np.int64)]
-
     def pushpull(self, key, value, priority=0):
         self.sent.append((key, value.dtype))
 
@@ -88,6 +85,8 @@ def test_fp16_compression_sends_the_sparse_rows_as_float16(wire_dtype, expected)
         (mx.nd.ones((2, 4)), mx.nd.array([3, 7], dtype="int64")), shape=(1000, 4))
     kv = _RecordingKV()
     sparse.sum_row_sparse(kv, "emb", grad, wire_dtype=wire_dtype)
-    assert [dtype for _, dtype in kv.sent] == [expected]
+    # the row counts and ids travel first (float32), then the values
+    assert [key.split(".")[1] for key, _ in kv.sent] == ["counts", "ids2", "rows2"]
+    assert [dtype for _, dtype in kv.sent] == [np.float32, np.float32, expected]
     assert grad.indices.asnumpy().tolist() == [3, 7]
     assert grad.data.asnumpy().tolist() == [[1.0] * 4] * 2
