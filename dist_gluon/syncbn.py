@@ -178,13 +178,12 @@ class SyncBatchNorm(nn.BatchNorm):
         # backward gives the per-channel sums over x). Only the two functions between
         # are differentiated by hand, per channel, with MXNet operators on x's device;
         # autograd chains them.
-        moments = _LocalMoments(axis, channel)(x)
-        running = (running_mean, running_var) if autograd.is_recording() else None
-        affine = _GlobalAffine(channel, x.size // channel.channels, kwargs, running)
-        # identity() first: with grad_req='add', MXNet 1.9's concat and Cast write the
-        # gradient of a parameter instead of adding to it
-        scale, shift = affine(mx.nd.concat(moments, mx.nd.identity(gamma),
-                                           mx.nd.identity(beta), dim=0))
+        graphs = _layer_graphs(channel.channels, x.dtype, running_mean.dtype, kwargs["eps"],
+                               kwargs["momentum"], kwargs["fix_gamma"])
+        moments = _LocalMoments(axis, channel, graphs)(x)
+        affine = _GlobalAffine(channel, graphs, x.size // channel.channels,
+                               (running_mean, running_var), autograd.is_recording())
+        scale, shift = affine(mx.nd.concat(moments, gamma, beta, dim=0))
         out = mx.nd.BatchNorm(x, scale, shift, affine.mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
@@ -201,17 +200,6 @@ class SyncBatchNorm(nn.BatchNorm):
             self._comm = _Channel(self.kv, f"syncbn.{next(_layer_numbers)}", x.shape[axis],
                                   x.context, x.dtype)
         return self._comm
-
-
-def _update_running(running: mx.nd.NDArray, batch: mx.nd.NDArray, momentum: float) -> None:
-    """``running = momentum * running + (1 - momentum) * batch`` on the engine, in the
-    dtype of the running statistics, with momentum and 1 - momentum rounded to float32
-    as MXNet's BatchNorm computes them ((1 - 0.9f) is not 0.1f)."""
-    keep = np.float32(momentum)
-    if batch.dtype != running.dtype:
-        batch = batch.astype(running.dtype)
-    mx.nd.elemwise_add(running * float(keep), batch * float(np.float32(1) - keep),
-                       out=running)
 
 
 # sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
@@ -271,6 +259,84 @@ def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
     kv.pushpull(key, value, priority=_PRIORITY)
 
 
+class _Graph:
+    """A small computation of per-channel values as one cached MXNet graph: a layer's
+    arithmetic between its collectives is a dozen operators on C numbers, which cost
+    far more to invoke one by one from Python than to run."""
+
+    def __init__(self, outputs):
+        symbol = outputs if isinstance(outputs, mx.sym.Symbol) else mx.sym.Group(outputs)
+        self._names = symbol.list_inputs()
+        self._op = mx.nd.CachedOp(symbol)
+
+    def __call__(self, out=None, **arrays):
+        return self._op(*[arrays[name] for name in self._names], out=out)
+
+
+_graphs: dict[tuple, dict[str, _Graph]] = {}
+
+
+def _layer_graphs(c: int, dtype, running_dtype, eps: float, momentum: float,
+                  fix_gamma: bool) -> dict[str, _Graph]:
+    """The cached graphs of a layer with ``c`` channels (shared by equal layers)."""
+    key = (c, np.dtype(dtype).name, np.dtype(running_dtype).name, eps, momentum, fix_gamma)
+    if key not in _graphs:
+        _graphs[key] = _build_graphs(c, np.dtype(dtype).name,
+                                     np.dtype(running_dtype).name, eps, momentum, fix_gamma)
+    return _graphs[key]
+
+
+def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma) -> dict[str, _Graph]:
+    sym, f64 = mx.sym, "float64"
+
+    def part(array, begin, end):
+        return sym.slice_axis(array, axis=0, begin=begin, end=end)
+
+    # _LocalMoments: [mean, var] from the BatchNorm operator's mean and 1 / sqrt(var + eps)
+    mean, invstd = sym.var("mean"), sym.var("invstd")
+    local = sym.concat(mean, sym.relu(invstd ** -2 - _LocalMoments._EPS), dim=0)
+
+    # _GlobalAffine, forward: this worker's sums [n mean, n (var + mean^2), n] (float64)
+    packed, count = sym.var("packed"), sym.var("count")
+    mean, var = part(packed, 0, c).astype(f64), part(packed, c, 2 * c).astype(f64)
+    sums = sym.broadcast_mul(sym.concat(mean, sym.square(mean) + var,
+                                        sym.ones((1,), dtype=f64), dim=0), count)
+
+    # ... and from every worker's sums, the global statistics, the affine transform and
+    # the running statistics' next values (momentum and 1 - momentum in float32, as
+    # MXNet's BatchNorm computes them: (1 - 0.9f) is not 0.1f)
+    total_sums = sym.var("sums")
+    total = part(total_sums, 2 * c, 2 * c + 1)
+    moments = sym.broadcast_div(part(total_sums, 0, 2 * c), total)
+    mean = part(moments, 0, c)
+    var = sym.relu(part(moments, c, 2 * c) - sym.square(mean))
+    invstd = sym.rsqrt(var + eps).astype(dtype)
+    scale = invstd if fix_gamma else part(packed, 2 * c, 3 * c) * invstd
+    keep = np.float32(momentum)
+    running = [sym.var(name) * float(keep) + stat.astype(running_dtype)
+               * float(np.float32(1) - keep)
+               for name, stat in (("running_mean", mean), ("running_var", var))]
+    weight = sym.broadcast_div(count, total).astype(dtype)
+    affine = [scale, part(packed, 3 * c, 4 * c), mean.astype(dtype), invstd, weight,
+              *running]
+
+    # _GlobalAffine, backward: this worker's gradients of the global mean and variance
+    dscale, dshift, scale = sym.var("dscale"), sym.var("dshift"), sym.var("scale")
+    invstd = sym.var("invstd")
+    mine = sym.concat(-scale * dshift, dscale * scale * sym.square(invstd) * -0.5, dim=0)
+
+    # ... and from every worker's, the gradients of this worker's [mean, var, gamma, beta]
+    grads, weight = sym.var("grads"), sym.var("weight")
+    own_mean, mean = sym.var("own_mean"), sym.var("mean")
+    dmean, dvar = part(grads, 0, c), part(grads, c, 2 * c)
+    dgamma = sym.zeros_like(dscale) if fix_gamma else dscale * invstd
+    back = sym.concat(sym.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), weight),
+                      sym.broadcast_mul(dvar, weight), dgamma, dshift, dim=0)
+    return {name: _Graph(graph) for name, graph in
+            (("local", local), ("sums", sums), ("affine", affine), ("mine", mine),
+             ("back", back))}
+
+
 class _LocalMoments(autograd.Function):
     """This worker's per-channel ``[mean, var]`` (biased variance), from MXNet's
     BatchNorm operator in training mode (its own reductions are 10-50 times slower on
@@ -280,68 +346,59 @@ class _LocalMoments(autograd.Function):
     # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
     _EPS = 1e-10
 
-    def __init__(self, axis: int, channel: _Channel):
+    def __init__(self, axis: int, channel: _Channel, graphs: dict[str, _Graph]):
         super().__init__()
-        self._axis, self._channel = axis, channel
+        self._axis, self._channel, self._graphs = axis, channel, graphs
 
     def forward(self, x):
         ch = self._channel
         _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
                                           eps=self._EPS, fix_gamma=False, output_mean_var=True)
-        var = mx.nd.relu(invstd ** -2 - self._EPS)
         self._x, self._mean, self._n = x, mean, x.size // ch.channels
-        return mx.nd.concat(mean, var, dim=0)
+        return self._graphs["local"](mean=mean, invstd=invstd)
 
     def backward(self, dmoments):
         """``dx = dmean / n + 2 dvar (x - mean) / n``: per channel an affine function of
         ``x - mean``, again by the BatchNorm operator."""
         c, n = self._channel.channels, self._n
-        slope = dmoments[c:2 * c] * (2.0 / n)
-        offset = dmoments[:c] * (1.0 / n)
-        return mx.nd.BatchNorm(self._x, slope, offset, self._mean,
-                               self._channel.backward_unit_var, axis=self._axis,
+        return mx.nd.BatchNorm(self._x, dmoments[c:] * (2.0 / n), dmoments[:c] * (1.0 / n),
+                               self._mean, self._channel.backward_unit_var, axis=self._axis,
                                eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
 
 
 class _GlobalAffine(autograd.Function):
-    """From ``[mean, var, gamma, beta]`` of this worker (one input for the reason
-    given in _LocalMoments) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
-    shift``: the rows of every worker (the forward collective) give the global mean
+    """From ``[mean, var, gamma, beta]`` of this worker (one input for the reason given
+    in _LocalMoments) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
+    shift``: the sums of every worker (the forward collective) give the global mean
     (``self.mean``, which the BatchNorm operator subtracts) and biased variance, ``scale
     = gamma / sqrt(var + eps)`` and ``shift = beta``; the running statistics move
     towards them. The backward pass sums the gradients of the global mean and variance
     over the workers (the backward collective: each worker's loss depends on every
     worker's statistics); those of gamma and beta stay this worker's, which the trainer
-    sums. Every operation runs on the engine, on the layer's device."""
+    sums. Everything runs on the engine, on the layer's device (cached graphs)."""
 
-    def __init__(self, channel: _Channel, count: int, kwargs: dict, running):
+    def __init__(self, channel: _Channel, graphs: dict[str, _Graph], count: int, running,
+                 update: bool):
         super().__init__()
-        self._channel, self._kwargs, self._running = channel, kwargs, running
+        self._channel, self._graphs = channel, graphs
+        self._running, self._update = running, update
         self._count = channel.count(count)
         self.mean = None
 
-    def forward(self, inputs):
-        ch, c = self._channel, self._channel.channels
-        local = inputs[:2 * c].astype("float64")
-        mean, var = local[:c], local[c:]
-        mx.nd.broadcast_mul(mx.nd.concat(mean, mx.nd.square(mean) + var, ch.one, dim=0),
-                            self._count, out=ch.sums)
+    def forward(self, packed):
+        ch, graphs = self._channel, self._graphs
+        graphs["sums"](packed=packed, count=self._count, out=ch.sums)
         _pushpull(ch.kv, ch.forward_key, ch.sums)
-        total = ch.sums[2 * c:]
-        moments = mx.nd.broadcast_div(ch.sums[:2 * c], total)
-        mean = moments[:c]
-        var = mx.nd.relu(moments[c:] - mx.nd.square(mean))
-        invstd = mx.nd.rsqrt(var + self._kwargs["eps"]).astype(inputs.dtype)
-        mean, var = mean.astype(inputs.dtype), var.astype(inputs.dtype)
-        if self._running is not None:
-            _update_running(self._running[0], mean, self._kwargs["momentum"])
-            _update_running(self._running[1], var, self._kwargs["momentum"])
-        gamma = None if self._kwargs["fix_gamma"] else inputs[2 * c:3 * c]
-        scale = invstd if gamma is None else gamma * invstd
+        running_mean, running_var = self._running
+        scale, shift, mean, invstd, weight, new_mean, new_var = graphs["affine"](
+            sums=ch.sums, packed=packed, count=self._count, running_mean=running_mean,
+            running_var=running_var)
+        if self._update:
+            new_mean.copyto(running_mean)
+            new_var.copyto(running_var)
         self.mean = mean
-        weight = (self._count / total).astype(inputs.dtype)
-        self._saved = (inputs[:c], mean, invstd, scale, weight)
-        return scale, inputs[3 * c:].copy()
+        self._saved = (packed[:self._channel.channels], mean, invstd, scale, weight)
+        return scale, shift
 
     def backward(self, dscale, dshift):
         """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
@@ -349,16 +406,13 @@ class _GlobalAffine(autograd.Function):
         scale, ``dvar = -dscale * scale * invstd^2 / 2``. Summed over the workers, they
         flow to this worker's row: ``d own_mean = w (dmean + 2 dvar (own_mean - mean))``
         and ``d own_var = w dvar``, with ``w = n_own / n``."""
-        ch, c = self._channel, self._channel.channels
+        ch, graphs = self._channel, self._graphs
         own_mean, mean, invstd, scale, weight = self._saved
-        dvar = dscale * scale * mx.nd.square(invstd) * -0.5
-        mx.nd.concat(-scale * dshift, dvar, dim=0, out=ch.grads)
+        graphs["mine"](dscale=dscale, dshift=dshift, scale=scale, invstd=invstd,
+                       out=ch.grads)
         _pushpull(ch.kv, ch.backward_key, ch.grads)
-        dmean, dvar = ch.grads[:c], ch.grads[c:]
-        d_own_mean = mx.nd.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), weight)
-        d_own_var = mx.nd.broadcast_mul(dvar, weight)
-        dgamma = mx.nd.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
-        return mx.nd.concat(d_own_mean, d_own_var, dgamma, dshift, dim=0)
+        return graphs["back"](grads=ch.grads, own_mean=own_mean, mean=mean, weight=weight,
+                              dscale=dscale, dshift=dshift, invstd=invstd)
 
 
 def convert_sync_batchnorm(net, kv=None):
