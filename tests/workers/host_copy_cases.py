@@ -74,6 +74,13 @@ net = mlp()
 net.hybridize()
 gluon_case("plain", net, lambda i: batch(16))
 
+if ASYNC:
+    # the servers of a dist_async job run one optimizer: one trainer per job, and the
+    # other cases need synchronous workers (or a trainer of their own)
+    with open(os.path.join(out_dir, f"copies_rank{rank}.json"), "w") as f:
+        json.dump(counts, f)
+    sys.exit(0)
+
 # 2. uneven batches: rank 0 takes 16 samples per step, rank 1 9
 gluon_case("uneven", mlp(), lambda i: batch(16 if rank == 0 else 9))
 
@@ -97,32 +104,31 @@ def elastic_step(i):
 measure("elastic", elastic_step)
 del os.environ["DG_ELASTIC"]
 
-if not ASYNC:
-    # 4. row_sparse gradients: an embedding of 5000 words of 32 values, 200 words a step
-    def sparse_net():
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Embedding(5000, 32, sparse_grad=True), gluon.nn.Flatten(),
-                gluon.nn.Dense(10))
-        return net
+# 4. row_sparse gradients: an embedding of 5000 words of 32 values, 200 words a step
+def sparse_net():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Embedding(5000, 32, sparse_grad=True), gluon.nn.Flatten(),
+            gluon.nn.Dense(10))
+    return net
 
-    def words(i):
-        x = mx.nd.floor(mx.nd.random.uniform(0, 5000, shape=(20, 10)))
-        return x, mx.nd.floor(mx.nd.random.uniform(0, 10, shape=(20,)))
+def words(i):
+    x = mx.nd.floor(mx.nd.random.uniform(0, 5000, shape=(20, 10)))
+    return x, mx.nd.floor(mx.nd.random.uniform(0, 10, shape=(20,)))
 
-    gluon_case("sparse", sparse_net(), words)
+gluon_case("sparse", sparse_net(), words)
 
-    # 5. SyncBatchNorm: 64 channels (the statistics of a layer are 129 numbers)
-    def syncbn_net():
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Conv2D(64, 3, padding=1), dg.SyncBatchNorm(),
-                gluon.nn.Activation("relu"), gluon.nn.Conv2D(64, 3, padding=1),
-                dg.SyncBatchNorm(), gluon.nn.Activation("relu"), gluon.nn.Dense(10))
-        return net
+# 5. SyncBatchNorm: 64 channels (the statistics of a layer are 129 numbers)
+def syncbn_net():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(64, 3, padding=1), dg.SyncBatchNorm(),
+            gluon.nn.Activation("relu"), gluon.nn.Conv2D(64, 3, padding=1),
+            dg.SyncBatchNorm(), gluon.nn.Activation("relu"), gluon.nn.Dense(10))
+    return net
 
-    gluon_case("syncbn", syncbn_net(),
-               lambda i: (mx.nd.random.normal(shape=(4 if rank == 0 else 3, 3, 8, 8)),
-                          mx.nd.floor(mx.nd.random.uniform(0, 10, shape=(4 if rank == 0
-                                                                         else 3,)))))
+gluon_case("syncbn", syncbn_net(),
+           lambda i: (mx.nd.random.normal(shape=(4 if rank == 0 else 3, 3, 8, 8)),
+                      mx.nd.floor(mx.nd.random.uniform(0, 10, shape=(4 if rank == 0
+                                                                     else 3,)))))
 
 
 # 6. the Module API through DistributedOptimizer, with and without loss scaling (ranks
