@@ -58,7 +58,10 @@ def test_a_resumed_run_with_sparse_gradients_equals_the_uninterrupted_one(distri
 def test_what_travels_grows_with_the_rows_in_use_not_the_vocabulary(distributed):
     facts = json.loads((distributed / "sent.json").read_text())
     sent = facts["sent"]
-    assert sent["400"] == sent["400000"] == sparse.bucket(facts["rows"]) * 6
+    # each worker's row count, every worker's row ids (padded to the largest count's
+    # bucket), then the block of values of the union's rows (6 values a row)
+    ids = facts["workers"] * (1 + sparse.bucket(facts["largest"]))
+    assert sent["400"] == sent["400000"] == ids + sparse.bucket(facts["rows"]) * 6
 
 
 @pytest.mark.parametrize("rows,expected", [(0, 1), (1, 1), (2, 2), (3, 4), (31, 32),
