@@ -179,7 +179,7 @@ class SyncBatchNorm(nn.BatchNorm):
         # are differentiated by hand, per channel, with MXNet operators on x's device;
         # autograd chains them.
         graphs = _layer_graphs(channel.channels, x.dtype, running_mean.dtype, kwargs["eps"],
-                               kwargs["momentum"], kwargs["fix_gamma"])
+                               kwargs["momentum"], kwargs["fix_gamma"], channel.gather)
         moments = _LocalMoments(axis, channel, graphs)(x)
         affine = _GlobalAffine(channel, graphs, x.size // channel.channels,
                                (running_mean, running_var), autograd.is_recording())
@@ -220,8 +220,14 @@ class _Channel:
     float64 (each worker's own batch's mean and biased variance, n its samples per
     channel): in float64 the global ``E[x^2] - mean^2`` does not cancel (in float32 it
     would, where a channel's mean is large next to its spread), and the sum is the same
-    on every rank. The backward collective sums the gradients of the global mean and
-    variance in the data's dtype (nothing cancels there)."""
+    on every rank. Where the backend has no float64 sum of its own (ps-lite's servers
+    sum in float32, and its exact float64 path costs a dozen operators) and the data is
+    not float64, the collective is an all-gather instead: each worker writes ``[mean,
+    var, n]`` (float32, exact) into its own row of a zero ``(workers, 2 C + 1)`` array,
+    the servers' sum leaves every row exact (``x + 0``), and every worker forms the
+    float64 sums from the rows on its device. The backward collective sums the
+    gradients of the global mean and variance in the data's dtype (nothing cancels
+    there)."""
 
     def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype):
         self.kv = kv
@@ -229,7 +235,10 @@ class _Channel:
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
         # Used by the forward pass, on the script's thread: the sums, and inputs of the
         # BatchNorm operators (constants).
-        self.sums = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.gather = dtype != np.float64 and not kv._sums_float64
+        shape = (kv.num_workers, 2 * channels + 1) if self.gather else (2 * channels + 1,)
+        self.sums = mx.nd.zeros(shape, ctx=ctx, dtype="float32" if self.gather else "float64")
+        self.own_row = mx.nd.one_hot(mx.nd.full((1,), kv.rank, ctx=ctx), kv.num_workers)
         self.one = mx.nd.ones((1,), ctx=ctx, dtype="float64")
         self.ones = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.zeros = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
@@ -277,16 +286,18 @@ _graphs: dict[tuple, dict[str, _Graph]] = {}
 
 
 def _layer_graphs(c: int, dtype, running_dtype, eps: float, momentum: float,
-                  fix_gamma: bool) -> dict[str, _Graph]:
+                  fix_gamma: bool, gather: bool) -> dict[str, _Graph]:
     """The cached graphs of a layer with ``c`` channels (shared by equal layers)."""
-    key = (c, np.dtype(dtype).name, np.dtype(running_dtype).name, eps, momentum, fix_gamma)
+    key = (c, np.dtype(dtype).name, np.dtype(running_dtype).name, eps, momentum, fix_gamma,
+           gather)
     if key not in _graphs:
-        _graphs[key] = _build_graphs(c, np.dtype(dtype).name,
-                                     np.dtype(running_dtype).name, eps, momentum, fix_gamma)
+        _graphs[key] = _build_graphs(c, np.dtype(dtype).name, np.dtype(running_dtype).name,
+                                     eps, momentum, fix_gamma, gather)
     return _graphs[key]
 
 
-def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma) -> dict[str, _Graph]:
+def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
+                  gather) -> dict[str, _Graph]:
     sym, f64 = mx.sym, "float64"
 
     def part(array, begin, end):
@@ -301,11 +312,23 @@ def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma) -> dict[str
     mean, var = part(packed, 0, c).astype(f64), part(packed, c, 2 * c).astype(f64)
     sums = sym.broadcast_mul(sym.concat(mean, sym.square(mean) + var,
                                         sym.ones((1,), dtype=f64), dim=0), count)
+    if gather:
+        # this worker's exact [mean, var, n] in its own row
+        own = sym.concat(mean, var, count, dim=0).astype("float32").reshape((1, -1))
+        sums = sym.broadcast_mul(sym.var("own_row").reshape((-1, 1)), own)
 
     # ... and from every worker's sums, the global statistics, the affine transform and
     # the running statistics' next values (momentum and 1 - momentum in float32, as
     # MXNet's BatchNorm computes them: (1 - 0.9f) is not 0.1f)
     total_sums = sym.var("sums")
+    if gather:
+        rows = total_sums.astype(f64)
+        mean, var = sym.slice_axis(rows, axis=1, begin=0, end=c), \
+            sym.slice_axis(rows, axis=1, begin=c, end=2 * c)
+        count_rows = sym.slice_axis(rows, axis=1, begin=2 * c, end=2 * c + 1)
+        total_sums = sym.sum(sym.broadcast_mul(
+            sym.concat(mean, sym.square(mean) + var, sym.ones_like(count_rows), dim=1),
+            count_rows), axis=0)
     total = part(total_sums, 2 * c, 2 * c + 1)
     moments = sym.broadcast_div(part(total_sums, 0, 2 * c), total)
     mean = part(moments, 0, c)
@@ -387,7 +410,8 @@ class _GlobalAffine(autograd.Function):
 
     def forward(self, packed):
         ch, graphs = self._channel, self._graphs
-        graphs["sums"](packed=packed, count=self._count, out=ch.sums)
+        extra = {"own_row": ch.own_row} if ch.gather else {}
+        graphs["sums"](packed=packed, count=self._count, out=ch.sums, **extra)
         _pushpull(ch.kv, ch.forward_key, ch.sums)
         running_mean, running_var = self._running
         scale, shift, mean, invstd, weight, new_mean, new_var = graphs["affine"](

@@ -195,6 +195,7 @@ class DistSync(Backend):
     _type = "dist_sync"
     _mxnet_type = "dist_sync"
     _byte_dtype = "float16"
+    _sums_float64 = False
     _p3 = False
 
     def __init__(self):
