@@ -50,7 +50,10 @@ class SyncBatchNorm(nn.BatchNorm):
     through those global statistics, so N workers train exactly like one process with
     ``nn.BatchNorm`` on the concatenated samples, also when the workers' batch sizes
     differ. Each layer costs one collective of ``2 C + 1`` float64 numbers in the
-    forward pass and one in the backward pass (C channels). The running statistics are
+    forward pass (on ps-lite, an all-gather of ``workers x (2 C + 1)`` float32 numbers)
+    and one of ``2 C`` numbers in the backward pass (C channels); the statistics are
+    computed with MXNet operators on the input's device and nothing waits on the host.
+    The running statistics are
     updated from the global mean and biased variance, ``running = momentum * running +
     (1 - momentum) * batch`` as in ``nn.BatchNorm``, identically on every rank, at each
     recorded training forward (``nn.BatchNorm`` updates them in its backward pass: the
