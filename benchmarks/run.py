@@ -563,6 +563,12 @@ def targets(results: dict) -> list[str]:
         ok = None if p3 is None or ds is None else p3 < ds
         rows.append(f"| mlp: DistributedTrainer on p3 faster than on dist_sync (p3 / "
                     f"dist_sync < 1.0) | {ratio(p3, ds)} | {verdict(ok)} |")
+    for backend, payload in results.get("syncbn", {}).items():
+        times = payload.get("times", {})
+        sync, plain = (times.get(k, {}).get("median") for k in ("syncbn", "batchnorm"))
+        ok = None if sync is None or plain is None else sync / plain <= 1.3
+        rows.append(f"| resnet18: SyncBatchNorm step / BatchNorm step on {backend} <= 1.3 | "
+                    f"{ratio(sync, plain)} | {verdict(ok)} |")
     comm = results.get("comm")
     if comm and MPI in comm["jobs"]:
         for case, bound, kind in (("1 MiB", 1.5e-3, "time"), ("10 MiB", 3.0, "GB/s"),

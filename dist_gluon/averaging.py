@@ -90,6 +90,7 @@ class _GradientAverager:
         self._grad_keys: dict[int, str] = {}    # of dense gradients, checked once
         self._batch_key = f"{prefix}.batch"
         self._step_indices: set[int] = set()
+        self._total: mx.nd.NDArray | None = None      # this step's sum of the weights
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
         self._codec_checked: set = set()
 
@@ -99,10 +100,18 @@ class _GradientAverager:
 
     # ------------------------------------------------------------ batch sizes
     def submit_batch_size(self, batch_size: float) -> mx.nd.NDArray:
-        """Start summing ``batch_size`` over the workers; returns the (1,) float64 array
+        """Start summing ``batch_size`` over the workers; returns the (1,) float32 array
         that holds the total once the engine has run. Call it on every rank, once per
-        step, before the step's gradients."""
-        total = mx.nd.array([batch_size], dtype="float64")
+        step, before the step's gradients.
+
+        float32 holds every integer up to 2**24 exactly, so a total of up to 16.7
+        million samples per step is exact, on every backend's ordinary sum (no exact
+        float64 path, nothing on the host). The value is made by an operator
+        (``mx.nd.full``), and nobody waits for the sum here: the gradients are divided
+        by it on the engine (:meth:`reduce`); a caller that needs the number itself
+        (``DistributedTrainer.step``, where the batch sizes may differ between workers)
+        waits for this one scalar."""
+        total = mx.nd.full((1,), batch_size, dtype="float32")
         self.kv.pushpull(self._batch_key, total, priority=_BATCH_PRIORITY)
         return total
 
@@ -240,14 +249,20 @@ class _GradientAverager:
             self._step_indices.update(indices)
             return
         self._step_indices = set(indices)
-        total = self.submit_batch_size(weight)
-        self._factors = {np.dtype("float64"): self._predivide / total}
+        self._total = self.submit_batch_size(weight)
+        self._factors = {}
 
     def _factor(self, dtype) -> mx.nd.NDArray:
+        """``predivide / total`` in ``dtype``, on the engine: divided in float64 for
+        float64 gradients, else in float32 (the quotient rounded once)."""
         dtype = np.dtype(dtype)
         factor = self._factors.get(dtype)
         if factor is None:
-            factor = self._factors[dtype] = self._factors[np.dtype("float64")].astype(dtype)
+            wide = "float64" if dtype == np.float64 else "float32"
+            factor = self._predivide / self._total.astype(wide)
+            if factor.dtype != dtype:
+                factor = factor.astype(dtype)
+            self._factors[dtype] = factor
         return factor
 
     def key(self, index: int) -> str:

@@ -79,7 +79,7 @@ def stop_requested(kv: Backend | str | None = None) -> bool:
     if _elastic() and backend.num_workers > 1:
         # ranks read their records at different moments, so one may see a request that
         # another does not see yet: the sum of what they saw is one answer for all
-        flag = mx.nd.array([asked], dtype="float32")
+        flag = mx.nd.full((1,), asked, dtype="float32")
         backend.pushpull(_STOP_KEY, flag)
         asked = float(flag.asscalar())
     if not asked:

@@ -50,7 +50,10 @@ class SyncBatchNorm(nn.BatchNorm):
     through those global statistics, so N workers train exactly like one process with
     ``nn.BatchNorm`` on the concatenated samples, also when the workers' batch sizes
     differ. Each layer costs one collective of ``2 C + 1`` float64 numbers in the
-    forward pass and one in the backward pass (C channels). The running statistics are
+    forward pass (on ps-lite, an all-gather of ``workers x (2 C + 1)`` float32 numbers)
+    and one of ``2 C`` numbers in the backward pass (C channels); the statistics are
+    computed with MXNet operators on the input's device and nothing waits on the host.
+    The running statistics are
     updated from the global mean and biased variance, ``running = momentum * running +
     (1 - momentum) * batch`` as in ``nn.BatchNorm``, identically on every rank, at each
     recorded training forward (``nn.BatchNorm`` updates them in its backward pass: the
@@ -169,22 +172,22 @@ class SyncBatchNorm(nn.BatchNorm):
                 "rank needs at least one sample in every training step (the others wait "
                 "for its statistics). Shard with dist_gluon.ShardSampler, which pads the "
                 "shares to equal length, or skip the step on every rank")
-        channel = self._channel(x, axis)
         dtype = x.dtype
         if dtype != gamma.dtype:
             x = x.astype(gamma.dtype)
+        channel = self._channel(x, axis)
         # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
         # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
-        # backward gives the per-channel sums over x). Only the two functions are
-        # differentiated by hand, per channel in float64 NumPy; autograd chains them.
-        local = _LocalSums(axis, channel)(x)
-        running = (running_mean, running_var) if autograd.is_recording() else None
-        # identity() first: with grad_req='add', MXNet 1.9's Cast writes the gradient of
-        # a parameter instead of adding to it
-        scale, shift = _GlobalAffine(channel, kwargs, running)(mx.nd.concat(
-            local, mx.nd.identity(gamma).astype("float64"),
-            mx.nd.identity(beta).astype("float64"), dim=0))
-        out = mx.nd.BatchNorm(x, scale, shift, channel.mean, channel.unit_var, axis=axis,
+        # backward gives the per-channel sums over x). Only the two functions between
+        # are differentiated by hand, per channel, with MXNet operators on x's device;
+        # autograd chains them.
+        graphs = _layer_graphs(channel.channels, x.dtype, running_mean.dtype, kwargs["eps"],
+                               kwargs["momentum"], kwargs["fix_gamma"], channel.gather)
+        moments = _LocalMoments(axis, channel, graphs)(x)
+        affine = _GlobalAffine(channel, graphs, x.size // channel.channels,
+                               (running_mean, running_var), autograd.is_recording())
+        scale, shift = affine(mx.nd.concat(moments, gamma, beta, dim=0))
+        out = mx.nd.BatchNorm(x, scale, shift, affine.mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -202,15 +205,6 @@ class SyncBatchNorm(nn.BatchNorm):
         return self._comm
 
 
-def _update_running(running: mx.nd.NDArray, batch: np.ndarray, momentum: float) -> None:
-    """``running = momentum * running + (1 - momentum) * batch`` in the dtype of the
-    running statistics, with momentum and 1 - momentum in float32 as MXNet's BatchNorm
-    computes them ((1 - 0.9f) is not 0.1)."""
-    keep = np.float32(momentum)
-    values = running.asnumpy()
-    running[:] = values * keep + batch.astype(values.dtype) * (np.float32(1) - keep)
-
-
 # sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
 # shifts and scales
 _UNIT_EPS = 1e-12
@@ -223,28 +217,53 @@ class _Channel:
     script's thread is already a step ahead, and must not wait for it). Both keys are
     created here, on the script's thread in the order of the forward pass: ps-lite
     creates a key with a barrier of all workers, which must not run in MXNet's backward
-    threads."""
+    threads.
+
+    The forward collective sums, per channel, ``[n * mean, n * (var + mean^2), n]`` in
+    float64 (each worker's own batch's mean and biased variance, n its samples per
+    channel): in float64 the global ``E[x^2] - mean^2`` does not cancel (in float32 it
+    would, where a channel's mean is large next to its spread), and the sum is the same
+    on every rank. Where the backend has no float64 sum of its own (ps-lite's servers
+    sum in float32, and its exact float64 path costs a dozen operators) and the data is
+    not float64, the collective is an all-gather instead: each worker writes ``[mean,
+    var, n]`` (float32, exact) into its own row of a zero ``(workers, 2 C + 1)`` array,
+    the servers' sum leaves every row exact (``x + 0``), and every worker forms the
+    float64 sums from the rows on its device. The backward collective sums the
+    gradients of the global mean and variance in the data's dtype (nothing cancels
+    there)."""
 
     def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype):
         self.kv = kv
         self.channels = channels
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
         # Used by the forward pass, on the script's thread: the sums, and inputs of the
-        # BatchNorm operators (constants, and the global mean: no gradient flows through
-        # an operator's mean, _GlobalAffine accounts for it).
-        self.sums = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        # BatchNorm operators (constants).
+        self.gather = dtype != np.float64 and not kv._sums_float64
+        shape = (kv.num_workers, 2 * channels + 1) if self.gather else (2 * channels + 1,)
+        self.sums = mx.nd.zeros(shape, ctx=ctx, dtype="float32" if self.gather else "float64")
+        self.own_row = mx.nd.one_hot(mx.nd.full((1,), kv.rank, ctx=ctx), kv.num_workers)
+        self.one = mx.nd.ones((1,), ctx=ctx, dtype="float64")
         self.ones = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.zeros = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
         self.unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.scratch = [mx.nd.zeros((channels,), ctx=ctx, dtype=dtype) for _ in range(2)]
-        self.mean = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
+        self._counts: dict[int, mx.nd.NDArray] = {}
         # Used by the backward functions only. MXNet calls them in its own threads once
         # their inputs are ready, when the script's thread may have queued the next
         # step's forward already: an operator they queue on an array of the forward pass
         # would wait for that next forward, which waits for this backward.
-        self.grads = mx.nd.zeros((2 * channels + 1,), ctx=ctx, dtype="float64")
+        self.grads = mx.nd.zeros((2 * channels,), ctx=ctx, dtype=dtype)
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         _pushpull(kv, self.backward_key, self.grads)
+
+    def count(self, n: int) -> mx.nd.NDArray:
+        """``[n]`` (float64) on the layer's device, made once per batch shape by an
+        operator (not uploaded from the host)."""
+        array = self._counts.get(n)
+        if array is None:
+            array = self._counts[n] = mx.nd.full((1,), n, ctx=self.one.context,
+                                                 dtype="float64")
+        return array
 
 
 def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
@@ -252,95 +271,175 @@ def _pushpull(kv: Backend, key: str, value: mx.nd.NDArray) -> None:
     kv.pushpull(key, value, priority=_PRIORITY)
 
 
-class _LocalSums(autograd.Function):
-    """This worker's per-channel ``[n * mean, n * (var + mean^2), n]`` (float64; n
-    samples per channel, mean and biased var by MXNet's BatchNorm operator in training
-    mode: its own reductions are 10-50 times slower). One input only: an
-    autograd.Function of MXNet 1.9 drops the gradients of the inputs that follow one
-    whose gradient is not needed."""
+class _Graph:
+    """A small computation of per-channel values as one cached MXNet graph: a layer's
+    arithmetic between its collectives is a dozen operators on C numbers, which cost
+    far more to invoke one by one from Python than to run."""
+
+    def __init__(self, outputs):
+        symbol = outputs if isinstance(outputs, mx.sym.Symbol) else mx.sym.Group(outputs)
+        self._names = symbol.list_inputs()
+        self._op = mx.nd.CachedOp(symbol)
+
+    def __call__(self, out=None, **arrays):
+        return self._op(*[arrays[name] for name in self._names], out=out)
+
+
+_graphs: dict[tuple, dict[str, _Graph]] = {}
+
+
+def _layer_graphs(c: int, dtype, running_dtype, eps: float, momentum: float,
+                  fix_gamma: bool, gather: bool) -> dict[str, _Graph]:
+    """The cached graphs of a layer with ``c`` channels (shared by equal layers)."""
+    key = (c, np.dtype(dtype).name, np.dtype(running_dtype).name, eps, momentum, fix_gamma,
+           gather)
+    if key not in _graphs:
+        _graphs[key] = _build_graphs(c, np.dtype(dtype).name, np.dtype(running_dtype).name,
+                                     eps, momentum, fix_gamma, gather)
+    return _graphs[key]
+
+
+def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
+                  gather) -> dict[str, _Graph]:
+    sym, f64 = mx.sym, "float64"
+
+    def part(array, begin, end):
+        return sym.slice_axis(array, axis=0, begin=begin, end=end)
+
+    # _LocalMoments: [mean, var] from the BatchNorm operator's mean and 1 / sqrt(var + eps)
+    mean, invstd = sym.var("mean"), sym.var("invstd")
+    local = sym.concat(mean, sym.relu(invstd ** -2 - _LocalMoments._EPS), dim=0)
+
+    # _GlobalAffine, forward: this worker's sums [n mean, n (var + mean^2), n] (float64)
+    packed, count = sym.var("packed"), sym.var("count")
+    mean, var = part(packed, 0, c).astype(f64), part(packed, c, 2 * c).astype(f64)
+    sums = sym.broadcast_mul(sym.concat(mean, sym.square(mean) + var,
+                                        sym.ones((1,), dtype=f64), dim=0), count)
+    if gather:
+        # this worker's exact [mean, var, n] in its own row
+        own = sym.concat(mean, var, count, dim=0).astype("float32").reshape((1, -1))
+        sums = sym.broadcast_mul(sym.var("own_row").reshape((-1, 1)), own)
+
+    # ... and from every worker's sums, the global statistics, the affine transform and
+    # the running statistics' next values (momentum and 1 - momentum in float32, as
+    # MXNet's BatchNorm computes them: (1 - 0.9f) is not 0.1f)
+    total_sums = sym.var("sums")
+    if gather:
+        rows = total_sums.astype(f64)
+        mean, var = sym.slice_axis(rows, axis=1, begin=0, end=c), \
+            sym.slice_axis(rows, axis=1, begin=c, end=2 * c)
+        count_rows = sym.slice_axis(rows, axis=1, begin=2 * c, end=2 * c + 1)
+        total_sums = sym.sum(sym.broadcast_mul(
+            sym.concat(mean, sym.square(mean) + var, sym.ones_like(count_rows), dim=1),
+            count_rows), axis=0)
+    total = part(total_sums, 2 * c, 2 * c + 1)
+    moments = sym.broadcast_div(part(total_sums, 0, 2 * c), total)
+    mean = part(moments, 0, c)
+    var = sym.relu(part(moments, c, 2 * c) - sym.square(mean))
+    invstd = sym.rsqrt(var + eps).astype(dtype)
+    scale = invstd if fix_gamma else part(packed, 2 * c, 3 * c) * invstd
+    keep = np.float32(momentum)
+    running = [sym.var(name) * float(keep) + stat.astype(running_dtype)
+               * float(np.float32(1) - keep)
+               for name, stat in (("running_mean", mean), ("running_var", var))]
+    weight = sym.broadcast_div(count, total).astype(dtype)
+    affine = [scale, part(packed, 3 * c, 4 * c), mean.astype(dtype), invstd, weight,
+              *running]
+
+    # _GlobalAffine, backward: this worker's gradients of the global mean and variance
+    dscale, dshift, scale = sym.var("dscale"), sym.var("dshift"), sym.var("scale")
+    invstd = sym.var("invstd")
+    mine = sym.concat(-scale * dshift, dscale * scale * sym.square(invstd) * -0.5, dim=0)
+
+    # ... and from every worker's, the gradients of this worker's [mean, var, gamma, beta]
+    grads, weight = sym.var("grads"), sym.var("weight")
+    own_mean, mean = sym.var("own_mean"), sym.var("mean")
+    dmean, dvar = part(grads, 0, c), part(grads, c, 2 * c)
+    dgamma = sym.zeros_like(dscale) if fix_gamma else dscale * invstd
+    back = sym.concat(sym.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), weight),
+                      sym.broadcast_mul(dvar, weight), dgamma, dshift, dim=0)
+    return {name: _Graph(graph) for name, graph in
+            (("local", local), ("sums", sums), ("affine", affine), ("mine", mine),
+             ("back", back))}
+
+
+class _LocalMoments(autograd.Function):
+    """This worker's per-channel ``[mean, var]`` (biased variance), from MXNet's
+    BatchNorm operator in training mode (its own reductions are 10-50 times slower on
+    CPU). One input only: an autograd.Function of MXNet 1.9 drops the gradients of the
+    inputs that follow one whose gradient is not needed."""
 
     # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
     _EPS = 1e-10
 
-    def __init__(self, axis: int, channel: _Channel):
+    def __init__(self, axis: int, channel: _Channel, graphs: dict[str, _Graph]):
         super().__init__()
-        self._axis, self._channel = axis, channel
+        self._axis, self._channel, self._graphs = axis, channel, graphs
 
     def forward(self, x):
         ch = self._channel
         _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
                                           eps=self._EPS, fix_gamma=False, output_mean_var=True)
-        self._x, self._mean = x, mean
-        self._m = m = mean.asnumpy().astype(np.float64)
-        var = np.maximum(invstd.asnumpy().astype(np.float64) ** -2 - self._EPS, 0)
-        n = x.size // ch.channels
-        return mx.nd.array(np.concatenate([n * m, n * (var + m * m), [n]]), ctx=x.context,
-                           dtype=np.float64)
+        self._x, self._mean, self._n = x, mean, x.size // ch.channels
+        return self._graphs["local"](mean=mean, invstd=invstd)
 
-    def backward(self, dsums):
-        """With ds1, ds2 the gradients of the first two sums: ``dx = ds1 + 2 ds2 x``,
-        computed as ``(ds1 + 2 ds2 mean) + 2 ds2 (x - mean)`` (float64 where it cancels),
-        per channel an affine function of ``x - mean``, again by the BatchNorm
-        operator."""
-        ch, x = self._channel, self._x
-        ds = dsums.asnumpy()
-        ds1, ds2 = ds[:ch.channels], ds[ch.channels:2 * ch.channels]
-        slope = mx.nd.array(2 * ds2, ctx=x.context, dtype=x.dtype)
-        offset = mx.nd.array(ds1 + 2 * ds2 * self._m, ctx=x.context, dtype=x.dtype)
-        return mx.nd.BatchNorm(x, slope, offset, self._mean, ch.backward_unit_var,
-                               axis=self._axis, eps=_UNIT_EPS, fix_gamma=False,
-                               use_global_stats=True)
+    def backward(self, dmoments):
+        """``dx = dmean / n + 2 dvar (x - mean) / n``: per channel an affine function of
+        ``x - mean``, again by the BatchNorm operator."""
+        c, n = self._channel.channels, self._n
+        return mx.nd.BatchNorm(self._x, dmoments[c:] * (2.0 / n), dmoments[:c] * (1.0 / n),
+                               self._mean, self._channel.backward_unit_var, axis=self._axis,
+                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
 
 
 class _GlobalAffine(autograd.Function):
-    """From ``[local sums (2 C + 1), gamma, beta]`` (float64, one input for the reason
-    given in _LocalSums) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
-    shift`` (in the data's dtype): the sums over the workers (the forward collective)
-    give the global mean and biased variance, ``scale = gamma / sqrt(var + eps)`` and
-    ``shift = beta``. The global mean goes to the layer's channel (the BatchNorm
-    operator subtracts it), as do the running statistics. The backward pass sums the
-    gradients of the global sums over the workers (the backward collective: each
-    worker's loss depends on every worker's sums); those of gamma and beta stay this
-    worker's, which the trainer sums."""
+    """From ``[mean, var, gamma, beta]`` of this worker (one input for the reason given
+    in _LocalMoments) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
+    shift``: the sums of every worker (the forward collective) give the global mean
+    (``self.mean``, which the BatchNorm operator subtracts) and biased variance, ``scale
+    = gamma / sqrt(var + eps)`` and ``shift = beta``; the running statistics move
+    towards them. The backward pass sums the gradients of the global mean and variance
+    over the workers (the backward collective: each worker's loss depends on every
+    worker's statistics); those of gamma and beta stay this worker's, which the trainer
+    sums. Everything runs on the engine, on the layer's device (cached graphs)."""
 
-    def __init__(self, channel: _Channel, kwargs: dict, running):
+    def __init__(self, channel: _Channel, graphs: dict[str, _Graph], count: int, running,
+                 update: bool):
         super().__init__()
-        self._channel, self._kwargs, self._running = channel, kwargs, running
+        self._channel, self._graphs = channel, graphs
+        self._running, self._update = running, update
+        self._count = channel.count(count)
+        self.mean = None
 
-    def forward(self, inputs):
-        ch, c = self._channel, self._channel.channels
-        values = inputs.asnumpy()
-        ch.sums[:] = values[:2 * c + 1]
+    def forward(self, packed):
+        ch, graphs = self._channel, self._graphs
+        extra = {"own_row": ch.own_row} if ch.gather else {}
+        graphs["sums"](packed=packed, count=self._count, out=ch.sums, **extra)
         _pushpull(ch.kv, ch.forward_key, ch.sums)
-        total = ch.sums.asnumpy()
-        n = total[2 * c]
-        mean = total[:c] / n
-        var = np.maximum(total[c:2 * c] / n - mean * mean, 0)
-        invstd = 1 / np.sqrt(var + self._kwargs["eps"])
-        gamma = np.ones(c) if self._kwargs["fix_gamma"] else values[2 * c + 1:3 * c + 1]
-        ch.mean[:] = mean
-        if self._running is not None:
-            _update_running(self._running[0], mean, self._kwargs["momentum"])
-            _update_running(self._running[1], var, self._kwargs["momentum"])
-        self._saved = (mean, invstd, gamma, n)
-        ctx, dtype = ch.mean.context, ch.mean.dtype
-        return (mx.nd.array(gamma * invstd, ctx=ctx, dtype=dtype),
-                mx.nd.array(values[3 * c + 1:], ctx=ctx, dtype=dtype))
+        running_mean, running_var = self._running
+        scale, shift, mean, invstd, weight, new_mean, new_var = graphs["affine"](
+            sums=ch.sums, packed=packed, count=self._count, running_mean=running_mean,
+            running_var=running_var)
+        if self._update:
+            new_mean.copyto(running_mean)
+            new_var.copyto(running_var)
+        self.mean = mean
+        self._saved = (packed[:self._channel.channels], mean, invstd, scale, weight)
+        return scale, shift
 
     def backward(self, dscale, dshift):
         """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
-        the mean through it, ``dmean = -scale * dshift``."""
-        ch = self._channel
-        mean, invstd, gamma, n = self._saved
-        dscale = dscale.asnumpy().astype(np.float64)
-        dshift = dshift.asnumpy().astype(np.float64)
-        dvar = -0.5 * dscale * gamma * invstd ** 3
-        dmean = -gamma * invstd * dshift - 2 * mean * dvar
-        ch.grads[:] = np.concatenate([dmean / n, dvar / n, [0]])
+        the mean through it, ``dmean = -scale * dshift``; and on the variance through
+        scale, ``dvar = -dscale * scale * invstd^2 / 2``. Summed over the workers, they
+        flow to this worker's row: ``d own_mean = w (dmean + 2 dvar (own_mean - mean))``
+        and ``d own_var = w dvar``, with ``w = n_own / n``."""
+        ch, graphs = self._channel, self._graphs
+        own_mean, mean, invstd, scale, weight = self._saved
+        graphs["mine"](dscale=dscale, dshift=dshift, scale=scale, invstd=invstd,
+                       out=ch.grads)
         _pushpull(ch.kv, ch.backward_key, ch.grads)
-        dgamma = np.zeros_like(dscale) if self._kwargs["fix_gamma"] else dscale * invstd
-        return mx.nd.array(np.concatenate([ch.grads.asnumpy(), dgamma, dshift]),
-                           ctx=ch.grads.context, dtype=np.float64)
+        return graphs["back"](grads=ch.grads, own_mean=own_mean, mean=mean, weight=weight,
+                              dscale=dscale, dshift=dshift, invstd=invstd)
 
 
 def convert_sync_batchnorm(net, kv=None):

@@ -58,7 +58,10 @@ def test_a_resumed_run_with_sparse_gradients_equals_the_uninterrupted_one(distri
 def test_what_travels_grows_with_the_rows_in_use_not_the_vocabulary(distributed):
     facts = json.loads((distributed / "sent.json").read_text())
     sent = facts["sent"]
-    assert sent["400"] == sent["400000"] == sparse.bucket(facts["rows"]) * 6
+    # each worker's row count, every worker's row ids (padded to the largest count's
+    # bucket), then the block of values of the union's rows (6 values a row)
+    ids = facts["workers"] * (1 + sparse.bucket(facts["largest"]))
+    assert sent["400"] == sent["400000"] == ids + sparse.bucket(facts["rows"]) * 6
 
 
 @pytest.mark.parametrize("rows,expected", [(0, 1), (1, 1), (2, 2), (3, 4), (31, 32),
@@ -74,9 +77,6 @@ class _RecordingKV:
     def __init__(self):
         self.sent = []
 
-    def allgather_object(self, obj):
-        return [obj, np.zeros(0, dtype=np.int64)]
-
     def pushpull(self, key, value, priority=0):
         self.sent.append((key, value.dtype))
 
@@ -88,6 +88,8 @@ def test_fp16_compression_sends_the_sparse_rows_as_float16(wire_dtype, expected)
         (mx.nd.ones((2, 4)), mx.nd.array([3, 7], dtype="int64")), shape=(1000, 4))
     kv = _RecordingKV()
     sparse.sum_row_sparse(kv, "emb", grad, wire_dtype=wire_dtype)
-    assert [dtype for _, dtype in kv.sent] == [expected]
+    # the row counts and ids travel first (float32), then the values
+    assert [key.split(".")[1] for key, _ in kv.sent] == ["counts", "ids2", "rows2"]
+    assert [dtype for _, dtype in kv.sent] == [np.float32, np.float32, expected]
     assert grad.indices.asnumpy().tolist() == [3, 7]
     assert grad.data.asnumpy().tolist() == [[1.0] * 4] * 2

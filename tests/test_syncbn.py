@@ -37,6 +37,22 @@ class OneOfTwoIdentical(Backend):
             arr *= 2
 
 
+class OneOfTwoIdenticalWithoutFloat64(OneOfTwoIdentical):
+    """The same pair on a transport without a float64 sum of its own (ps-lite), where
+    SyncBatchNorm gathers one row per worker: the peer (rank 1) fills its row with this
+    rank's values."""
+
+    _sums_float64 = False
+
+    def _allreduce_(self, names, arrays, priority):
+        self.keys.extend(names)
+        for arr in arrays:
+            if arr.ndim == 2 and arr.shape[0] == 2:
+                arr[1] = arr[0]
+            else:
+                arr *= 2
+
+
 class NoCollectives(Backend):
     """One process whose collectives fail the test."""
 
@@ -94,14 +110,15 @@ def test_on_one_process_it_is_batchnorm_bit_for_bit_and_communicates_nothing():
     ((4, 3, 7), 1, {"scale": False}),
     ((4, 3, 5, 5), 1, {"center": False, "momentum": 0.7, "epsilon": 1e-3}),
 ])
+@pytest.mark.parametrize("fake", [OneOfTwoIdentical, OneOfTwoIdenticalWithoutFloat64])
 def test_the_synchronised_path_gives_batchnorms_values_when_the_workers_batches_are_equal(
-        shape, axis, kwargs):
+        shape, axis, kwargs, fake):
     # two workers with the same batch: the global statistics are the local ones, and
     # each worker's gradients are those of BatchNorm on its batch
     rng = np.random.RandomState(0)
     x = mx.nd.array(rng.randn(*shape) * 3 + 5)
     dy = mx.nd.array(rng.randn(*shape))
-    kv = OneOfTwoIdentical()
+    kv = fake()
     batchnorm, sync = _pair(shape, axis, kv=kv, **kwargs)
     for expected, got in zip(_train_step(batchnorm, x, dy), _train_step(sync, x, dy)):
         assert np.abs(expected - got).max() <= TOLERANCE * max(1.0, np.abs(expected).max())

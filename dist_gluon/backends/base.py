@@ -91,6 +91,9 @@ class Backend(KVStoreBase):
     _type = "base"
     # dtype that carries the bytes of pickled objects through the sum collectives
     _byte_dtype = "uint8"
+    # whether the transport sums float64 itself (else an exact path of our own does, at a
+    # cost: SyncBatchNorm then gathers float32 rows instead)
+    _sums_float64 = True
 
     def __init__(self):
         self._closed = False

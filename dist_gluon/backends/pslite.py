@@ -195,6 +195,7 @@ class DistSync(Backend):
     _type = "dist_sync"
     _mxnet_type = "dist_sync"
     _byte_dtype = "float16"
+    _sums_float64 = False
     _p3 = False
 
     def __init__(self):
@@ -303,14 +304,72 @@ class DistSync(Backend):
 
     def _exact_sum(self, names, arrays, priority) -> None:
         """Sum float64 and integer arrays exactly, which the servers cannot (they sum at
-        float32 precision): each worker's values travel bit for bit, as 16-bit pieces in
-        float32 (exact below 2**24), in a row of their own that the other workers leave
-        at zero; every worker then adds the rows in rank order in float64 (or int64).
-        Exact, the same on every rank, at 16 N bytes per element instead of 8."""
+        float32 precision): each worker's values travel in a row of their own that the
+        other workers leave at zero, as pieces that float32 holds exactly, so the
+        servers' sum moves them bit for bit; every worker then adds the rows in rank
+        order (float64, or int64). Exact and the same on every rank."""
+        on_device = [np.dtype(a.dtype) == np.float64 for a in arrays]
+        if any(on_device):
+            self._exact_float64_sum([n for n, d in zip(names, on_device) if d],
+                                    [a for a, d in zip(arrays, on_device) if d], priority)
+        if not all(on_device):
+            self._exact_integer_sum([n for n, d in zip(names, on_device) if not d],
+                                    [a for a, d in zip(arrays, on_device) if not d],
+                                    priority)
+
+    def _exact_float64_sum(self, names, arrays, priority) -> None:
+        """float64 on the device, with MXNet operators: a value is split into three
+        float32 pieces ``hi + mid + lo`` (24 + 24 + 5 of its 53 bits), exactly while
+        its magnitude is within float32's range (about 1e-23 to 3e38: the last piece of
+        a smaller value falls below float32's smallest normal; infinities come back as
+        NaN). 12 bytes per element and worker instead of 8, and no copy to the host."""
+        wires = []
+        for name, arr in zip(names, arrays):
+            flat = arr.reshape((-1,))
+            hi = flat.astype("float32")
+            rest = flat - hi.astype("float64")
+            mid = rest.astype("float32")
+            lo = (rest - mid.astype("float64")).astype("float32")
+            wire = self._exact_buffer(name, arr)
+            mx.nd.broadcast_mul(self._own_row(arr.context),
+                                mx.nd.stack(hi, mid, lo).expand_dims(0), out=wire)
+            wires.append(wire)
+        self._allreduce_([f"{name}.exact" for name in names], wires, priority)
+        for arr, wire in zip(arrays, wires):
+            wide = wire.astype("float64")              # (workers, 3, size)
+            rows = (wide[:, 0] + wide[:, 1]) + wide[:, 2]
+            mx.nd.add_n(*[rows[r] for r in range(self._num_workers)],
+                        out=arr.reshape((-1,)))
+
+    def _exact_buffer(self, name, arr) -> mx.nd.NDArray:
+        """The wire array of ``name``'s exact sum, the same in every call (the engine
+        orders its uses; a new array per call would wait for the previous one)."""
+        key = f"{name}.exact"
+        buffer = self._slice_buffers.get(key)
+        if buffer is None:
+            buffer = mx.nd.zeros((self._num_workers, 3, arr.size), ctx=arr.context,
+                                 dtype="float32")
+            self._slice_buffers[key] = buffer
+        return buffer
+
+    def _own_row(self, ctx) -> mx.nd.NDArray:
+        """``(workers, 1, 1)``: 1 at this worker's rank, 0 elsewhere."""
+        key = f"__dg_own_row.{ctx}.{self.rank}"
+        row = self._slice_buffers.get(key)
+        if row is None:
+            row = mx.nd.one_hot(mx.nd.full((1,), self.rank, ctx=ctx), self._num_workers,
+                                dtype="float32").reshape((self._num_workers, 1, 1))
+            self._slice_buffers[key] = row
+        return row
+
+    def _exact_integer_sum(self, names, arrays, priority) -> None:
+        """Integers through the host: each worker's values as 16-bit pieces in float32
+        (exact below 2**24), every worker adding the rows in int64. Integer sums are
+        rare (no per-step path of dist_gluon sends one)."""
         rows = []
         for arr in arrays:
             values = arr.asnumpy().reshape(-1)
-            wide = values.astype(np.float64 if values.dtype.kind == "f" else np.int64)
+            wide = values.astype(np.int64)
             pieces = np.zeros((self._num_workers, 4 * wide.size), dtype=np.float32)
             pieces[self.rank] = wide.view(np.uint16)
             rows.append((arr, wide.dtype, mx.nd.array(pieces, dtype="float32")))

@@ -112,7 +112,10 @@ for vocab in (VOCAB, 400000):
     sent[vocab] = count[0]
 if rank == 0:
     with open(os.path.join(out_dir, "sent.json"), "w") as f:
-        json.dump({"sent": sent, "rows": int(len(np.unique(TOKENS[0])))}, f)
+        share = world * B // N
+        largest = max(len(np.unique(TOKENS[0, r * share:(r + 1) * share])) for r in range(N))
+        json.dump({"sent": sent, "rows": int(len(np.unique(TOKENS[0]))),
+                   "largest": int(largest), "workers": N}, f)
 
 # the Module API: a symbol with a sparse-gradient embedding, DistributedOptimizer
 data = mx.sym.Variable("data")
