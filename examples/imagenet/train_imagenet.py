@@ -409,6 +409,10 @@ def main(argv=None) -> None:
         devices = dg.parse_devices(args.devices, kv.local_rank)
     except ValueError as err:
         raise SystemExit(f"--devices: {err}") from None
+    if args.syncbn and len(devices) > 1:
+        raise SystemExit("--syncbn takes one device per worker: dg.SyncBatchNorm reduces "
+                         "over the workers, not over a worker's devices; start one worker "
+                         "per GPU (--devices gpu)")
     if args.batch_size < len(devices):
         raise SystemExit(f"--batch-size {args.batch_size} is smaller than the "
                          f"{len(devices)} devices of a worker; each needs a sample")
