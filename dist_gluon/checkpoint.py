@@ -47,7 +47,6 @@ import platform
 import random
 import re
 import shutil
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -61,7 +60,7 @@ from . import jobcontrol
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
-from .trainer import remap_states
+from .trainer import remap_states, set_trainer_states
 
 FORMAT = "dist_gluon.checkpoint"
 # 2: trainer states in gluon.Trainer's order, mapped by meta.json's trainer_positions
@@ -446,7 +445,7 @@ class Checkpointer:
                 mapping = _state_mapping(trainer, params, content)
                 if mapping is not None:
                     states = remap_states(states, mapping)
-                _load_trainer_states(trainer, states)
+                set_trainer_states(trainer, pickle.dumps(states, protocol=4))
             _restore_codec(trainer, content.get("compression"), kv, content["path"])
         rng = content["rng"]
         if kv.rank < len(rng):
@@ -746,26 +745,6 @@ def _restore_codec(trainer, saved: dict | None, kv: Backend, path: str) -> None:
             for index, value in values.items():
                 merged[index] = merged[index] + value if index in merged else np.array(value)
     codec.load_state(saved["shared"], local)
-
-
-def _load_trainer_states(trainer: gluon.Trainer, states_and_optimizer) -> None:
-    blob = pickle.dumps(states_and_optimizer, protocol=4)
-    if trainer._kv_initialized and trainer._update_on_kvstore:
-        with tempfile.NamedTemporaryFile(suffix=".states", delete=False) as tmp:
-            tmp.write(blob)
-        try:
-            gluon.Trainer.load_states(trainer, tmp.name)
-        finally:
-            os.unlink(tmp.name)
-        return
-    # What gluon.Trainer.load_states does when updates run on the workers, minus its
-    # kvstore set-up, which reads every parameter and so fails before the first forward
-    # of a deferred-initialised model.
-    for updater in trainer._updaters:
-        updater.set_states(blob)
-        updater.optimizer = trainer._updaters[0].optimizer
-    trainer._optimizer = trainer._updaters[0].optimizer
-    trainer._optimizer.param_dict = dict(enumerate(trainer._params))
 
 
 def _number(name: str) -> int:

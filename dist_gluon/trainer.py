@@ -141,12 +141,26 @@ class TrainerBase(gluon.Trainer):
             data = pickle.dumps(remap_states(pickle.loads(data),
                                              {old: index_of[p] for old, p in
                                               enumerate(positions)}), protocol=4)
+        set_trainer_states(self, data)
+
+
+def set_trainer_states(trainer: gluon.Trainer, blob: bytes) -> None:
+    """``trainer.load_states`` of ``blob`` (the bytes of a states file), for any
+    gluon.Trainer. Where updates run on the workers it skips gluon's kvstore set-up,
+    which reads every parameter and so fails before a deferred model's first forward."""
+    if trainer._kv_initialized and trainer._update_on_kvstore:
         with tempfile.NamedTemporaryFile(suffix=".states", delete=False) as tmp:
-            tmp.write(data)
+            tmp.write(blob)
         try:
-            gluon.Trainer.load_states(self, tmp.name)
+            gluon.Trainer.load_states(trainer, tmp.name)
         finally:
             os.unlink(tmp.name)
+        return
+    for updater in trainer._updaters:
+        updater.set_states(blob)
+        updater.optimizer = trainer._updaters[0].optimizer
+    trainer._optimizer = trainer._updaters[0].optimizer
+    trainer._optimizer.param_dict = dict(enumerate(trainer._params))
 
 
 def remap_states(states, mapping: dict[int, int]):
