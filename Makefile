@@ -14,7 +14,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels system-packages horovod test test-fast demo lm-demo lint bench bench-cluster clean
+.PHONY: setup kernels gpu-check system-packages horovod test test-fast demo lm-demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -128,6 +128,12 @@ bench: setup
 # Needs root; about 25 minutes.
 bench-cluster: setup
 	$(PY) benchmarks/run_cluster.py
+
+# dist_gluon on this machine's GPUs with a CUDA build of MXNet in .venv-gpu (MNIST, a
+# ResNet-50 step with 2-bit and SyncBatchNorm on dist_sync and p3, one process on every
+# GPU); says so and exits 0 where there is no GPU. See tools/gpu_check.py.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
