@@ -223,7 +223,7 @@ class Checkpointer:
         epoch = _check_count(epoch, "epoch")
         step = _check_count(step, "step")
         params = _parameters(net)
-        if getattr(trainer, "_server_updates", None) is not None:
+        if getattr(trainer, "updates_on_servers", False):
             trainer.sync_weights()      # dist_async: the servers' weights, on every rank
         rng = self._kv.allgather_object(_rng_state())
         codec = _codec(trainer)
@@ -404,8 +404,7 @@ class Checkpointer:
         """
         params = _parameters(net)
         kv = self._kv
-        server = getattr(trainer, "_server_updates", None)
-        if server is not None and server.started:
+        if getattr(trainer, "updates_on_servers", False) and trainer.servers_hold_weights:
             raise CheckpointError(
                 "restore a dist_async trainer before its first step: its servers already "
                 "hold weights, which its next pull would bring back")

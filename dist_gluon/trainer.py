@@ -71,6 +71,16 @@ class TrainerBase(gluon.Trainer):
         """The compression codec (its state is checkpointed), or None."""
         return self._averager.codec
 
+    @property
+    def updates_on_servers(self) -> bool:
+        """Whether the servers update the weights (dist_async) instead of the workers."""
+        return False
+
+    @property
+    def servers_hold_weights(self) -> bool:
+        """dist_async: whether the servers hold weights since this trainer's first step."""
+        return False
+
     def optimizer_positions(self) -> list[int]:
         """The model position of each optimizer index: ``optimizer_positions()[i]`` is
         where ``self._params[i]`` sits in :attr:`model_params`."""
@@ -300,6 +310,14 @@ class DistributedTrainer(TrainerBase):
                 "(or dist_sync, which sums a worker's devices first)")
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
+
+    @property
+    def updates_on_servers(self) -> bool:
+        return self._server_updates is not None
+
+    @property
+    def servers_hold_weights(self) -> bool:
+        return self._server_updates is not None and self._server_updates.started
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients and the batch sizes over the workers, then update every
