@@ -60,7 +60,7 @@ from . import jobcontrol
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
-from .trainer import remap_states, set_trainer_states
+from .trainer import index_mapping, positions_in, remap_states, set_trainer_states
 
 FORMAT = "dist_gluon.checkpoint"
 # 2: trainer states in gluon.Trainer's order, mapped by meta.json's trainer_positions
@@ -236,9 +236,8 @@ class Checkpointer:
                                      if self._kv.num_workers > 1 else [local])}
         number, untrained = None, None
         if self._node_local and self._kv.num_workers > 1:
-            newest = self._checkpoints()[-1][0] if self._writes() and self._checkpoints() \
-                else 0
-            number = max(self._kv.allgather_object(newest)) + 1
+            found = self._checkpoints() if self._writes() else []
+            number = max(self._kv.allgather_object(found[-1][0] if found else 0)) + 1
             untrained = self._rank0_untrained(params)
         status, failure = None, None
         if self._writes():
@@ -265,14 +264,15 @@ class Checkpointer:
 
     def _rank0_untrained(self, params: list) -> dict[int, np.ndarray]:
         """Rank 0's values of the parameters no optimizer updates (BatchNorm's running
-        statistics differ between ranks), for every node's copy; one collective each."""
+        statistics differ between ranks), for every node's copy (as NumPy on the ranks
+        that write); one collective each."""
         indices = [i for i, p in enumerate(params)
                    if p.grad_req == "null" and p._data is not None]
         values = [params[i].list_data()[0].copy() for i in indices]
         if values:
             self._kv._broadcast_root([f"__dg_ckpt.untrained.{i}" for i in indices], values,
                                      values, 0, 0)
-        return {i: v.asnumpy() for i, v in zip(indices, values)}
+        return {i: v.asnumpy() for i, v in zip(indices, values)} if self._writes() else {}
 
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
                compression, number: int | None = None,
@@ -336,7 +336,7 @@ class Checkpointer:
             "files": files,
         }
         if trainer is not None:
-            meta["trainer_positions"] = _positions(trainer._params, params)
+            meta["trainer_positions"] = positions_in(trainer._params, params)
         with open(os.path.join(temp, _META), "w") as f:
             json.dump(meta, f, indent=1)
         _seal(os.path.join(temp, _META))
@@ -481,7 +481,8 @@ class Checkpointer:
                             key=lambda c: (-_number(c[0]), c[1]))
         reasons = []
         for name, holder in candidates:
-            header, arrays, failure = self._read_here(name, kv.rank == holder)
+            header, arrays, failure = self._read_here(name if path is None else path,
+                                                      kv.rank == holder)
             header = kv.broadcast_object(header, root_rank=holder)
             if header[0] == "ok":
                 return header, arrays, holder, failure
@@ -500,11 +501,10 @@ class Checkpointer:
         return os.path.join(self._directory, path) if os.sep not in path else path
 
     def _read(self, path) -> tuple[tuple, list | None]:
-        """Rank 0: the broadcast header and the arrays of the checkpoint to restore."""
+        """The reading rank: the broadcast header and the arrays of the checkpoint to
+        restore."""
         if path is not None:
-            path = os.fspath(path)
-            if os.sep not in path:
-                path = os.path.join(self._directory, path)
+            path = self._resolve(path)
             if not os.path.isdir(path):
                 return ("error", f"there is no checkpoint at {path!r}"), None
             try:
@@ -690,32 +690,26 @@ def _codec(trainer):
     return getattr(trainer, "codec", None)
 
 
-def _positions(trainer_params: list, params: list) -> list[int | None]:
-    """The position in ``params`` (the net's) of each of the trainer's parameters."""
-    position = {id(p): i for i, p in enumerate(params)}
-    return [position.get(id(p)) for p in trainer_params]
-
-
 def _state_mapping(trainer, params: list, content: dict) -> dict[int, int] | None:
     """Saved optimizer index -> this trainer's index, or None when they are the same."""
-    mine = _positions(trainer._params, params)
+    mine = positions_in(trainer._params, params)
     saved = content.get("trainer_positions")
     if saved is None:
         model_params = getattr(trainer, "model_params", None)
         if content.get("version", 1) >= 2 or model_params is None:
             return None
         # format 1: a dist_gluon trainer indexed its states by model position
-        saved = _positions(model_params, params)
+        saved = positions_in(model_params, params)
     if saved == mine or None in saved or None in mine:
         return None
-    index_of = {position: i for i, position in enumerate(mine)}
-    missing = [i for i, position in enumerate(saved) if position not in index_of]
+    mapping = index_mapping(saved, mine)
+    missing = [position for old, position in enumerate(saved) if old not in mapping]
     if missing:
         raise CheckpointError(
             f"checkpoint {content['path']} holds optimizer states of parameters at "
-            f"positions {[saved[i] for i in missing][:10]} of the model, which this "
-            "trainer does not train; give the trainer the parameters it was saved with")
-    return {old: index_of[position] for old, position in enumerate(saved)}
+            f"positions {missing[:10]} of the model, which this trainer does not train; "
+            "give the trainer the parameters it was saved with")
+    return mapping
 
 
 def _restore_codec(trainer, saved: dict | None, kv: Backend, path: str) -> None:

@@ -84,8 +84,7 @@ class TrainerBase(gluon.Trainer):
     def optimizer_positions(self) -> list[int]:
         """The model position of each optimizer index: ``optimizer_positions()[i]`` is
         where ``self._params[i]`` sits in :attr:`model_params`."""
-        position = {id(p): i for i, p in enumerate(self._model_params)}
-        return [position[id(p)] for p in self._params]
+        return positions_in(self._params, self._model_params)
 
     def _init_kvstore(self):
         # Communication goes through self._kv, never through an MXNet kvstore; gluon's
@@ -147,11 +146,22 @@ class TrainerBase(gluon.Trainer):
             raise FileNotFoundError(data)
         mine = self.optimizer_positions()
         if positions != mine:
-            index_of = {position: i for i, position in enumerate(mine)}
             data = pickle.dumps(remap_states(pickle.loads(data),
-                                             {old: index_of[p] for old, p in
-                                              enumerate(positions)}), protocol=4)
+                                             index_mapping(positions, mine)), protocol=4)
         set_trainer_states(self, data)
+
+
+def positions_in(items: list, order: list) -> list[int | None]:
+    """The position in ``order`` of each of ``items`` (by identity; None where absent)."""
+    position = {id(p): i for i, p in enumerate(order)}
+    return [position.get(id(p)) for p in items]
+
+
+def index_mapping(saved: list, mine: list) -> dict[int, int]:
+    """Saved optimizer index -> this trainer's index, given the model position of each
+    index on both sides; a saved index whose position this trainer lacks is left out."""
+    index_of = {position: i for i, position in enumerate(mine)}
+    return {old: index_of[p] for old, p in enumerate(saved) if p in index_of}
 
 
 def set_trainer_states(trainer: gluon.Trainer, blob: bytes) -> None:
