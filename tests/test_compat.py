@@ -71,6 +71,24 @@ def test_peer_semantics_on_one_process(tmp_path):
     assert proc.stdout.rstrip().endswith("compat cases passed")
 
 
+def test_the_peers_module_optimizer_refuses_several_devices_when_installed(tmp_path):
+    script = tmp_path / "devices.py"
+    script.write_text(
+        "import mxnet as mx\nimport dist_gluon.compat.horovod as hvd\nhvd.init()\n"
+        "net = mx.sym.FullyConnected(mx.sym.Variable('data'), num_hidden=2, name='fc')\n"
+        "net = mx.sym.SoftmaxOutput(net, name='softmax')\n"
+        "mod = mx.mod.Module(net, context=[mx.cpu(0), mx.cpu(1)])\n"
+        "mod.bind(data_shapes=[('data', (4, 3))], label_shapes=[('softmax_label', (4,))])\n"
+        "mod.init_params()\n"
+        "opt = hvd.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.1))\n"
+        "try:\n    mod.init_optimizer(kvstore=None, optimizer=opt)\n"
+        "except ValueError as err:\n    print('refused:', err)\n")
+    proc = run([sys.executable, str(script)], tmp_path)
+    assert_ok(proc)
+    assert ("refused: the peers' DistributedOptimizer runs one device per worker, as "
+            "horovod's and BytePS's do, but the Module has 2 contexts") in proc.stdout
+
+
 def test_peer_semantics_on_two_workers(backend, tmp_path):
     proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
                 "--", sys.executable, str(WORKERS / "compat_cases.py")], tmp_path)

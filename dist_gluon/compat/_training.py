@@ -118,13 +118,17 @@ class PeerOptimizer(_DistributedOptimizer):
         self._dg_prescale = prescale
         self._dg_average = average
 
-    def _update(self, update, index, weight, grad, state) -> None:
-        if self._devices() > 1:
+    def _check_module(self, init_locals: dict) -> None:
+        contexts = getattr(init_locals.get("self"), "_context", [])
+        if len(contexts) > 1:
             raise ValueError(
                 "the peers' DistributedOptimizer runs one device per worker, as horovod's "
-                f"and BytePS's do, but the Module has {self._devices()} contexts; use "
+                f"and BytePS's do, but the Module has {len(contexts)} contexts; use "
                 "dist_gluon.DistributedOptimizer (it sums a worker's devices first) or "
                 "one worker per device")
+        super()._check_module(init_locals)
+
+    def _update(self, update, index, weight, grad, state) -> None:
         if self._dg_averager is None:
             self._dg_averager = _GradientAverager(self.kv, self._dg_prefix,
                                                   owner="DistributedOptimizer")
