@@ -320,7 +320,7 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
         for label, backend, transport in variants:
             if backend not in jobs:
                 continue
-            slot = {"times": {}, "errors": {}, "wire_bytes": {}}
+            slot = {"times": {}, "errors": {}, "wire_bytes": {}, "codec_seconds": {}}
             for impls in jobs[backend]:
                 payload = run_job(cluster, backend, transport,
                                   [str(HERE / "cluster" / "train.py"), *args,
@@ -335,6 +335,7 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
                     # the compute-only step of gluon.Trainer's own job
                     times[f"compute_{main}_job"] = times.pop("compute")
                 slot["wire_bytes"].update(payload.get("wire_bytes", {}))
+                slot["codec_seconds"].update(payload.get("codec_seconds", {}))
                 slot["times"].update(times)
                 slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
                                                      "image", "gradient_bytes")})

@@ -241,7 +241,7 @@ def train_table(s: dict, model: str) -> list[str]:
                      f"{pct(best)} | {vs_peer} |")
     for variant, slot in per.items():
         for impls, error in slot.get("errors", {}).items():
-            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | | |")
+            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | | | |")
     return lines
 
 
@@ -253,8 +253,8 @@ COMPRESS_ROWS = (("DistributedTrainer", "dist_gluon"), ("compression='fp16'", "d
 def compress_table(s: dict, model: str) -> list[str]:
     per = s.get("compress", {}).get(model, {})
     lines = ["| trainer | backend | step ms | compute-only ms | scaling efficiency | "
-             "wire MiB per step | link bound ms | time / uncompressed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "codec ms | wire MiB per step | link bound ms | time / uncompressed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, slot in per.items():
         plain = _median(slot, "dist_gluon")
         for name, impl in COMPRESS_ROWS:
@@ -265,12 +265,14 @@ def compress_table(s: dict, model: str) -> list[str]:
                               else "compute")
             wire = slot.get("wire_bytes", {}).get(impl)
             bound = link_bound(wire, s["hosts"], s["rate_bits"]) if wire else None
+            codec = slot.get("codec_seconds", {}).get(impl)
             lines.append(f"| {name} | {variant} | {ms(step)} | {ms(compute)} | "
                          f"{pct(compute / step if compute else None)} | "
+                         f"{ms(codec) if codec is not None else ''} | "
                          f"{'' if wire is None else f'{wire / MIB:.1f}'} | {ms(bound)} | "
                          f"{ratio(step, plain)} |")
         for impls, error in slot.get("errors", {}).items():
-            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | | |")
+            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | | | |")
     return lines
 
 
@@ -443,7 +445,10 @@ def settings_sections(results: dict) -> list[str]:
                  "compression there, 'Compression not supported with PushPull'). "
                  "*wire MiB*: what the trainer gives the backend's sums per step (each sum "
                  "sends and receives that much); *link bound*: one sum of those bytes over "
-                 "the hosts at the link rate. MXNet's 2-bit pushes 1/16 of the float32 "
+                 "the hosts at the link rate; *codec ms*: the codec's own work per step "
+                 "(compressing and reconstructing every gradient on the engine, with the "
+                 "sums replaced by nothing), timed alone after the timed rounds, on the "
+                 "same cores the step shares with the other workers. MXNet's 2-bit pushes 1/16 of the float32 "
                  "bytes and pulls them all (not counted by the wrapper).", ""]
         for s in results["settings"]:
             for model in s.get("compress", {}):

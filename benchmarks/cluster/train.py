@@ -27,6 +27,11 @@ the workers share the slow rank does not take CPU from the others), and the payl
 holds every rank's step times (``rank_times``), for the throughput of a job whose
 workers need not wait for each other (dist_async).
 
+After the timed rounds, each codec's own work (``codec_seconds``: what it computes per
+step to compress and reconstruct the model's gradients, on the engine, with the sums
+replaced by nothing) is timed alone, so that a reader sees which part of a compressed
+step is the codec's and which the link's.
+
 Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
 """
 from __future__ import annotations
@@ -68,12 +73,43 @@ def build_model(args):
     return net, data, label, gluon.loss.SoftmaxCrossEntropyLoss()
 
 
-def make_trainers(impls, net, batch, wire):
+class NoWire:
+    """Stands in for the job's backend when a codec's own work is timed: the same
+    workers, rank and integer carrier, and sums that send nothing."""
+
+    def __init__(self, kv):
+        self.num_workers, self.rank, self.type = kv.num_workers, kv.rank, kv.type
+        self._exact_integers = getattr(kv, "_exact_integers", ("float32", 24))
+
+    def pushpull(self, key, value, out=None, priority=0):
+        pass
+
+
+def codec_seconds(trainer, kv, repeats=3) -> float:
+    """Seconds per step of ``trainer``'s codec compressing and reconstructing copies of
+    the current gradients, with no communication (median of ``repeats``)."""
+    entries = trainer._grad_entries()
+    indices = [i for i, _ in entries]
+    keys = [f"codec-time.{i}" for i in indices]
+    grads = [g.copy() for _, g in entries]
+    nowire, seconds = NoWire(kv), []
+    for _ in range(repeats + 1):
+        mx.nd.waitall()
+        t0 = time.perf_counter()
+        trainer.codec.reduce(nowire, indices, keys, grads, 0)
+        mx.nd.waitall()
+        seconds.append(time.perf_counter() - t0)
+    return float(np.median(seconds[1:]))
+
+
+def make_trainers(impls, net, batch, wire, codecs=None):
     """{impl: function running one step's update on computed gradients}, and a barrier
     over the workers. ``wire[impl]`` sums the bytes DistributedTrainers give the
-    backend's sums."""
+    backend's sums; ``codecs[impl]`` is a function timing a compressing trainer's codec
+    alone (:func:`codec_seconds`)."""
     params = net.collect_params()
     steps, barrier = {}, None
+    codecs = {} if codecs is None else codecs
     dg_impls = [i for i in impls if i == "dist_gluon" or i in COMPRESSIONS]
     if dg_impls:
         import dist_gluon as dg
@@ -99,6 +135,8 @@ def make_trainers(impls, net, batch, wire):
                 counting["impl"] = None
 
             steps[impl] = step
+            if impl in COMPRESSIONS:
+                codecs[impl] = lambda trainer=trainer: codec_seconds(trainer, kv)
         barrier = kv.barrier
     if "horovod.mxnet" in impls:
         import horovod.mxnet as hvd
@@ -176,8 +214,8 @@ def main():
     args = parse_args()
     started = time.perf_counter()
     net, data, label, loss_fn = build_model(args)
-    wire = {}
-    steps, barrier = make_trainers(args.impls, net, args.batch, wire)
+    wire, codecs = {}, {}
+    steps, barrier = make_trainers(args.impls, net, args.batch, wire, codecs)
     setup_seconds = time.perf_counter() - started
 
     slow = args.slow_rank is not None and \
@@ -209,6 +247,9 @@ def main():
         for impl in args.impls[shift:] + args.impls[:shift]:
             barrier()
             times[impl].append(block(impl, args.steps))
+    # each codec alone, on the last step's gradients (the residuals it changes are not
+    # used again)
+    codec_times = {impl: time_codec() for impl, time_codec in codecs.items()}
     params = [p for p in net.collect_params().values() if p.grad_req != "null"]
     rank_times = None
     if args.slow_rank is not None:
@@ -222,6 +263,7 @@ def main():
             "parameters": int(sum(p.data().size for p in params)),
             "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
             "setup_seconds": setup_seconds, "wire_bytes": wire_per_step,
+            "codec_seconds": codec_times,
             "times": {impl: summarise(t) for impl, t in times.items()}})
 
 
