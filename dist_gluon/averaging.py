@@ -140,8 +140,17 @@ class _GradientAverager:
         describe : callable, optional
             ``describe(index)`` names a parameter in errors.
         """
-        self.check_input(indices, grads, describe)
+        if self.codec is not None:
+            self.check_input(indices, grads, describe)
         if not self.distributed:
+            return
+        if (weight is None and self._plain and len(grads) == 1
+                and grads[0].stype == "default"):
+            # DistributedTrainer's call per parameter, as its gradient is ready: the
+            # short path of the common case (no compression, no predivision)
+            index = indices[0]
+            key = self._grad_keys.get(index) or self._grad_key(index, grads[0], describe)
+            self.kv.pushpull(key, grads[0], priority=-index if isinstance(index, int) else 0)
             return
         if any(g.stype != "default" for g in grads):
             self._reduce_mixed(indices, grads, weight, describe)
@@ -175,7 +184,7 @@ class _GradientAverager:
         dense = [(i, g) for i, g in zip(indices, grads) if g.stype == "default"]
         for index, grad in zip(indices, grads):
             if grad.stype != "default":
-                self.reduce_sparse(index, grad, describe)
+                self._reduce_sparse(index, grad, describe)
         if dense:
             self.reduce([i for i, _ in dense], [g for _, g in dense], None, describe)
         if weight is not None:
@@ -191,7 +200,7 @@ class _GradientAverager:
                     mx.nd.sparse.row_sparse_array((scaled, grad.indices), shape=grad.shape,
                                                   ctx=grad.context).copyto(grad)
 
-    def reduce_sparse(self, index: int, grad: mx.nd.NDArray, describe=None) -> dict:
+    def _reduce_sparse(self, index: int, grad: mx.nd.NDArray, describe=None) -> dict:
         """Sum the row_sparse ``grad`` of parameter ``index`` over the workers, in place,
         as one process on the concatenated batches would hold it (the union of the
         rows); see :mod:`dist_gluon.sparse`. No predivision; of the codecs only fp16
@@ -206,21 +215,6 @@ class _GradientAverager:
         return sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
                               priority=-index if isinstance(index, int) else 0,
                               wire_dtype=wire_dtype)
-
-    def reduce_one(self, index: int, grad: mx.nd.NDArray, describe=None) -> None:
-        """``reduce([index], [grad])``, DistributedTrainer's call for each parameter,
-        with a short path for the common case (no compression, no predivision)."""
-        if self.codec is not None:
-            self.check_input([index], [grad], describe)
-        if grad.stype != "default":
-            if self.distributed:
-                self.reduce_sparse(index, grad, describe)
-            return
-        if self._plain and self.distributed:
-            key = self._grad_keys.get(index) or self._grad_key(index, grad, describe)
-            self.kv.pushpull(key, grad, priority=-index)
-        else:
-            self.reduce([index], [grad], describe=describe)
 
     def check_input(self, indices, grads, describe) -> None:
         """Refuse, on any number of workers, a gradient the codec cannot compress (once

@@ -415,18 +415,15 @@ class DistributedTrainer(TrainerBase):
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()
-        if averager.codec is not None:
-            # a gradient the codec refuses fails on one process too, not first on N
-            averager.check_input([i for i, _ in entries], [g for _, g in entries],
-                                 self._describe)
-        if averager.distributed:
-            if averager.codec is not None and averager.codec.batched:
-                # 2-bit and PowerSGD pack and pipeline a whole step's tensors
-                indices = [i for i, _ in entries]
-                averager.reduce(indices, [g for _, g in entries], describe=self._describe)
-            else:
-                for i, grad in entries:
-                    averager.reduce_one(i, grad, describe=self._describe)
+        if not averager.distributed or (averager.codec is not None and averager.codec.batched):
+            # 2-bit and PowerSGD pack and pipeline a whole step's tensors; on one process
+            # reduce() sends nothing but refuses a gradient the codec cannot take, so
+            # that it fails there too, not first on N
+            averager.reduce([i for i, _ in entries], [g for _, g in entries],
+                            describe=self._describe)
+        else:
+            for i, grad in entries:
+                averager.reduce([i], [grad], describe=self._describe)
         self._spread_grads()
 
     def _update(self, ignore_stale_grad=False):

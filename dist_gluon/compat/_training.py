@@ -99,7 +99,7 @@ class PeerTrainer(TrainerBase):
         for position, grad in self._grad_entries():
             if scale != 1.0:
                 grad *= scale
-            self._averager.reduce_one(position, grad, describe=self._describe)
+            self._averager.reduce([position], [grad], describe=self._describe)
         self._spread_grads()
 
 
