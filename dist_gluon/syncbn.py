@@ -19,6 +19,8 @@ match collectives by key.
 from __future__ import annotations
 
 import itertools
+import os
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -140,7 +142,9 @@ class SyncBatchNorm(nn.BatchNorm):
             resolve(kv)     # raises the TypeError that names what kv may be
         self._kv_spec = kv
         self._kv: Backend | None = None
-        self._comm: _Channel | None = None
+        self._name: str | None = None
+        self._comms: dict = {}          # context -> _Channel
+        self._meetings: tuple | None = None     # (forward, backward) over the devices
 
     @property
     def kv(self) -> Backend:
@@ -154,13 +158,23 @@ class SyncBatchNorm(nn.BatchNorm):
         what to do on more workers."""
         if active and self.kv.num_workers > 1:
             raise RuntimeError(_HYBRIDIZE_HELP.format(n=self.kv.num_workers))
+        if active and len(self._devices()) > 1:
+            raise RuntimeError(_HYBRIDIZE_DEVICES_HELP.format(n=len(self._devices())))
         super().hybridize(active, **kwargs)
+
+    def _devices(self) -> list:
+        """The devices the layer's parameters live on ([] before initialisation)."""
+        try:
+            return self.gamma.list_ctx()
+        except RuntimeError:
+            return []
 
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_var):
         # Symbols come from a hybridized parent (refused on several workers by
         # hybridize()) or from shape inference for deferred initialisation.
         if (F is not mx.nd or self._kwargs["use_global_stats"]
-                or not autograd.is_training() or self.kv.num_workers == 1):
+                or not autograd.is_training()
+                or (self.kv.num_workers == 1 and len(self._devices()) < 2)):
             return super().hybrid_forward(F, x, gamma, beta, running_mean, running_var)
         kwargs = self._kwargs
         axis = kwargs["axis"] % x.ndim
@@ -192,17 +206,38 @@ class SyncBatchNorm(nn.BatchNorm):
         return out if out.dtype == dtype else out.astype(dtype)
 
     def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
-        """This layer's communication. A layer gets the next number at its first
-        training forward."""
-        if self._comm is None:
+        """This layer's communication on ``x``'s device. A layer gets the next number at
+        its first training forward (on any of its devices)."""
+        comm = self._comms.get(x.context)
+        if comm is None:
             if self.kv.type == "dist_async":
                 raise ValueError(
                     "SyncBatchNorm needs every worker's statistics at every step, and "
                     "dist_async workers do not step together; use nn.BatchNorm (each "
                     "worker normalises with its own batch), or dist_sync/p3/horovod")
-            self._comm = _Channel(self.kv, f"syncbn.{next(_layer_numbers)}", x.shape[axis],
-                                  x.context, x.dtype)
-        return self._comm
+            if self._name is None:
+                self._name = f"syncbn.{next(_layer_numbers)}"
+            devices = self._devices()
+            if x.context not in devices:
+                raise ValueError(f"SyncBatchNorm {self.name!r} got an input on {x.context}, "
+                                 f"but its parameters live on {devices}")
+            comm = _Channel(self.kv, self._name, x.shape[axis], x.context, x.dtype,
+                            devices)
+            if len(devices) > 1 and self._meetings is None:
+                self._meetings = (_Meeting(self.kv, comm.forward_key, devices, comm.sums),
+                                  _Meeting(self.kv, comm.backward_key, devices, comm.grads))
+            comm.meetings = self._meetings
+            self._comms[x.context] = comm
+        if comm.meetings is not None:
+            comm.meetings[0].count_forward(x.context, self.name)
+        return comm
+
+
+_HYBRIDIZE_DEVICES_HELP = (
+    "dist_gluon.SyncBatchNorm cannot run in a hybridized graph on {n} devices: the "
+    "devices meet in every forward and backward pass to sum their statistics, which a "
+    "cached graph cannot do. Do not call hybridize() on a network that contains "
+    "SyncBatchNorm (hybridize only blocks without it), or use gluon.nn.BatchNorm.")
 
 
 # sqrt(1 + _UNIT_EPS) == 1 in float32: a BatchNorm operator given variance 1 only
@@ -232,16 +267,21 @@ class _Channel:
     gradients of the global mean and variance in the data's dtype (nothing cancels
     there)."""
 
-    def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype):
+    def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype, devices: list):
         self.kv = kv
         self.channels = channels
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
+        # (forward, backward) _Meeting of the worker's devices, where it has several
+        self.meetings: tuple | None = None
         # Used by the forward pass, on the script's thread: the sums, and inputs of the
-        # BatchNorm operators (constants).
+        # BatchNorm operators (constants). Gathered, every device of every worker has a
+        # row of its own.
         self.gather = dtype != np.float64 and not kv._sums_float64
-        shape = (kv.num_workers, 2 * channels + 1) if self.gather else (2 * channels + 1,)
+        rows = kv.num_workers * len(devices)
+        shape = (rows, 2 * channels + 1) if self.gather else (2 * channels + 1,)
         self.sums = mx.nd.zeros(shape, ctx=ctx, dtype="float32" if self.gather else "float64")
-        self.own_row = mx.nd.one_hot(mx.nd.full((1,), kv.rank, ctx=ctx), kv.num_workers)
+        row = kv.rank * len(devices) + devices.index(ctx)
+        self.own_row = mx.nd.one_hot(mx.nd.full((1,), row, ctx=ctx), rows)
         self.one = mx.nd.ones((1,), ctx=ctx, dtype="float64")
         self.ones = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self.zeros = mx.nd.zeros((channels,), ctx=ctx, dtype=dtype)
@@ -254,7 +294,23 @@ class _Channel:
         # would wait for that next forward, which waits for this backward.
         self.grads = mx.nd.zeros((2 * channels,), ctx=ctx, dtype=dtype)
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
-        _pushpull(kv, self.backward_key, self.grads)
+        if len(devices) == 1:
+            _pushpull(kv, self.backward_key, self.grads)
+
+    def sum_forward(self) -> mx.nd.NDArray:
+        """The forward collective on :attr:`sums`: the sum over every device of every
+        worker."""
+        if self.meetings is None:
+            _pushpull(self.kv, self.forward_key, self.sums)
+            return self.sums
+        return self.meetings[0].join(self.sums)
+
+    def sum_backward(self) -> mx.nd.NDArray:
+        """The backward collective on :attr:`grads` (from MXNet's backward threads)."""
+        if self.meetings is None:
+            _pushpull(self.kv, self.backward_key, self.grads)
+            return self.grads
+        return self.meetings[1].join(self.grads)
 
     def count(self, n: int) -> mx.nd.NDArray:
         """``[n]`` (float64) on the layer's device, made once per batch shape by an
@@ -363,6 +419,13 @@ def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
              ("back", back))}
 
 
+def _on(array: mx.nd.NDArray, ctx) -> mx.nd.NDArray:
+    """``array`` on ``ctx``. MXNet hands an autograd Function's backward its CPU arrays
+    labelled cpu(0) whatever their device (it runs them as custom operators), which
+    matters only where a worker drives several CPU contexts."""
+    return array if array.context == ctx else array.as_in_context(ctx)
+
+
 class _LocalMoments(autograd.Function):
     """This worker's per-channel ``[mean, var]`` (biased variance), from MXNet's
     BatchNorm operator in training mode (its own reductions are 10-50 times slower on
@@ -387,6 +450,7 @@ class _LocalMoments(autograd.Function):
         """``dx = dmean / n + 2 dvar (x - mean) / n``: per channel an affine function of
         ``x - mean``, again by the BatchNorm operator."""
         c, n = self._channel.channels, self._n
+        dmoments = _on(dmoments, self._x.context)
         return mx.nd.BatchNorm(self._x, dmoments[c:] * (2.0 / n), dmoments[:c] * (1.0 / n),
                                self._mean, self._channel.backward_unit_var, axis=self._axis,
                                eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
@@ -415,10 +479,10 @@ class _GlobalAffine(autograd.Function):
         ch, graphs = self._channel, self._graphs
         extra = {"own_row": ch.own_row} if ch.gather else {}
         graphs["sums"](packed=packed, count=self._count, out=ch.sums, **extra)
-        _pushpull(ch.kv, ch.forward_key, ch.sums)
+        sums = ch.sum_forward()
         running_mean, running_var = self._running
         scale, shift, mean, invstd, weight, new_mean, new_var = graphs["affine"](
-            sums=ch.sums, packed=packed, count=self._count, running_mean=running_mean,
+            sums=sums, packed=packed, count=self._count, running_mean=running_mean,
             running_var=running_var)
         if self._update:
             new_mean.copyto(running_mean)
@@ -435,11 +499,138 @@ class _GlobalAffine(autograd.Function):
         and ``d own_var = w dvar``, with ``w = n_own / n``."""
         ch, graphs = self._channel, self._graphs
         own_mean, mean, invstd, scale, weight = self._saved
+        dscale, dshift = _on(dscale, scale.context), _on(dshift, scale.context)
         graphs["mine"](dscale=dscale, dshift=dshift, scale=scale, invstd=invstd,
                        out=ch.grads)
-        _pushpull(ch.kv, ch.backward_key, ch.grads)
-        return graphs["back"](grads=ch.grads, own_mean=own_mean, mean=mean, weight=weight,
+        grads = ch.sum_backward()
+        return graphs["back"](grads=grads, own_mean=own_mean, mean=mean, weight=weight,
                               dscale=dscale, dshift=dshift, invstd=invstd)
+
+
+# How long a device waits in a layer's collective for the worker's other devices before
+# it raises (they compute the same layer on their own shares, seconds apart at most).
+MEETING_TIMEOUT = 300.0
+# MXNET_CPU_TEMP_COPY needed where CPU contexts stand in for a worker's several devices
+CPU_TEMP_COPIES = 32
+
+
+class _Meeting:
+    """One collective of a layer that the worker's several devices join: the devices'
+    arrays are summed on the first device, that sum is summed over the workers (one
+    collective per worker), and every device gets the result.
+
+    A script runs the network on its devices one after the other (``[net(x) for x in
+    split_and_load(...)]``), so device 0's next layer is queued before device 1 has
+    produced its statistics. The meeting is therefore a custom operator (``join``): MXNet
+    runs it in its own custom-operator threads once its input is computed, where it may
+    wait for the other devices' turns without blocking the engine's workers or the
+    script. The key is created on the script's thread, with an array of the shape it
+    carries (ps-lite creates keys with a barrier)."""
+
+    _registry: dict[str, _Meeting] = {}
+
+    def __init__(self, kv: Backend, key: str, devices: list, template: mx.nd.NDArray):
+        copies = int(os.environ.get("MXNET_CPU_TEMP_COPY", "4"))
+        if any(ctx.device_type == "cpu" for ctx in devices) and copies < CPU_TEMP_COPIES:
+            raise RuntimeError(
+                f"SyncBatchNorm on several CPU contexts of one process ({devices}) needs "
+                f"MXNET_CPU_TEMP_COPY={CPU_TEMP_COPIES} or more in the environment before "
+                f"MXNet starts (it is {copies}): MXNet shares its CPU temporary space "
+                "among cpu(0), cpu(1)..., and the layers device 0 has queued would hold "
+                "it while device 1 still has to compute the statistics they wait for. "
+                "GPUs have their own (this is for CPU contexts standing in for GPUs, as "
+                "in tests); to train on CPUs, run one process per CPU context instead")
+        self.kv, self.key = kv, key
+        self._index = {ctx: i for i, ctx in enumerate(devices)}
+        self._cond = threading.Condition()
+        self._arrived: dict[int, mx.nd.NDArray] = {}
+        self._generation = 0
+        self._results: dict[int, mx.nd.NDArray] = {}
+        self._forwards = dict.fromkeys(devices, 0)
+        _Meeting._registry[key] = self
+        _pushpull(kv, key, template.copy())
+
+    def count_forward(self, ctx, layer: str) -> None:
+        """On the script's thread: refuse a device's second training forward before every
+        device has had its first (the devices would wait for each other forever)."""
+        self._forwards[ctx] += 1
+        behind = [c for c, n in self._forwards.items() if n < self._forwards[ctx] - 1]
+        if behind:
+            raise RuntimeError(
+                f"SyncBatchNorm {layer!r}: {ctx} ran {self._forwards[ctx]} training forwards "
+                f"while {behind[0]} ran {self._forwards[behind[0]]}; with its parameters on "
+                f"{len(self._forwards)} devices ({list(self._forwards)}), every training "
+                "forward must run on every device, in the same order on every worker "
+                "(split the batch with gluon.utils.split_and_load)")
+
+    def join(self, value: mx.nd.NDArray) -> mx.nd.NDArray:
+        """Queue this device's part; returns the array that will hold the total."""
+        # the device by number: a custom operator's CPU arrays all say cpu(0)
+        return mx.nd.Custom(value, op_type="dg_syncbn_meeting", meeting=self.key,
+                            device=str(self._index[value.context]))
+
+    def meet(self, device: int, value: mx.nd.NDArray) -> mx.nd.NDArray:
+        """In a custom-operator thread: add ``value`` of device number ``device``; the
+        last device sums and starts the collective, the others wait for it."""
+        with self._cond:
+            generation = self._generation
+            self._arrived[device] = value
+            if len(self._arrived) == len(self._index):
+                total = self._arrived[0].copy()
+                for i in range(1, len(self._index)):
+                    total += self._arrived[i].as_in_context(total.context)
+                _pushpull(self.kv, self.key, total)
+                self._results[generation] = total
+                self._results.pop(generation - 2, None)
+                self._arrived = {}
+                self._generation += 1
+                self._cond.notify_all()
+                return total
+            waited = self._cond.wait_for(lambda: self._generation != generation,
+                                         timeout=MEETING_TIMEOUT)
+            if not waited:
+                missing = [str(c) for c, i in self._index.items() if i not in self._arrived]
+                raise RuntimeError(
+                    f"SyncBatchNorm collective {self.key!r} waited {MEETING_TIMEOUT:.0f} s "
+                    f"for {', '.join(missing)}: every device of a worker must run every "
+                    "training forward and backward of the network")
+            return self._results[generation]
+
+
+class _MeetingOp(mx.operator.CustomOp):
+    def __init__(self, meeting: _Meeting, device: int):
+        super().__init__()
+        self._meeting, self._device = meeting, device
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        total = self._meeting.meet(self._device, in_data[0])
+        self.assign(out_data[0], req[0], total.as_in_context(out_data[0].context))
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        # never recorded: it runs inside SyncBatchNorm's autograd Functions
+        raise RuntimeError("SyncBatchNorm's device meeting has no gradient")
+
+
+@mx.operator.register("dg_syncbn_meeting")
+class _MeetingProp(mx.operator.CustomOpProp):
+    def __init__(self, meeting, device):
+        super().__init__(need_top_grad=False)
+        self._meeting, self._device = meeting, int(device)
+
+    def list_arguments(self):
+        return ["data"]
+
+    def list_outputs(self):
+        return ["output"]
+
+    def infer_shape(self, in_shape):
+        return in_shape, [in_shape[0]], []
+
+    def infer_type(self, in_type):
+        return in_type, [in_type[0]], []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _MeetingOp(_Meeting._registry[self._meeting], self._device)
 
 
 def convert_sync_batchnorm(net, kv=None):

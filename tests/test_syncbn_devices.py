@@ -1,0 +1,83 @@
+"""SyncBatchNorm with several devices per worker (issue 29): the statistics cover every
+device of every worker, so N workers x D devices train like one process with
+nn.BatchNorm on the whole batch. CPU contexts stand in for GPUs (MXNET_CPU_TEMP_COPY
+set as dist_gluon.syncbn asks)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mxnet as mx
+import numpy as np
+import pytest
+
+import dist_gluon as dg
+from conftest import REPO, assert_ok, launcher
+
+WORKER = REPO / "tests" / "workers" / "syncbn_devices.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MXNET_CPU_TEMP_COPY="64")
+
+
+def _run(argv, cwd, timeout=240):
+    return subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _load(directory, name):
+    with np.load(directory / f"{name}.npz") as f:
+        return dict(f)
+
+
+def _error(a, b):
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, one device, nn.BatchNorm on all 8 samples; and SyncBatchNorm and
+    nn.BatchNorm on two devices of one process."""
+    out = tmp_path_factory.mktemp("syncbn_devices")
+    for devices, norm in ((1, "plain"), (2, "sync"), (2, "plain")):
+        assert_ok(_run([sys.executable, str(WORKER), str(out), str(devices), norm], out))
+    return out
+
+
+def test_one_process_on_two_devices_normalises_with_both_devices_statistics(reference):
+    whole = _load(reference, "plain_d1_rank0")
+    assert _error(_load(reference, "sync_d2_rank0"), whole) < 1e-5
+    # nn.BatchNorm on two devices normalises each with its own half: the check can fail
+    assert _error(_load(reference, "plain_d2_rank0"), whole) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync", "p3"])
+def test_two_workers_of_two_devices_train_like_one_process_on_the_whole_batch(
+        reference, backend, tmp_path):
+    assert_ok(_run(launcher(backend, WORKER, tmp_path, 2, "sync"), tmp_path))
+    whole = _load(reference, "plain_d1_rank0")
+    for rank in range(2):
+        assert _error(_load(tmp_path, f"sync_d2_rank{rank}"), whole) < 1e-5
+
+
+def test_a_device_running_ahead_of_the_others_is_refused_with_what_to_do(tmp_path):
+    proc = _run([sys.executable, str(WORKER), str(tmp_path), "2", "misuse"], tmp_path)
+    assert_ok(proc)
+    assert "refused: SyncBatchNorm" in proc.stdout and "ran 2 training forwards while " \
+        "cpu(1) ran 0" in proc.stdout and "split_and_load" in proc.stdout
+    assert "finished" in proc.stdout
+
+
+def test_several_cpu_contexts_without_enough_temp_space_say_what_to_set(monkeypatch):
+    monkeypatch.setenv("MXNET_CPU_TEMP_COPY", "4")
+    bn = dg.SyncBatchNorm(in_channels=2, kv="local")
+    bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    with pytest.raises(RuntimeError, match="MXNET_CPU_TEMP_COPY=32 or more"):
+        with mx.autograd.record():
+            bn(mx.nd.ones((2, 2, 3, 3)))
+
+
+def test_a_syncbn_layer_on_several_devices_cannot_be_hybridized():
+    bn = dg.SyncBatchNorm(in_channels=2, kv="local")
+    bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    with pytest.raises(RuntimeError, match="cannot run in a hybridized graph on 2 devices"):
+        bn.hybridize()
