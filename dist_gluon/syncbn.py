@@ -510,8 +510,10 @@ class _GlobalAffine(autograd.Function):
 # How long a device waits in a layer's collective for the worker's other devices before
 # it raises (they compute the same layer on their own shares, seconds apart at most).
 MEETING_TIMEOUT = 300.0
-# MXNET_CPU_TEMP_COPY needed where CPU contexts stand in for a worker's several devices
-CPU_TEMP_COPIES = 32
+# MXNET_CPU_TEMP_COPY needed where CPU contexts stand in for a worker's several devices:
+# more than the operators of one forward pass that take temporary space (the copies are
+# dealt round robin; ResNet-18 hangs with 64)
+CPU_TEMP_COPIES = 1024
 
 
 class _Meeting:

@@ -316,7 +316,8 @@ def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
                         "--steps-per-epoch", "4", "--log-interval", "2"), tmp_path)
     assert_ok(proc)
     lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
-    assert any("SyncBatchNorm: statistics over all 2 workers' samples, not hybridized" in line
+    assert any("SyncBatchNorm: statistics over the samples of all 2 worker(s) x 1 device(s), "
+               "not hybridized" in line
                for line in lines), lines
     assert lines[-1].startswith("summary:") and "workers=2" in lines[-1]
 

@@ -16,7 +16,8 @@ import dist_gluon as dg
 from conftest import REPO, assert_ok, launcher
 
 WORKER = REPO / "tests" / "workers" / "syncbn_devices.py"
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), MXNET_CPU_TEMP_COPY="64")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+           MXNET_CPU_TEMP_COPY="1024")
 
 
 def _run(argv, cwd, timeout=240):
@@ -71,7 +72,7 @@ def test_several_cpu_contexts_without_enough_temp_space_say_what_to_set(monkeypa
     monkeypatch.setenv("MXNET_CPU_TEMP_COPY", "4")
     bn = dg.SyncBatchNorm(in_channels=2, kv="local")
     bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
-    with pytest.raises(RuntimeError, match="MXNET_CPU_TEMP_COPY=32 or more"):
+    with pytest.raises(RuntimeError, match="MXNET_CPU_TEMP_COPY=1024 or more"):
         with mx.autograd.record():
             bn(mx.nd.ones((2, 2, 3, 3)))
 
@@ -81,3 +82,16 @@ def test_a_syncbn_layer_on_several_devices_cannot_be_hybridized():
     bn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
     with pytest.raises(RuntimeError, match="cannot run in a hybridized graph on 2 devices"):
         bn.hybridize()
+
+
+def test_the_imagenet_example_trains_with_syncbn_on_two_workers_of_two_devices(tmp_path):
+    proc = _run(launcher("horovod", REPO / "examples" / "imagenet" / "train_imagenet.py",
+                         "--synthetic", "--syncbn", "--devices", "cpu:0,1", "--model",
+                         "resnet18_v1b", "--input-size", "32", "--num-classes", "10",
+                         "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "3",
+                         "--log-interval", "1"), tmp_path)
+    assert_ok(proc)
+    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
+    assert any("SyncBatchNorm: statistics over the samples of all 2 worker(s) x 2 device(s)"
+               in line for line in lines), lines
+    assert lines[-1].startswith("summary:") and "workers=2" in lines[-1]

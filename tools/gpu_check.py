@@ -8,7 +8,7 @@ and, with two or more, one process driving all of them:
 
 - MNIST with DistributedTrainer on dist_sync and p3;
 - a ResNet-50 step (synthetic images) on dist_sync and p3, also with 2-bit compression
-  and with SyncBatchNorm;
+  and with SyncBatchNorm (also over one process's several GPUs);
 - one process with several GPUs (MXNet's layout) on dist_sync.
 
 Horovod is left out: building it against a CUDA MXNet needs the CUDA toolkit and NCCL,
@@ -119,6 +119,9 @@ def main() -> int:
         run(f"ResNet-50, dist_sync, 1 worker x {count} GPUs",
             launch("dist_sync", 1, "imagenet/train_imagenet.py", *resnet, "--gpus", every),
             results)
+        run(f"ResNet-50 SyncBatchNorm, dist_sync, 1 worker x {count} GPUs",
+            launch("dist_sync", 1, "imagenet/train_imagenet.py", *resnet, "--gpus", every,
+                   "--syncbn"), results)
         run(f"MNIST, dist_sync, 1 worker x {count} GPUs",
             launch("dist_sync", 1, "mnist/train_gluon.py", "--epochs", "3", "--gpus", every),
             results)

@@ -88,7 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     model.add_argument("--syncbn", action="store_true",
                        help="BatchNorm statistics over all workers' samples together "
                             "(dist_gluon.SyncBatchNorm) instead of each worker's own batch; "
-                            "the network is not hybridized on more than one worker")
+                            "the network is not hybridized on more than one device; CPU "
+                            "contexts standing in for GPUs need MXNET_CPU_TEMP_COPY=1024")
 
     train = parser.add_argument_group("training")
     train.add_argument("--epochs", type=int, default=90, help="training epochs (default: 90)")
@@ -339,8 +340,9 @@ def build_model(args, num_classes: int, ctx: list, kv):
     net.initialize(mx.init.MSRAPrelu(), ctx=ctx)
     if args.dtype != "float32":
         net.cast(args.dtype)
-    if not (args.syncbn and kv.num_workers > 1):
-        # SyncBatchNorm sums over the workers from Python, which a cached graph cannot do
+    if not (args.syncbn and kv.num_workers * len(ctx) > 1):
+        # SyncBatchNorm sums over the workers and devices from Python, which a cached
+        # graph cannot do
         net.hybridize(static_alloc=True, static_shape=True)
     # Weight decay pulls batch-norm scales and biases towards zero, which only hurts.
     no_decay = net.collect_params(".*beta|.*gamma|.*bias")
@@ -409,10 +411,6 @@ def main(argv=None) -> None:
         devices = dg.parse_devices(args.devices, kv.local_rank)
     except ValueError as err:
         raise SystemExit(f"--devices: {err}") from None
-    if args.syncbn and len(devices) > 1:
-        raise SystemExit("--syncbn takes one device per worker: dg.SyncBatchNorm reduces "
-                         "over the workers, not over a worker's devices; start one worker "
-                         "per GPU (--devices gpu)")
     if args.batch_size < len(devices):
         raise SystemExit(f"--batch-size {args.batch_size} is smaller than the "
                          f"{len(devices)} devices of a worker; each needs a sample")
@@ -440,8 +438,9 @@ def main(argv=None) -> None:
                                     compression=args.compression)
     log(f"model: {args.model} ({args.dtype}) on {', '.join(map(str, devices))}, no weight "
         f"decay on {num_no_decay} batch-norm and bias parameters"
-        + (f"; SyncBatchNorm: statistics over all {workers} workers' samples, not hybridized"
-           if args.syncbn and workers > 1 else ""))
+        + (f"; SyncBatchNorm: statistics over the samples of all {workers} worker(s) x "
+           f"{len(devices)} device(s), not hybridized"
+           if args.syncbn and workers * len(devices) > 1 else ""))
     log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
         f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} "
         f"{'x' if args.scale_lr else 'on'} {workers} = {lr:g}, {args.lr_mode} schedule, "

@@ -9,7 +9,7 @@ over every device of every worker, and write rank r's final parameters (running
 statistics included; device 0's copy, after checking under SyncBatchNorm that the
 devices hold the same values) to OUT/<NORM>_d<DEVICES>_rank<r>.npz. With NORM 'misuse'
 one process runs a training forward twice on cpu(0) before cpu(1) and prints the
-error. CPU contexts need MXNET_CPU_TEMP_COPY=32 or more (see dist_gluon/syncbn.py).
+error. CPU contexts need MXNET_CPU_TEMP_COPY=1024 or more (see dist_gluon/syncbn.py).
 """
 import os
 import sys
