@@ -31,7 +31,7 @@ setup(
     # MXNet, and so without horovod.mxnet. README gives the command that builds it
     # against the installed MXNet; the horovod backend checks the build at start.
     extras_require={
-        "examples": ["gluoncv==0.10.5.post0", "scikit-learn", "matplotlib"],
+        "examples": ["gluoncv==0.10.5.post0", "matplotlib"],
         "test": ["pytest", "hypothesis", "ruff"],
     },
     entry_points={"console_scripts": ["dist-gluon-run=dist_gluon.launch:main"]},

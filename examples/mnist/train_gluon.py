@@ -8,9 +8,9 @@ The same script runs alone or under any dist_gluon backend:
 
 Data: ``--data-dir`` holding the four standard MNIST files (train-images-idx3-ubyte.gz,
 train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz).
-Without it, the 1,797 handwritten digits that ship with scikit-learn (8x8 pixels,
-scaled to 28x28) are split into a training and a validation set, so nothing is
-downloaded.
+Without it, the 1,797 handwritten digits bundled with scikit-learn (copied beside this
+script in digits.npz; 8x8 pixels, scaled to 28x28) are split into a training and a
+validation set, so nothing is downloaded.
 
 What makes it distributed (everything else is a plain Gluon training loop):
 - ``dg.DistributedTrainer`` averages the gradients over the workers and starts every
@@ -205,7 +205,8 @@ def main(argv=None) -> None:
     else:
         train_data, val_data = digits_datasets(args.val_fraction, args.seed)
         log("data: no --data-dir given, using the handwritten digits bundled with "
-            "scikit-learn (8x8 scaled to 28x28); nothing is downloaded")
+            "scikit-learn (copied in examples/mnist/digits.npz; 8x8 scaled to 28x28); nothing "
+            "is downloaded")
     log(f"data: {len(train_data)} training and {len(val_data)} validation images; "
         f"backend {kv.type}, {workers} worker(s), batch {args.batch_size} per worker")
 
