@@ -45,10 +45,24 @@ def asynchronous(kv) -> bool:
     return kv.type == "dist_async" and kv.num_workers > 1
 
 
-def check_options(kv, compression, predivide: float, owner: str, optimizer=None) -> None:
-    """Refuse what cannot work asynchronously, at construction."""
-    if kv.type != "dist_async":
-        return
+def model_key(index: int) -> int:
+    """The server key of parameter ``index``'s weights (even keys: see
+    :class:`ServerOptimizer`)."""
+    return 2 * index
+
+
+def collective_key(number: int) -> int:
+    """The server key of the ``number``-th collective slot (odd keys)."""
+    return 2 * number + 1
+
+
+def _is_model_key(key: int) -> bool:
+    return key % 2 == 0
+
+
+def refuse_script_optimizer(optimizer, owner: str) -> None:
+    """The servers import the optimizer's class by module name: refuse one defined in
+    the training script, which they do not run."""
     if isinstance(optimizer, mx.optimizer.Optimizer) and \
             type(optimizer).__module__ == "__main__":
         raise ValueError(
@@ -56,6 +70,13 @@ def check_options(kv, compression, predivide: float, owner: str, optimizer=None)
             f"by module name; {type(optimizer).__name__} is defined in the script "
             "(__main__), which the servers do not run. Define it in a module that is "
             "importable where the servers run (on their PYTHONPATH)")
+
+
+def check_options(kv, compression, predivide: float, owner: str, optimizer=None) -> None:
+    """Refuse what cannot work asynchronously, at construction."""
+    if kv.type != "dist_async":
+        return
+    refuse_script_optimizer(optimizer, owner)
     if compression is not None:
         raise ValueError(f"{owner}: compression={compression['type']!r} does not work on "
                          "dist_async, whose servers apply each worker's push as it "
@@ -79,10 +100,6 @@ def server_optimizer(optimizer: mx.optimizer.Optimizer, params=None):
         sent.lr_mult[i] = param.lr_mult
         sent.wd_mult[i] = param.wd_mult
     return sent
-
-
-def _is_model_key(key: int) -> bool:
-    return key % 2 == 0
 
 
 class ServerOptimizer(mx.optimizer.Optimizer):

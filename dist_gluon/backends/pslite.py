@@ -24,7 +24,7 @@ import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import jobcontrol
-from ..async_updates import ServerOptimizer
+from ..async_updates import ServerOptimizer, collective_key, model_key, refuse_script_optimizer
 from .base import Backend, report_connect
 
 _MXNET_CREATE = mx.kvstore.create
@@ -496,7 +496,7 @@ class DistAsync(DistSync):
             spec = (arr.shape, np.dtype(arr.dtype))
             key = self._int_keys.get(name)
             if key is None:
-                key = self._int_keys[name] = 2 * len(self._int_keys) + 1
+                key = self._int_keys[name] = collective_key(len(self._int_keys))
                 self._int_specs[name] = spec
                 new_keys.append(key)
                 new_values.append(mx.nd.zeros(arr.shape, dtype=arr.dtype))
@@ -592,13 +592,7 @@ class DistAsync(DistSync):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError(f"optimizer must be an mx.optimizer.Optimizer, got "
                             f"{type(optimizer).__name__}")
-        module = type(optimizer).__module__
-        if module == "__main__":
-            raise ValueError(
-                f"dist_async runs the optimizer on the servers, which import its class "
-                f"by module name; {type(optimizer).__name__} is defined in the script "
-                "(__main__), which the servers do not run. Define it in a module that "
-                "is importable where the servers run (on their PYTHONPATH)")
+        refuse_script_optimizer(optimizer, "send_optimizer")
         self._progress("set_optimizer")
         if self.rank == 0:
             self._kv.set_optimizer(ServerOptimizer(optimizer))
@@ -607,7 +601,7 @@ class DistAsync(DistSync):
     def init_model(self, indices: list[int], arrays: list[mx.nd.NDArray]) -> None:
         """Create the server weights of parameters ``indices`` from rank 0's
         ``arrays`` (a collective)."""
-        keys = [2 * i for i in indices]
+        keys = [model_key(i) for i in indices]
         known = [i for i, k in zip(indices, keys) if k in self._model_keys]
         if known:
             raise ValueError(f"parameters {known} already have server weights")
@@ -623,13 +617,13 @@ class DistAsync(DistSync):
         """Push ``grad`` of parameter ``index`` (one optimizer step on the servers), then
         pull its current weights into ``weight``. Not a collective: nobody waits for
         anybody."""
-        key = 2 * index
+        key = model_key(index)
         self._kv.push(key, grad, priority=priority)
         self._kv.pull(key, out=weight, priority=priority)
 
     def pull_weights(self, indices: list[int], outs: list[mx.nd.NDArray]) -> None:
         """Pull the servers' current weights of parameters ``indices`` into ``outs``."""
-        self._kv.pull([2 * i for i in indices], out=outs)
+        self._kv.pull([model_key(i) for i in indices], out=outs)
         for out in outs:
             out.wait_to_read()
 
