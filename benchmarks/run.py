@@ -537,6 +537,15 @@ def verdict(ok) -> str:
     return "–" if ok is None else ("met" if ok else "**not met**")
 
 
+def _per_compute(slot: dict, impl: str):
+    """A trainer's step time over the compute-only step of its own job: on ps-lite each
+    trainer has a job of its own, whose compute-only steps differ (by up to 1.7x under
+    load), so raw step times are only comparable within one job."""
+    step = _t(slot, impl)
+    compute = _t(slot, f"compute_{impl}_job") or _t(slot, "compute")
+    return None if step is None or compute is None else step / compute
+
+
 def targets(results: dict) -> list[str]:
     rows = ["| target | measured | |", "|---|---|---|"]
     trainer = results.get("trainer", {})
@@ -545,14 +554,18 @@ def targets(results: dict) -> list[str]:
         dg, hvd = _t(hv, "dist_gluon"), _t(hv, "horovod.mxnet")
         ok = None if dg is None or hvd is None else dg / hvd <= 1.0
         rows.append(f"| {model}: DistributedTrainer on horovod / horovod.mxnet.Distributed"
-                    f"Trainer <= 1.0 | {ratio(dg, hvd)} | {verdict(ok)} |")
-        ds = trainer[model]["dist_sync"]
-        dg, gl = _t(ds, "dist_gluon"), _t(ds, "gluon")
-        ok = None if dg is None or gl is None else dg / gl <= 1.0
-        rows.append(f"| {model}: DistributedTrainer on dist_sync / gluon.Trainer(kvstore="
-                    f"'dist_sync') <= 1.0 | {ratio(dg, gl)} | {verdict(ok)} |")
+                    f"Trainer <= 1.0 (one job) | {ratio(dg, hvd)} | {verdict(ok)} |")
+        for backend in ("dist_sync", "p3"):
+            if backend not in trainer[model]:
+                continue
+            slot = trainer[model][backend]
+            dg, gl = _per_compute(slot, "dist_gluon"), _per_compute(slot, "gluon")
+            ok = None if dg is None or gl is None else dg / gl <= 1.0
+            rows.append(f"| {model}: DistributedTrainer on {job_label(backend)} / gluon."
+                        f"Trainer(kvstore='dist_sync') <= 1.0 (each step over its job's "
+                        f"compute-only step) | {ratio(dg, gl)} | {verdict(ok)} |")
         for backend, slot in trainer[model].items():
-            dg, raw = _t(slot, "dist_gluon"), _t(slot, "raw")
+            dg, raw = _per_compute(slot, "dist_gluon"), _per_compute(slot, "raw")
             ok = None if dg is None or raw is None else dg / raw - 1 < 0.05
             over = "–" if ok is None else f"{(dg / raw - 1) * 100:+.1f}%"
             rows.append(f"| {model}: DistributedTrainer overhead over raw collectives on "
