@@ -87,10 +87,15 @@ def _run_fault(tmp_path, backend, mode, faulty, launcher_args=()):
     return proc, ended - failing_at[0]
 
 
-# Every way of leaving, by either rank, on horovod; on ps-lite (whose ranks play the
-# same part in a failure) rank 0 leaves only without an error, the deadlock cases.
+# Every way of leaving, by either rank, on horovod; on dist_sync (whose ranks play the
+# same part in a failure) rank 0 leaves only without an error, the deadlock cases. P3 is
+# dist_sync's job with another van: the launcher names the cause from the same records
+# and exit statuses, so P3 runs one leaving with an error, one kill and one deadlock,
+# the cases where its van could leave the waiting rank stuck differently.
+_P3_LEAVING = {("raise", 1), ("sigkill", 1), ("early", 0)}
 _LEAVING = [(b, mode, faulty) for b in DISTRIBUTED_BACKENDS for mode in HOW for faulty in (1, 0)
-            if b == "horovod" or faulty == 1 or mode in ("exit", "early")]
+            if b == "horovod" or (b == "dist_sync" and (faulty == 1 or mode in ("exit", "early")))
+            or (b == "p3" and (mode, faulty) in _P3_LEAVING)]
 
 
 @pytest.mark.parametrize("backend, mode, faulty", _LEAVING)
@@ -112,7 +117,10 @@ def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
         assert "data directory missing" in proc.stderr
 
 
-@pytest.mark.parametrize("faulty", [1, 0])
+# Either rank stuck on horovod, where rank 0 plays its own part (it coordinates); on
+# ps-lite, whose ranks play the same part, rank 1.
+@pytest.mark.parametrize("backend, faulty", [("horovod", 1), ("horovod", 0),
+                                             ("dist_sync", 1), ("p3", 1)])
 def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
         tmp_path, backend, faulty):
     proc, took = _run_fault(tmp_path, backend, "sleep", faulty,
