@@ -11,6 +11,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTED_BACKENDS = ("horovod", "dist_sync", "p3")
+# The backends whose code differs above the collectives: horovod and ps-lite's
+# dist_sync. P3 runs dist_sync's code (dist_gluon/backends/pslite.py) over another van,
+# which slices large tensors itself and sends by priority; so P3 keeps the checks of the
+# collectives (test_backends.py), of keys in flight together (test_backend_sharing.py),
+# of the trainer's exact training step (test_trainer.py), of compression, of threads and
+# of part of the fault matrix, and behaviours built on those run on these two.
+TRAINING_BACKENDS = ("horovod", "dist_sync")
 
 
 def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,

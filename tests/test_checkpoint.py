@@ -22,7 +22,7 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 import dist_gluon.checkpoint
 import dist_gluon.trainer
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, worker_lines
 from dist_gluon.checkpoint import FORMAT, FORMAT_VERSION, Checkpointer, CheckpointError
 
 WORKERS = REPO / "tests" / "workers"
@@ -404,7 +404,7 @@ def _npz(path):
     return [data[str(i)] for i in range(len(data.files))]
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def cases(request, tmp_path_factory):
     """checkpoint_cases.py as 2 workers, then its one-worker restore of their checkpoint."""
     out = tmp_path_factory.mktemp(f"cases_{request.param}")

@@ -3,7 +3,8 @@
 Their semantics are checked against NumPy by tests/workers/compat_cases.py, on one
 process and on 2 workers of every backend. Two training scripts of our own, written in
 the style of the peers' MNIST examples (CI also runs the peers' real scripts), train
-through the real launcher to their own accuracy checks, and every rank ends with rank
+through the real launcher on horovod and dist_sync (conftest.TRAINING_BACKENDS) to
+their own accuracy checks, and every rank ends with rank
 0's weights, although each rank starts from weights of its own
 (tests/workers/record_weights.py seeds each rank differently):
 tests/workers/byteps_style_mnist.py, Gluon with ``import byteps.mxnet as bps`` as a
@@ -22,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, launcher, run, worker_lines
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launcher, run, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
 RECORD = WORKERS / "record_weights.py"
@@ -114,6 +115,7 @@ def test_peer_semantics_over_mpi(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_byteps_style_script_trains_with_launcher_compat_byteps(backend, tmp_path):
     """`import byteps.mxnet as bps` as a BytePS user writes it; --compat byteps makes it
     dist_gluon's. Gluon, DistributedTrainer, broadcast_parameters of a dict, push_pull."""
@@ -143,8 +145,8 @@ ONEBIT = ("--compressor", "onebit", "--ef", "vanilla", "--compress-momentum", "n
 # 30-70 s per run, so each run goes where it can differ: the compressed run on horovod
 # and on P3 (the compressed messages gather over each backend's own collectives; P3
 # also slices and reorders them), the uncompressed defaults once (a plain
-# DistributedTrainer, which the BytePS-style script above trains on every backend). The
-# transcription test checks every codec step by step on every backend.
+# DistributedTrainer, which the BytePS-style script above trains on horovod and
+# dist_sync). The transcription test checks every codec step by step on every backend.
 @pytest.mark.slow
 @pytest.mark.parametrize("backend, flags", [("horovod", ONEBIT), ("p3", ONEBIT),
                                             ("dist_sync", ())],
@@ -162,6 +164,7 @@ def test_byteps_gc_example_reaches_its_accuracy_check(backend, flags, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_horovod_style_module_script_trains(backend, tmp_path):
     """Module.fit(kvstore=None) with hvd.DistributedOptimizer, after broadcast_parameters
     of arg_params and aux_params; metrics summed with hvd.allreduce."""

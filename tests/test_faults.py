@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, launch, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, TRAINING_BACKENDS, launch, worker_lines
 from test_launch import _marker_env, _report, assert_nothing_left
 
 FAILURE_DEADLINE = 10.0
@@ -169,7 +169,7 @@ def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend
     assert "restarting the job on every node (1 of 1)" in proc.stderr
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
     script = """
     import os

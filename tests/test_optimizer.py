@@ -14,7 +14,15 @@ import pytest
 from mxnet import gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run, worker_lines
+from conftest import (
+    REPO,
+    TRAINING_BACKENDS,
+    assert_ok,
+    launch,
+    launcher,
+    run,
+    worker_lines,
+)
 from dist_gluon.optimizer import DistributedOptimizer
 
 WORKERS = REPO / "tests" / "workers"
@@ -33,7 +41,7 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     """(output directory, launcher stdout) of 2 workers on ``request.param``."""
     out = tmp_path_factory.mktemp(request.param)
@@ -422,7 +430,7 @@ MODULE_ON_DEVICES = """
     """
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_two_workers_of_two_devices_train_a_module_like_one_process(tmp_path, backend):
     one = run([sys.executable, "-c", textwrap.dedent(MODULE_ON_DEVICES), "1"], tmp_path)
     assert_ok(one)

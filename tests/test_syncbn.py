@@ -13,7 +13,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launch, launcher, run
 from dist_gluon.backends import Backend
 
 WORKERS = REPO / "tests" / "workers"
@@ -241,7 +241,7 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     assert_ok(run(launcher(request.param, WORKERS / "syncbn_cases.py", out), out))

@@ -7,7 +7,15 @@ import time
 import numpy as np
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run, worker_lines
+from conftest import (
+    DISTRIBUTED_BACKENDS,
+    REPO,
+    TRAINING_BACKENDS,
+    assert_ok,
+    launcher,
+    run,
+    worker_lines,
+)
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "adam", "two_a", "two_b", "accum", "clip", "predivide"]
@@ -102,8 +110,9 @@ MISMATCHES = {
 
 # The check compares shapes gathered with allgather_object (tested on every backend in
 # test_backends.py); what can differ between backends is how the ranks get there, so
-# one job per backend runs the three cases one after the other.
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+# one job per backend of its own code (conftest.TRAINING_BACKENDS) runs the three cases
+# one after the other.
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_a_model_mismatch_raises_a_clear_error_on_every_rank(tmp_path, backend):
     start = time.monotonic()
     proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
@@ -226,7 +235,7 @@ def test_states_saved_by_horovod_mxnet_load_into_distributed_trainer(state_files
     assert _max_error(_arrays(state_files / "final_from_horovod.npz"), reference) == 0.0
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_gluon_trainer_states_load_on_every_rank_whatever_its_names(state_files, tmp_path,
                                                                     backend):
     # rank 1 names its parameters m_dense3... (another sorted order than rank 0's):
@@ -281,7 +290,7 @@ def test_one_process_on_two_devices_trains_like_one_device(one_device, tmp_path)
                            _multi_device(one_device, case, 1)) < 1e-5, case
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_two_workers_of_two_devices_train_like_one_process_on_the_four_shards(
         one_device, compressed_one_device, tmp_path, backend):
     # every device of every worker gets 2 of the 8 samples; each worker sums its
