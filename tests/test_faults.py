@@ -42,6 +42,7 @@ def load_next_batch():
 
 if kv.rank == faulty:
     print(f"FAILING_AT {time.time()!r}", flush=True)
+    print(f"rank {faulty} is about to fail by {mode}", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError(f"rank {faulty} fails on purpose")
     if mode == "systemexit":
@@ -111,6 +112,13 @@ def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
     assert cause in proc.stderr, _report(proc)
     # the cause comes first; what the other rank hit afterwards is only a consequence
     assert f"rank {other} ({host}) failed" not in proc.stderr.split(cause)[0]
+    if mode in ("raise", "exit3", "sigkill"):
+        # the cause's report ends with the last lines the rank wrote to its stderr
+        report = proc.stderr[proc.stderr.index(cause):]
+        assert f"last lines of rank {faulty}'s stderr" in report, _report(proc)
+        assert f"rank {faulty} is about to fail by {mode}" in report, _report(proc)
+        if mode == "raise":
+            assert f"RuntimeError: rank {faulty} fails on purpose" in report, _report(proc)
     if mode in ("exit", "early"):
         assert "tip: " in proc.stderr and "ShardSampler" in proc.stderr
     if mode == "systemexit":
