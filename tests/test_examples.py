@@ -160,9 +160,8 @@ def test_mnist_learns_digits_with_gradient_compression_in_the_demos_epochs(
 
 
 # On dist_sync the Module script runs with 2-bit compression above.
-def test_mnist_module_learns_digits(tmp_path):
-    backend = "horovod"
-    lines = rank0_lines(run("mnist/train_module.py", "--epochs", "2", backend=backend,
+def test_mnist_module_learns_digits_on_horovod(tmp_path):
+    lines = rank0_lines(run("mnist/train_module.py", "--epochs", "2", backend="horovod",
                             cwd=tmp_path))
     assert any("bundled with scikit-learn" in line for line in lines)
     assert len(epoch_lines(lines)) == 2
