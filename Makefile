@@ -97,8 +97,10 @@ horovod: $(STAMP)
 test: setup
 	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
 
-# The edit-run loop: unit tests and every distributed test on horovod over Gloo (no
-# dist_sync, p3, MPI, emulated hosts, examples or packaging; tests/conftest.py says which).
+# The edit-run loop: the tests that start no MXNet process of their own and those that
+# read their module's shared horovod job (no other backends, no test that launches a job
+# or a training process of its own, no emulated hosts, examples or packaging;
+# tests/conftest.py says which).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
 

@@ -188,6 +188,7 @@ checkpoints.save(net, None, epoch=1)
 
 
 @pytest.mark.parametrize("when", ["writing", "renaming"])
+@pytest.mark.spawns
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_a_temporary_directory(
         tmp_path, when):
     script = tmp_path / "crash.py"
@@ -487,6 +488,7 @@ def test_a_two_worker_checkpoint_restores_and_continues_on_one_worker(cases):
 
 
 @pytest.mark.parametrize("backend", RESTART_BACKENDS)
+@pytest.mark.spawns
 def test_resume_after_a_sigkilled_worker_matches_an_uninterrupted_run(tmp_path, backend):
     plain, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     plain.mkdir()

@@ -65,6 +65,7 @@ def _assert_rank0_weights_everywhere(tmp_path, n: int = 2) -> None:
                 f"rank {rank}'s parameter {name} differs from rank 0's"
 
 
+@pytest.mark.spawns
 def test_peer_semantics_on_one_process(tmp_path):
     proc = run([sys.executable, str(WORKERS / "compat_cases.py")], tmp_path)
     assert_ok(proc)
@@ -72,6 +73,7 @@ def test_peer_semantics_on_one_process(tmp_path):
     assert proc.stdout.rstrip().endswith("compat cases passed")
 
 
+@pytest.mark.spawns
 def test_the_peers_module_optimizer_refuses_several_devices_when_installed(tmp_path):
     script = tmp_path / "devices.py"
     script.write_text(

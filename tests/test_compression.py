@@ -145,6 +145,7 @@ def test_a_steady_compressed_step_copies_nothing_between_mxnet_and_numpy(job):
 
 
 # ------------------------------------------------------------------------- one process
+@pytest.mark.spawns
 def test_on_one_process_compression_changes_nothing(tmp_path):
     assert_ok(run([sys.executable, str(CASES), str(tmp_path), "dg"], tmp_path))
     reference = _weights(tmp_path, "none", 0)

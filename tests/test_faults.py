@@ -100,6 +100,7 @@ _LEAVING = [(b, mode, faulty) for b in DISTRIBUTED_BACKENDS for mode in HOW for 
 
 
 @pytest.mark.parametrize("backend, mode, faulty", _LEAVING)
+@pytest.mark.spawns
 def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
         tmp_path, backend, mode, faulty):
     proc, took = _run_fault(tmp_path, backend, mode, faulty)
@@ -129,6 +130,7 @@ def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
 # ps-lite, whose ranks play the same part, rank 1.
 @pytest.mark.parametrize("backend, faulty", [("horovod", 1), ("horovod", 0),
                                              ("dist_sync", 1), ("p3", 1)])
+@pytest.mark.spawns
 def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
         tmp_path, backend, faulty):
     proc, took = _run_fault(tmp_path, backend, "sleep", faulty,
@@ -147,6 +149,7 @@ def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
     assert "stall timeout (5 s)" in proc.stderr
 
 
+@pytest.mark.spawns
 def test_a_stall_only_warns_without_stall_timeout(tmp_path):
     script = """
     import time
@@ -168,6 +171,7 @@ def test_a_stall_only_warns_without_stall_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend):
     proc, _ = _run_fault(tmp_path, backend, "systemexit", 1,
                          launcher_args=["--max-restarts", "1"])
@@ -178,6 +182,7 @@ def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend
 
 
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
     script = """
     import os
@@ -199,6 +204,7 @@ def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
     assert_nothing_left(env["DG_TEST_MARKER"])
 
 
+@pytest.mark.spawns
 def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
     # gluon's own failure, made deterministic: a Block's name scope entered twice and
     # left twice, which is what two DataLoader threads calling a hybridized transform
@@ -228,6 +234,7 @@ def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
     assert "transform.hybridize(False)" in proc.stderr
 
 
+@pytest.mark.spawns
 def test_an_exception_in_a_scripts_thread_ends_the_job_and_names_the_thread(tmp_path):
     script = """
     import threading
@@ -280,12 +287,14 @@ print("handled", ",".join(calls), flush=True)
 """
 
 
+@pytest.mark.spawns
 def test_a_scripts_own_sigusr1_handler_keeps_working(tmp_path):
     proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["plain"], timeout=120)
     assert proc.returncode == 0, _report(proc)
     assert worker_lines(proc.stdout, 0) == ["handled USR1"]
 
 
+@pytest.mark.spawns
 def test_the_stacks_signal_is_configurable_and_chains_to_the_scripts_handler(tmp_path):
     proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["stall"],
                   launcher_args=["--stacks-signal", "SIGUSR2", "--stall-warning", "2"],

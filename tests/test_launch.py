@@ -155,6 +155,7 @@ FAILURES = [("horovod", "raise"), ("horovod", "sigkill"), ("dist_sync", "raise")
 
 
 @pytest.mark.parametrize("backend,mode", FAILURES)
+@pytest.mark.spawns
 def test_a_failing_rank_ends_the_whole_job_quickly_and_is_named_with_its_stderr(
         tmp_path, backend, mode):
     env = _marker_env()
@@ -200,6 +201,7 @@ time.sleep(300)
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_timeout_terminates_the_job_and_names_the_ranks_still_running(tmp_path, backend):
     env = _marker_env()
     started = time.monotonic()
@@ -235,6 +237,7 @@ def _read_until(proc: subprocess.Popen, wanted: set[str], timeout: float) -> lis
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_sigint_to_the_launcher_terminates_every_process_of_the_job(tmp_path, backend):
     env = _marker_env()
     path = tmp_path / "worker.py"
@@ -300,6 +303,7 @@ print(f"{kv.type} {kv.rank} {kv.num_workers} {value.asnumpy().tolist()}", flush=
 
 
 @pytest.mark.parametrize("backend", ["horovod", "p3"])
+@pytest.mark.spawns
 def test_one_worker_job_runs(tmp_path, backend):
     proc = launch(SINGLE_WORKER, tmp_path, backend, n=1, timeout=60)
     assert proc.returncode == 0, _report(proc)
@@ -524,6 +528,7 @@ print(f"world {kv.num_workers} node {os.environ['DG_NODE_RANK']} sum {out.asnump
 """
 
 
+@pytest.mark.spawns
 def test_a_horovod_job_of_two_nodes_on_one_machine_needs_no_host_name_fix(tmp_path,
                                                                          monkeypatch):
     """With --master-addr on loopback every node runs on this machine, so a host name

@@ -129,6 +129,7 @@ def test_a_kvstore_besides_the_optimizer_is_refused_on_every_rank(distributed):
         assert worker_lines(stdout, rank)[-1] == "cases done"
 
 
+@pytest.mark.spawns
 def test_the_readme_module_recipe_gives_every_worker_the_same_number_of_batches(tmp_path):
     # 65 samples: split with x[rank::2], rank 0 would run one batch more than rank 1
     # and wait for it forever on ps-lite
@@ -431,6 +432,7 @@ MODULE_ON_DEVICES = """
 
 
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_two_workers_of_two_devices_train_a_module_like_one_process(tmp_path, backend):
     one = run([sys.executable, "-c", textwrap.dedent(MODULE_ON_DEVICES), "1"], tmp_path)
     assert_ok(one)
@@ -502,6 +504,7 @@ json.dump({"weight": weight.asnumpy().tolist(), "sent": per_sample.sum(axis=0).t
 """
 
 
+@pytest.mark.spawns
 def test_ranks_with_different_loss_scales_are_weighed_by_their_batch_sizes(tmp_path):
     assert_ok(launch(LOSS_SCALES, tmp_path, "horovod", n=2))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

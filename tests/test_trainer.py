@@ -113,6 +113,7 @@ MISMATCHES = {
 # one job per backend of its own code (conftest.TRAINING_BACKENDS) runs the three cases
 # one after the other.
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_a_model_mismatch_raises_a_clear_error_on_every_rank(tmp_path, backend):
     start = time.monotonic()
     proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", backend,
@@ -128,6 +129,7 @@ def test_a_model_mismatch_raises_a_clear_error_on_every_rank(tmp_path, backend):
             assert all(name in caught[0] for name in names), caught[0]
 
 
+@pytest.mark.spawns
 def test_single_process_issues_no_collective(tmp_path):
     script = tmp_path / "single.py"
     script.write_text(
@@ -145,6 +147,7 @@ def test_single_process_issues_no_collective(tmp_path):
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.mark.spawns
 def test_load_states_works_before_a_deferred_models_first_forward(tmp_path):
     script = tmp_path / "deferred_states.py"
     script.write_text(
@@ -191,6 +194,7 @@ HYBRIDIZED_FIRST = """
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_a_trainer_created_after_a_hybridized_forward_still_broadcasts(tmp_path, backend):
     from conftest import launch
     proc = launch(HYBRIDIZED_FIRST, tmp_path, backend=backend,
@@ -236,6 +240,7 @@ def test_states_saved_by_horovod_mxnet_load_into_distributed_trainer(state_files
 
 
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_gluon_trainer_states_load_on_every_rank_whatever_its_names(state_files, tmp_path,
                                                                     backend):
     # rank 1 names its parameters m_dense3... (another sorted order than rank 0's):
@@ -282,6 +287,7 @@ def _dict_error(a, b):
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
+@pytest.mark.spawns
 def test_one_process_on_two_devices_trains_like_one_device(one_device, tmp_path):
     assert_ok(run([sys.executable, str(WORKERS / "multi_device_cases.py"), str(tmp_path),
                    "2", *MULTI_DEVICE_EXACT], tmp_path))
@@ -291,6 +297,7 @@ def test_one_process_on_two_devices_trains_like_one_device(one_device, tmp_path)
 
 
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_two_workers_of_two_devices_train_like_one_process_on_the_four_shards(
         one_device, compressed_one_device, tmp_path, backend):
     # every device of every worker gets 2 of the 8 samples; each worker sums its
