@@ -14,7 +14,7 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
 
-.PHONY: setup kernels gpu-check system-packages horovod test test-fast demo lm-demo lint bench bench-cluster clean
+.PHONY: setup kernels gpu-check system-packages horovod test test-fast coverage demo lm-demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -97,10 +97,29 @@ horovod: $(STAMP)
 test: setup
 	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
 
-# The edit-run loop: unit tests and every distributed test on horovod over Gloo (no
-# dist_sync, p3, MPI, emulated hosts, examples or packaging; tests/conftest.py says which).
+# The edit-run loop: the tests that start no MXNet process of their own and those that
+# read their module's shared horovod job (no other backends, no test that launches a job
+# or a training process of its own, no emulated hosts, examples or packaging;
+# tests/conftest.py says which).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+
+# Line coverage of dist_gluon over the whole suite (PYTEST_ARGS narrows it), counting the
+# code run in every process the tests start: a .pth file in the environment starts
+# coverage in each new Python process while COVERAGE_PROCESS_START is set (and is removed
+# afterwards); the processes' data files are combined into one report. Target: 90%.
+COVERAGE_PTH = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	2>/dev/null)/dist_gluon_coverage.pth
+coverage: setup
+	rm -f .coverage .coverage.*
+	echo 'import os; os.environ.get("COVERAGE_PROCESS_START") and __import__("coverage").process_startup()' \
+		> $(COVERAGE_PTH)
+	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage \
+		$(PY) -m pytest -q tests $(PYTEST_ARGS); status=$$?; \
+	rm -f $(COVERAGE_PTH); \
+	$(PY) -m coverage combine -q --rcfile=pyproject.toml && \
+	$(PY) -m coverage report --rcfile=pyproject.toml; \
+	echo "==> target: 90% of dist_gluon's lines (pytest exit status $$status)"; exit $$status
 
 # 2 workers train LeNet on the embedded digits (scikit-learn's, scaled to 28x28) and
 # write the loss/accuracy curves to runs/mnist.png.

@@ -11,6 +11,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DISTRIBUTED_BACKENDS = ("horovod", "dist_sync", "p3")
+# The backends whose code differs above the collectives: horovod and ps-lite's
+# dist_sync. P3 runs dist_sync's code (dist_gluon/backends/pslite.py) over another van,
+# which slices large tensors itself and sends by priority; so P3 keeps the checks of the
+# collectives (test_backends.py), of keys in flight together (test_backend_sharing.py),
+# of the trainer's exact training step (test_trainer.py), of compression, of threads and
+# of part of the fault matrix, and behaviours built on those run on these two.
+TRAINING_BACKENDS = ("horovod", "dist_sync")
 
 
 def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
@@ -60,11 +67,15 @@ def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
             "--", sys.executable, str(script), *map(str, args)]
 
 
-# ``make test-fast`` runs ``pytest -m "not slow"``: the unit tests and every distributed
-# test on horovod over Gloo. A test is slow when it is marked so, when it runs on the
-# other backends or transports (dist_sync, p3, horovod over MPI: parameters of the test
-# or of its fixtures), or when its whole file needs emulated hosts, an example's training
-# run or fresh virtual environments.
+# ``make test-fast`` runs ``pytest -m "not slow"``: the tests that start no MXNet process
+# of their own (unit tests, the launcher's own processes) and the tests that read the
+# shared horovod job of their module (one launched job that many tests check). Every
+# process that imports MXNet costs about 4 s of CPU here, so that is what the fast tier
+# leaves out. A test is slow when it is marked slow or ``spawns`` (it starts a job or a
+# training process of its own), when it runs on the other backends or transports
+# (dist_sync, p3, horovod over MPI: parameters of the test or of its fixtures), or when
+# its whole file needs emulated hosts, an example's training run or fresh virtual
+# environments.
 _SLOW_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_packaging.py", "test_examples.py", "test_pslite_job.py",
                "test_async.py", "test_server_hosts.py"}
@@ -80,6 +91,7 @@ def _slow_parameter(value) -> bool:
 def pytest_collection_modifyitems(config, items):
     for item in items:
         callspec = getattr(item, "callspec", None)
-        if item.path.name in _SLOW_FILES or (callspec is not None and any(
-                _slow_parameter(v) for v in callspec.params.values())):
+        if item.path.name in _SLOW_FILES or item.get_closest_marker("spawns") or (
+                callspec is not None and any(
+                    _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)

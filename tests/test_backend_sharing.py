@@ -41,6 +41,7 @@ SAME_KEY_AND_PLAIN_TRAINER = """
 
 
 @pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.spawns
 def test_one_key_in_flight_twice_and_plain_gluon_trainer_stay_exact(tmp_path, backend):
     proc = launch_script(tmp_path, backend, SAME_KEY_AND_PLAIN_TRAINER)
     results = [json.loads(worker_lines(proc.stdout, r)[-1]) for r in (0, 1)]
@@ -71,6 +72,7 @@ SECOND_STORE = """
 
 
 @pytest.mark.parametrize("order", ["dist_gluon_first", "mxnet_first"])
+@pytest.mark.spawns
 def test_a_second_ps_lite_store_in_one_process_raises_instead_of_blocking(tmp_path, order):
     proc = launch_script(tmp_path, "dist_sync", SECOND_STORE, args=[order])
     for rank in (0, 1):

@@ -716,6 +716,7 @@ emit("kvstore", type(trainer._kvstore).__name__)
 """
 
 
+@pytest.mark.spawns
 def test_plain_gluon_trainer_with_mx_kv_create_horovod_keeps_weights_identical(tmp_path):
     rank0, rank1 = _results(launch(TRAINER_WORKER, tmp_path, "horovod", n=2))
     assert rank0["kvstore"] == rank1["kvstore"] == "Horovod"
@@ -751,6 +752,7 @@ else:
 
 
 @pytest.mark.parametrize("backend_name", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_a_rank_that_exits_with_collectives_in_flight_does_not_break_the_slow_rank(
         tmp_path, backend_name):
     rank0, rank1 = _results(launch(IN_FLIGHT_WORKER, tmp_path, backend_name, n=2,

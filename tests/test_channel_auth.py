@@ -212,6 +212,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.spawns
 def test_a_node_with_another_secret_hears_why_it_was_refused():
     port = _free_port()
     said, result = [], {}
@@ -409,6 +410,7 @@ print("SUM", out.asnumpy().tolist(), flush=True)
 """
 
 
+@pytest.mark.spawns
 def test_the_rendezvous_of_a_launched_job_refuses_requests_without_its_token(tmp_path):
     proc = launch(RENDEZVOUS_WORKER, tmp_path, backend="horovod", n=2)
     assert_ok(proc)

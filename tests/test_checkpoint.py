@@ -22,7 +22,7 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 import dist_gluon.checkpoint
 import dist_gluon.trainer
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, worker_lines
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, worker_lines
 from dist_gluon.checkpoint import FORMAT, FORMAT_VERSION, Checkpointer, CheckpointError
 
 WORKERS = REPO / "tests" / "workers"
@@ -188,6 +188,7 @@ checkpoints.save(net, None, epoch=1)
 
 
 @pytest.mark.parametrize("when", ["writing", "renaming"])
+@pytest.mark.spawns
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_and_a_temporary_directory(
         tmp_path, when):
     script = tmp_path / "crash.py"
@@ -404,7 +405,7 @@ def _npz(path):
     return [data[str(i)] for i in range(len(data.files))]
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def cases(request, tmp_path_factory):
     """checkpoint_cases.py as 2 workers, then its one-worker restore of their checkpoint."""
     out = tmp_path_factory.mktemp(f"cases_{request.param}")
@@ -487,6 +488,7 @@ def test_a_two_worker_checkpoint_restores_and_continues_on_one_worker(cases):
 
 
 @pytest.mark.parametrize("backend", RESTART_BACKENDS)
+@pytest.mark.spawns
 def test_resume_after_a_sigkilled_worker_matches_an_uninterrupted_run(tmp_path, backend):
     plain, killed = tmp_path / "uninterrupted", tmp_path / "killed"
     plain.mkdir()

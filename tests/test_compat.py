@@ -3,7 +3,8 @@
 Their semantics are checked against NumPy by tests/workers/compat_cases.py, on one
 process and on 2 workers of every backend. Two training scripts of our own, written in
 the style of the peers' MNIST examples (CI also runs the peers' real scripts), train
-through the real launcher to their own accuracy checks, and every rank ends with rank
+through the real launcher on horovod and dist_sync (conftest.TRAINING_BACKENDS) to
+their own accuracy checks, and every rank ends with rank
 0's weights, although each rank starts from weights of its own
 (tests/workers/record_weights.py seeds each rank differently):
 tests/workers/byteps_style_mnist.py, Gluon with ``import byteps.mxnet as bps`` as a
@@ -22,7 +23,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, launcher, run, worker_lines
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launcher, run, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
 RECORD = WORKERS / "record_weights.py"
@@ -64,6 +65,7 @@ def _assert_rank0_weights_everywhere(tmp_path, n: int = 2) -> None:
                 f"rank {rank}'s parameter {name} differs from rank 0's"
 
 
+@pytest.mark.spawns
 def test_peer_semantics_on_one_process(tmp_path):
     proc = run([sys.executable, str(WORKERS / "compat_cases.py")], tmp_path)
     assert_ok(proc)
@@ -71,6 +73,7 @@ def test_peer_semantics_on_one_process(tmp_path):
     assert proc.stdout.rstrip().endswith("compat cases passed")
 
 
+@pytest.mark.spawns
 def test_the_peers_module_optimizer_refuses_several_devices_when_installed(tmp_path):
     script = tmp_path / "devices.py"
     script.write_text(
@@ -114,6 +117,7 @@ def test_peer_semantics_over_mpi(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_byteps_style_script_trains_with_launcher_compat_byteps(backend, tmp_path):
     """`import byteps.mxnet as bps` as a BytePS user writes it; --compat byteps makes it
     dist_gluon's. Gluon, DistributedTrainer, broadcast_parameters of a dict, push_pull."""
@@ -136,10 +140,20 @@ def test_byteps_compressors_equal_a_numpy_transcription_of_byteps(backend, tmp_p
         assert lines[-1] == "byteps compressor cases passed"
 
 
-@pytest.mark.slow      # 30-60 s per run; the transcription test covers the codecs fast
-@pytest.mark.parametrize("flags", [(), ("--compressor", "onebit", "--ef", "vanilla",
-                                        "--compress-momentum", "nesterov", "--scaling")],
-                         ids=["defaults", "onebit-ef-nesterov-scaling"])
+ONEBIT = ("--compressor", "onebit", "--ef", "vanilla", "--compress-momentum", "nesterov",
+          "--scaling")
+
+
+# 30-70 s per run, so each run goes where it can differ: the compressed run on horovod
+# and on P3 (the compressed messages gather over each backend's own collectives; P3
+# also slices and reorders them), the uncompressed defaults once (a plain
+# DistributedTrainer, which the BytePS-style script above trains on horovod and
+# dist_sync). The transcription test checks every codec step by step on every backend.
+@pytest.mark.slow
+@pytest.mark.parametrize("backend, flags", [("horovod", ONEBIT), ("p3", ONEBIT),
+                                            ("dist_sync", ())],
+                         ids=["horovod-onebit-ef-nesterov-scaling",
+                              "p3-onebit-ef-nesterov-scaling", "dist_sync-defaults"])
 def test_byteps_gc_example_reaches_its_accuracy_check(backend, flags, tmp_path):
     """BytePS's train_gluon_mnist_byteps_gc.py (embedded digits, CPU), unchanged
     otherwise: its defaults (compression_params of empty settings: no compression) and
@@ -152,6 +166,7 @@ def test_byteps_gc_example_reaches_its_accuracy_check(backend, flags, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_horovod_style_module_script_trains(backend, tmp_path):
     """Module.fit(kvstore=None) with hvd.DistributedOptimizer, after broadcast_parameters
     of arg_params and aux_params; metrics summed with hvd.allreduce."""

@@ -133,19 +133,19 @@ def test_a_resumed_compressed_run_equals_the_uninterrupted_one(job, codec, rank)
                       _weights(job, f"{codec}_resumed", rank)) == 0.0
 
 
-def test_a_steady_compressed_step_copies_nothing_between_mxnet_and_numpy(backend, tmp_path):
+def test_a_steady_compressed_step_copies_nothing_between_mxnet_and_numpy(job):
     """Every codec runs on MXNet's engine: in steady steps no gradient-sized array goes
     to NumPy or comes from it (each such copy would wait for the backward pass and, on a
     GPU, drain the device), on every backend."""
-    assert_ok(run(_job(backend, "host_copies", tmp_path), tmp_path))
     for rank in (0, 1):
-        counts = json.loads((tmp_path / f"host_copies_rank{rank}.json").read_text())
+        counts = json.loads((job / f"host_copies_rank{rank}.json").read_text())
         assert set(counts) == {"fp16", "2bit", "2bit-operators", "powersgd"}
         for case, found in counts.items():
             assert found["count"] == 0, f"rank {rank}, {case}: {found['summary']}"
 
 
 # ------------------------------------------------------------------------- one process
+@pytest.mark.spawns
 def test_on_one_process_compression_changes_nothing(tmp_path):
     assert_ok(run([sys.executable, str(CASES), str(tmp_path), "dg"], tmp_path))
     reference = _weights(tmp_path, "none", 0)

@@ -79,6 +79,7 @@ def single_process_metrics() -> dict[str, float]:
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_two_workers_evaluating_101_samples_match_one_process_exactly(tmp_path, backend):
     proc = launch(WORKER, tmp_path, backend=backend, n=2)
     assert_ok(proc)

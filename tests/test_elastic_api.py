@@ -68,6 +68,7 @@ ONE_WORKER = """
 
 
 @pytest.mark.parametrize("elastic", [False, True], ids=["plain", "elastic"])
+@pytest.mark.spawns
 def test_one_worker_stops_at_its_records_request_and_acknowledges_it(tmp_path, elastic):
     env = {"DG_ELASTIC": "1"} if elastic else {}
     record, proc = _run_with_record(tmp_path, ONE_WORKER, env)
@@ -76,6 +77,7 @@ def test_one_worker_stops_at_its_records_request_and_acknowledges_it(tmp_path, e
     assert record["count"] == 0         # one worker: nothing was sent
 
 
+@pytest.mark.spawns
 def test_one_worker_without_a_request_is_not_acknowledged(tmp_path):
     script = """
         import dist_gluon as dg
@@ -86,6 +88,7 @@ def test_one_worker_without_a_request_is_not_acknowledged(tmp_path):
     assert not record["acknowledged"]
 
 
+@pytest.mark.spawns
 def test_a_checkpoint_save_is_reported_to_the_launcher(tmp_path):
     script = """
         import mxnet as mx
@@ -255,6 +258,7 @@ STOP_WORKER = """
 
 # p3's stop is the one of tests/test_elastic.py's p3 job (a preemption)
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync", "dist_async"])
+@pytest.mark.spawns
 def test_a_stop_asked_of_one_rank_stops_every_rank_at_the_same_step(tmp_path, backend):
     proc = launch(STOP_WORKER, tmp_path, backend=backend, args=[str(tmp_path / "ckpt")],
                   env={"DG_ELASTIC": "1"})
@@ -318,6 +322,7 @@ def test_the_mnist_example_stops_at_a_request_and_resumes_inside_the_epoch_on_on
 
 
 # --------------------------------------------------------------------- one node
+@pytest.mark.spawns
 def test_a_one_node_elastic_job_checkpoints_at_sigterm_and_resumes_there_on_fewer_workers(
         tmp_path):
     """--nnodes 1:1: SIGTERM to the launcher (a preemption notice) stops both workers at

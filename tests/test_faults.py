@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, launch, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, TRAINING_BACKENDS, launch, worker_lines
 from test_launch import _marker_env, _report, assert_nothing_left
 
 FAILURE_DEADLINE = 10.0
@@ -42,6 +42,7 @@ def load_next_batch():
 
 if kv.rank == faulty:
     print(f"FAILING_AT {time.time()!r}", flush=True)
+    print(f"rank {faulty} is about to fail by {mode}", file=sys.stderr, flush=True)
     if mode == "raise":
         raise RuntimeError(f"rank {faulty} fails on purpose")
     if mode == "systemexit":
@@ -87,13 +88,19 @@ def _run_fault(tmp_path, backend, mode, faulty, launcher_args=()):
     return proc, ended - failing_at[0]
 
 
-# Every way of leaving, by either rank, on horovod; on ps-lite (whose ranks play the
-# same part in a failure) rank 0 leaves only without an error, the deadlock cases.
+# Every way of leaving, by either rank, on horovod; on dist_sync (whose ranks play the
+# same part in a failure) rank 0 leaves only without an error, the deadlock cases. P3 is
+# dist_sync's job with another van: the launcher names the cause from the same records
+# and exit statuses, so P3 runs one leaving with an error, one kill and one deadlock,
+# the cases where its van could leave the waiting rank stuck differently.
+_P3_LEAVING = {("raise", 1), ("sigkill", 1), ("early", 0)}
 _LEAVING = [(b, mode, faulty) for b in DISTRIBUTED_BACKENDS for mode in HOW for faulty in (1, 0)
-            if b == "horovod" or faulty == 1 or mode in ("exit", "early")]
+            if b == "horovod" or (b == "dist_sync" and (faulty == 1 or mode in ("exit", "early")))
+            or (b == "p3" and (mode, faulty) in _P3_LEAVING)]
 
 
 @pytest.mark.parametrize("backend, mode, faulty", _LEAVING)
+@pytest.mark.spawns
 def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
         tmp_path, backend, mode, faulty):
     proc, took = _run_fault(tmp_path, backend, mode, faulty)
@@ -106,13 +113,24 @@ def test_a_rank_that_leaves_while_the_other_waits_is_named_as_the_cause(
     assert cause in proc.stderr, _report(proc)
     # the cause comes first; what the other rank hit afterwards is only a consequence
     assert f"rank {other} ({host}) failed" not in proc.stderr.split(cause)[0]
+    if mode in ("raise", "exit3", "sigkill"):
+        # the cause's report ends with the last lines the rank wrote to its stderr
+        report = proc.stderr[proc.stderr.index(cause):]
+        assert f"last lines of rank {faulty}'s stderr" in report, _report(proc)
+        assert f"rank {faulty} is about to fail by {mode}" in report, _report(proc)
+        if mode == "raise":
+            assert f"RuntimeError: rank {faulty} fails on purpose" in report, _report(proc)
     if mode in ("exit", "early"):
         assert "tip: " in proc.stderr and "ShardSampler" in proc.stderr
     if mode == "systemexit":
         assert "data directory missing" in proc.stderr
 
 
-@pytest.mark.parametrize("faulty", [1, 0])
+# Either rank stuck on horovod, where rank 0 plays its own part (it coordinates); on
+# ps-lite, whose ranks play the same part, rank 1.
+@pytest.mark.parametrize("backend, faulty", [("horovod", 1), ("horovod", 0),
+                                             ("dist_sync", 1), ("p3", 1)])
+@pytest.mark.spawns
 def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
         tmp_path, backend, faulty):
     proc, took = _run_fault(tmp_path, backend, "sleep", faulty,
@@ -131,6 +149,7 @@ def test_a_rank_stuck_outside_any_collective_is_reported_with_its_stack(
     assert "stall timeout (5 s)" in proc.stderr
 
 
+@pytest.mark.spawns
 def test_a_stall_only_warns_without_stall_timeout(tmp_path):
     script = """
     import time
@@ -152,6 +171,7 @@ def test_a_stall_only_warns_without_stall_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend):
     proc, _ = _run_fault(tmp_path, backend, "systemexit", 1,
                          launcher_args=["--max-restarts", "1"])
@@ -161,7 +181,8 @@ def test_the_cause_is_named_on_every_attempt_with_max_restarts(tmp_path, backend
     assert "restarting the job on every node (1 of 1)" in proc.stderr
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
     script = """
     import os
@@ -183,6 +204,7 @@ def test_a_rank_that_never_creates_a_backend_is_the_cause(tmp_path, backend):
     assert_nothing_left(env["DG_TEST_MARKER"])
 
 
+@pytest.mark.spawns
 def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
     # gluon's own failure, made deterministic: a Block's name scope entered twice and
     # left twice, which is what two DataLoader threads calling a hybridized transform
@@ -212,6 +234,7 @@ def test_a_gluon_block_entered_by_two_threads_is_explained(tmp_path):
     assert "transform.hybridize(False)" in proc.stderr
 
 
+@pytest.mark.spawns
 def test_an_exception_in_a_scripts_thread_ends_the_job_and_names_the_thread(tmp_path):
     script = """
     import threading
@@ -264,12 +287,14 @@ print("handled", ",".join(calls), flush=True)
 """
 
 
+@pytest.mark.spawns
 def test_a_scripts_own_sigusr1_handler_keeps_working(tmp_path):
     proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["plain"], timeout=120)
     assert proc.returncode == 0, _report(proc)
     assert worker_lines(proc.stdout, 0) == ["handled USR1"]
 
 
+@pytest.mark.spawns
 def test_the_stacks_signal_is_configurable_and_chains_to_the_scripts_handler(tmp_path):
     proc = launch(USER_HANDLER, tmp_path, "horovod", n=2, args=["stall"],
                   launcher_args=["--stacks-signal", "SIGUSR2", "--stall-warning", "2"],

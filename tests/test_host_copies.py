@@ -1,7 +1,8 @@
-"""No host round trip in a steady training step: on every backend, the steps of plain
-training, uneven batches, row_sparse gradients, SyncBatchNorm, the Module API (with and
-without loss scaling) and an elastic job's stop_requested() copy no array of more than
-64 elements between MXNet and NumPy (on a GPU, each such copy drains the device). One
+"""No host round trip in a steady training step: on horovod, dist_sync and dist_async
+(P3 runs dist_sync's code: conftest.TRAINING_BACKENDS), the steps of plain training,
+uneven batches, row_sparse gradients, SyncBatchNorm, the Module API (with and without
+loss scaling) and an elastic job's stop_requested() copy no array of more than 64
+elements between MXNet and NumPy (on a GPU, each such copy drains the device). One
 launched job per backend runs every case (tests/workers/host_copy_cases.py)."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 
 import pytest
 
-from conftest import REPO, assert_ok, launcher, run
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launcher, run
 
 CASES = REPO / "tests" / "workers" / "host_copy_cases.py"
 SYNCHRONOUS = ["plain", "uneven", "elastic", "sparse", "syncbn", "module", "loss_scale"]
@@ -18,7 +19,7 @@ SYNCHRONOUS = ["plain", "uneven", "elastic", "sparse", "syncbn", "module", "loss
 ASYNCHRONOUS = ["plain"]
 
 
-@pytest.fixture(scope="module", params=["horovod", "dist_sync", "p3", "dist_async"])
+@pytest.fixture(scope="module", params=[*TRAINING_BACKENDS, "dist_async"])
 def copies(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     proc = run(launcher(request.param, CASES, out), out, timeout=300)

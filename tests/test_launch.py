@@ -118,10 +118,10 @@ def test_exit_status_is_non_zero_when_one_worker_fails_after_the_others_succeede
 
 
 # ------------------------------------------------------------------ failures
-# argv[1]: 'raise' (rank 1 raises, rank 0 sleeps and has a child process of its own),
-# 'sigkill' (rank 1 kills itself, rank 0 sleeps), 'collective' (rank 1 raises while
-# rank 0 waits in a pushpull rank 1 never joins) or 'exit' (rank 1 calls sys.exit(3)
-# while rank 0 waits in that pushpull).
+# argv[1]: 'raise' (rank 1 raises, rank 0 sleeps and has a child process of its own) or
+# 'sigkill' (rank 1 kills itself, rank 0 sleeps): a rank that fails while the other is
+# outside any collective. A rank failing while the other waits in a collective, in
+# every way a script can fail, is tests/test_faults.py's matrix.
 FAILING_WORKER = """
 import os
 import subprocess
@@ -145,24 +145,17 @@ if kv.rank == 1:
     print(f"rank 1 is about to fail by {mode}", file=sys.stderr, flush=True)
     if mode == "sigkill":
         os.kill(os.getpid(), 9)
-    if mode == "exit":
-        sys.exit(3)
     raise RuntimeError(f"rank 1 fails on purpose ({mode})")
-if mode in ("raise", "sigkill"):
-    time.sleep(300)
-else:
-    never = mx.nd.ones((4,))
-    kv.pushpull("never", never)
-    never.wait_to_read()
+time.sleep(300)
 print("rank 0 should never get here", flush=True)
 """
 
-FAILURES = [("horovod", "raise"), ("horovod", "sigkill"), ("horovod", "collective"),
-            ("dist_sync", "raise"), ("dist_sync", "sigkill"), ("dist_sync", "collective"),
-            ("p3", "collective"), ("horovod", "exit"), ("dist_sync", "exit")]
+FAILURES = [("horovod", "raise"), ("horovod", "sigkill"), ("dist_sync", "raise"),
+            ("dist_sync", "sigkill")]
 
 
 @pytest.mark.parametrize("backend,mode", FAILURES)
+@pytest.mark.spawns
 def test_a_failing_rank_ends_the_whole_job_quickly_and_is_named_with_its_stderr(
         tmp_path, backend, mode):
     env = _marker_env()
@@ -175,14 +168,14 @@ def test_a_failing_rank_ends_the_whole_job_quickly_and_is_named_with_its_stderr(
     assert ended - failing_at[0] < FAILURE_DEADLINE, _report(proc)
     assert "rank 0 should never get here" not in proc.stdout
 
-    how = {"sigkill": "was killed by SIGKILL", "exit": "exited (SystemExit: 3)"}.get(
+    how = {"sigkill": "was killed by SIGKILL"}.get(
         mode, f"failed (RuntimeError: rank 1 fails on purpose ({mode}))")
     cause = f"rank 1 ({socket.gethostname()}) {how} after 2 collectives"
     assert cause in proc.stderr, _report(proc)
     report = proc.stderr[proc.stderr.index(cause):]
     assert "last lines of rank 1's stderr" in report
     assert f"rank 1 is about to fail by {mode}" in report
-    if mode not in ("sigkill", "exit"):
+    if mode != "sigkill":
         assert f"RuntimeError: rank 1 fails on purpose ({mode})" in report
     assert_nothing_left(env["DG_TEST_MARKER"])
 
@@ -208,6 +201,7 @@ time.sleep(300)
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_timeout_terminates_the_job_and_names_the_ranks_still_running(tmp_path, backend):
     env = _marker_env()
     started = time.monotonic()
@@ -243,6 +237,7 @@ def _read_until(proc: subprocess.Popen, wanted: set[str], timeout: float) -> lis
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+@pytest.mark.spawns
 def test_sigint_to_the_launcher_terminates_every_process_of_the_job(tmp_path, backend):
     env = _marker_env()
     path = tmp_path / "worker.py"
@@ -308,6 +303,7 @@ print(f"{kv.type} {kv.rank} {kv.num_workers} {value.asnumpy().tolist()}", flush=
 
 
 @pytest.mark.parametrize("backend", ["horovod", "p3"])
+@pytest.mark.spawns
 def test_one_worker_job_runs(tmp_path, backend):
     proc = launch(SINGLE_WORKER, tmp_path, backend, n=1, timeout=60)
     assert proc.returncode == 0, _report(proc)
@@ -532,6 +528,7 @@ print(f"world {kv.num_workers} node {os.environ['DG_NODE_RANK']} sum {out.asnump
 """
 
 
+@pytest.mark.spawns
 def test_a_horovod_job_of_two_nodes_on_one_machine_needs_no_host_name_fix(tmp_path,
                                                                          monkeypatch):
     """With --master-addr on loopback every node runs on this machine, so a host name

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from test_faults import FAULT_WORKER
 
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, run, worker_lines
+from conftest import DISTRIBUTED_BACKENDS, REPO, TRAINING_BACKENDS, assert_ok, run, worker_lines
 from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -101,7 +101,11 @@ def references(tmp_path_factory):
     return refs
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+# Both layouts on horovod and dist_sync; P3 (dist_sync's code over its own van) on the
+# larger one, with a server on each node.
+@pytest.mark.parametrize("backend, nproc", [
+    ("horovod", 1), ("horovod", 2), ("dist_sync", 1), ("dist_sync", 2), ("p3", 2)],
+    ids=["horovod-2x1", "horovod-2x2", "dist_sync-2x1", "dist_sync-2x2", "p3-2x2"])
 def test_nodes_train_exactly_like_one_process(cluster, references, tmp_path, backend, nproc):
     launcher_args = ["--servers", "2"] if backend != "horovod" and nproc == 2 else []
     result = run_nodes(cluster, [WORKERS / "cluster_train.py", tmp_path, 2 * nproc],
@@ -119,6 +123,7 @@ def test_nodes_train_exactly_like_one_process(cluster, references, tmp_path, bac
             assert _max_error(_params(tmp_path, case, rank), expected) < 1e-5, (case, rank)
 
 
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_a_worker_killed_on_node_1_ends_node_0_naming_its_rank_and_host(
         cluster, tmp_path, backend):
     script = tmp_path / "fault.py"

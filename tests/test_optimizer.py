@@ -14,7 +14,15 @@ import pytest
 from mxnet import gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run, worker_lines
+from conftest import (
+    REPO,
+    TRAINING_BACKENDS,
+    assert_ok,
+    launch,
+    launcher,
+    run,
+    worker_lines,
+)
 from dist_gluon.optimizer import DistributedOptimizer
 
 WORKERS = REPO / "tests" / "workers"
@@ -33,7 +41,7 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     """(output directory, launcher stdout) of 2 workers on ``request.param``."""
     out = tmp_path_factory.mktemp(request.param)
@@ -121,6 +129,7 @@ def test_a_kvstore_besides_the_optimizer_is_refused_on_every_rank(distributed):
         assert worker_lines(stdout, rank)[-1] == "cases done"
 
 
+@pytest.mark.spawns
 def test_the_readme_module_recipe_gives_every_worker_the_same_number_of_batches(tmp_path):
     # 65 samples: split with x[rank::2], rank 0 would run one batch more than rank 1
     # and wait for it forever on ps-lite
@@ -422,7 +431,8 @@ MODULE_ON_DEVICES = """
     """
 
 
-@pytest.mark.parametrize("backend", DISTRIBUTED_BACKENDS)
+@pytest.mark.parametrize("backend", TRAINING_BACKENDS)
+@pytest.mark.spawns
 def test_two_workers_of_two_devices_train_a_module_like_one_process(tmp_path, backend):
     one = run([sys.executable, "-c", textwrap.dedent(MODULE_ON_DEVICES), "1"], tmp_path)
     assert_ok(one)
@@ -494,6 +504,7 @@ json.dump({"weight": weight.asnumpy().tolist(), "sent": per_sample.sum(axis=0).t
 """
 
 
+@pytest.mark.spawns
 def test_ranks_with_different_loss_scales_are_weighed_by_their_batch_sizes(tmp_path):
     assert_ok(launch(LOSS_SCALES, tmp_path, "horovod", n=2))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

@@ -10,7 +10,12 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from conftest import REPO
+
+# every test launches a job of its own
+pytestmark = pytest.mark.spawns
 
 # Each worker prints about 6 MB (a pipe holds 64 KB), then sums a value with the other.
 CHATTY = """

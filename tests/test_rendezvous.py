@@ -339,6 +339,7 @@ def run_horovod_job(node_labels: list[str], workers_per_node: int) -> list[list]
     return results
 
 
+@pytest.mark.spawns
 def test_two_horovod_workers_meet_at_the_rendezvous_and_allreduce():
     results = run_horovod_job(["localhost"], 2)
     assert results == [[0, 2, 0, 2, 0, 1, [3.0] * 4],
@@ -351,6 +352,7 @@ def test_two_horovod_workers_meet_at_the_rendezvous_and_allreduce():
     socket.gethostname() if socket.gethostname() != "localhost" else "dg-node-1",
     "dg-node-1.invalid",
 ])
+@pytest.mark.spawns
 def test_two_nodes_of_two_workers_on_loopback_allreduce_with_local_and_cross_ranks(
         second_node):
     results = run_horovod_job(["localhost", second_node], 2)

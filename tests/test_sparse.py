@@ -1,14 +1,15 @@
-"""Row-sparse gradients (Embedding with sparse_grad=True) on every backend: 2 workers
-train like one process on the concatenated batch (SGD with momentum, lazy Adam, the
-Module API, mixed with compressed dense layers), resume exactly from a checkpoint, and
-send what grows with the rows in use, not with the vocabulary."""
+"""Row-sparse gradients (Embedding with sparse_grad=True) on horovod and dist_sync
+(conftest.TRAINING_BACKENDS): 2 workers train like one process on the concatenated batch
+(SGD with momentum, lazy Adam, the Module API, mixed with compressed dense layers),
+resume exactly from a checkpoint, and send what grows with the rows in use, not with
+the vocabulary."""
 import json
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launcher, run
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launcher, run
 from dist_gluon import sparse
 
 CASES = REPO / "tests" / "workers" / "sparse_cases.py"
@@ -21,7 +22,7 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     assert_ok(run(launcher(request.param, CASES, out, 2), out))

@@ -13,7 +13,7 @@ import pytest
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
-from conftest import DISTRIBUTED_BACKENDS, REPO, assert_ok, launch, launcher, run
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, launch, launcher, run
 from dist_gluon.backends import Backend
 
 WORKERS = REPO / "tests" / "workers"
@@ -241,7 +241,10 @@ def reference(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module", params=DISTRIBUTED_BACKENDS)
+# The shared job trains gluoncv's ResNet-18 in float32 and float64 besides the small
+# cases (about 40 s on horovod), so the tests that read it are in make test only; make
+# test-fast keeps SyncBatchNorm's one-process tests.
+@pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     assert_ok(run(launcher(request.param, WORKERS / "syncbn_cases.py", out), out))
@@ -259,6 +262,7 @@ def _max_error(a, b):
 
 
 @pytest.mark.parametrize("case", ["even", "converted"])
+@pytest.mark.slow
 def test_two_workers_with_syncbn_train_like_one_process_with_batchnorm_on_the_whole_batch(
         distributed, reference, case):
     # parameters and running statistics after 5 SGD steps; rank 1 started from other
@@ -270,6 +274,7 @@ def test_two_workers_with_syncbn_train_like_one_process_with_batchnorm_on_the_wh
         assert _max_error(_params(out, case, rank), expected) < TOLERANCE, (case, rank)
 
 
+@pytest.mark.slow
 def test_ranks_with_different_batch_sizes_train_like_one_process_on_the_concatenation(
         distributed, reference):
     _, out = distributed
@@ -278,6 +283,7 @@ def test_ranks_with_different_batch_sizes_train_like_one_process_on_the_concaten
     assert _max_error(_params(out, "uneven", 1), rank0) == 0.0
 
 
+@pytest.mark.slow
 def test_gluoncv_resnet18_v1b_with_syncbn_norm_layer_keeps_every_rank_identical(distributed):
     _, out = distributed
     for dtype in ("float32", "float64"):
@@ -286,6 +292,7 @@ def test_gluoncv_resnet18_v1b_with_syncbn_norm_layer_keeps_every_rank_identical(
         assert _max_error(_params(out, f"resnet18_{dtype}", 1), rank0) == 0.0
 
 
+@pytest.mark.slow
 def test_gluoncv_resnet18_v1b_with_syncbn_trains_like_one_process_in_float64(
         distributed, reference):
     _, out = distributed
@@ -299,6 +306,7 @@ def test_one_process_syncbn_trains_exactly_like_batchnorm_also_hybridized(refere
                       _params(reference, "hybrid_BatchNorm")) == 0
 
 
+@pytest.mark.slow
 def test_hybridizing_a_syncbn_network_on_two_workers_raises_a_clear_error_on_every_rank(
         distributed):
     _, out = distributed
@@ -309,6 +317,7 @@ def test_hybridizing_a_syncbn_network_on_two_workers_raises_a_clear_error_on_eve
                    for e in errors)
 
 
+@pytest.mark.spawns
 def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
     proc = run(launcher("dist_sync", REPO / "examples" / "imagenet" / "train_imagenet.py",
                         "--synthetic", "--syncbn", "--model", "resnet18_v1b", "--input-size",
@@ -322,6 +331,7 @@ def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
     assert lines[-1].startswith("summary:") and "workers=2" in lines[-1]
 
 
+@pytest.mark.spawns
 def test_an_empty_batch_on_one_rank_is_a_clear_error_not_nan(tmp_path):
     script = """
     import mxnet as mx

@@ -44,6 +44,7 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.mark.spawns
 def test_one_process_on_two_devices_normalises_with_both_devices_statistics(reference):
     whole = _load(reference, "plain_d1_rank0")
     assert _error(_load(reference, "sync_d2_rank0"), whole) < 1e-5
@@ -51,6 +52,7 @@ def test_one_process_on_two_devices_normalises_with_both_devices_statistics(refe
     assert _error(_load(reference, "plain_d2_rank0"), whole) > 1e-3
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync", "p3"])
 def test_two_workers_of_two_devices_train_like_one_process_on_the_whole_batch(
         reference, backend, tmp_path):
@@ -60,6 +62,7 @@ def test_two_workers_of_two_devices_train_like_one_process_on_the_whole_batch(
         assert _error(_load(tmp_path, f"sync_d2_rank{rank}"), whole) < 1e-5
 
 
+@pytest.mark.spawns
 def test_a_device_running_ahead_of_the_others_is_refused_with_what_to_do(tmp_path):
     proc = _run([sys.executable, str(WORKER), str(tmp_path), "2", "misuse"], tmp_path)
     assert_ok(proc)
@@ -84,6 +87,7 @@ def test_a_syncbn_layer_on_several_devices_cannot_be_hybridized():
         bn.hybridize()
 
 
+@pytest.mark.spawns
 def test_the_imagenet_example_trains_with_syncbn_on_two_workers_of_two_devices(tmp_path):
     proc = _run(launcher("horovod", REPO / "examples" / "imagenet" / "train_imagenet.py",
                          "--synthetic", "--syncbn", "--devices", "cpu:0,1", "--model",

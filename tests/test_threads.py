@@ -65,6 +65,7 @@ with open(f"rank{rank}.json", "w") as f:
 
 
 @pytest.mark.parametrize("backend_name", ["horovod", "dist_sync", "p3"])
+@pytest.mark.spawns
 def test_syncbn_trainer_and_a_scripts_thread_submit_together_for_many_steps(
         tmp_path, backend_name):
     proc = launch(STRESS, tmp_path, backend_name, n=2, args=[str(STEPS)], timeout=600)

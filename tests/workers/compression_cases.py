@@ -1,9 +1,9 @@
 """Worker script of tests/test_compression.py.
 
-    python compression_cases.py OUT_DIR dg        # DistributedTrainer with every codec
+    python compression_cases.py OUT_DIR dg        # DistributedTrainer with every codec,
+                                                  # then the copies MXNet <-> NumPy per step
     python compression_cases.py OUT_DIR mxnet     # MXNet's own dist_sync kvstore, 2-bit
     python compression_cases.py OUT_DIR reference # 2-bit in NumPy, uneven batches
-    python compression_cases.py OUT_DIR host_copies  # copies MXNet <-> NumPy per step
 
 Both modes train the same two-layer network from the same initial weights on the same
 data (each worker its own half of every global batch) with plain SGD, and save every
@@ -129,7 +129,10 @@ CODECS = {
     "powersgd_full": {"type": "powersgd", "rank": 8, "min_compression_rate": 0},
 }
 
-if mode == "host_copies":
+
+def count_host_copies():
+    """Copies MXNet <-> NumPy per steady step of every codec, into
+    host_copies_rank<r>.json (run last: it draws from ``rng``)."""
     # a hybridized conv net (conv kernels and dense matrices for PowerSGD, vectors that
     # ride along), 2 warm-up steps, then 3 steady steps counted, for every codec; 2-bit
     # also on its stock-operator path (the fallback where the fused kernels cannot load)
@@ -177,8 +180,6 @@ if mode == "host_copies":
         counts[case] = {"count": copies.count, "summary": copies.summary()}
     with open(os.path.join(out_dir, f"host_copies_rank{rank}.json"), "w") as f:
         json.dump(counts, f)
-    print("host copies done", flush=True)
-    sys.exit(0)
 wire = {}
 original_pushpull = kv.pushpull
 
@@ -282,4 +283,5 @@ for name in ("2bit", "powersgd1"):
     assert state["step"] == 3, state
     train(net, trainer, rank, workers, range(3, STEPS))
     save(f"{name}_resumed", net, rank)
+count_host_copies()
 print("compression cases done", flush=True)
