@@ -71,17 +71,26 @@ class Node0Job(ElasticJob):
             self.start(host)
         self.wait_training(world=3, reformation=0)
 
-    def wait_training(self, world: int, reformation: int, steps: int = 3) -> None:
-        # the job outlives node 0's launcher: watch the lowest node still running
+    def wait_training(self, world: int, reformation: int, steps: int = 3,
+                      since: float | None = None) -> None:
+        """Until the round of ``reformation`` trains on ``world`` workers; with
+        ``since`` (the fault's time.monotonic()), print how long after the fault that
+        round's first step came (to within this poll's 0.1 s)."""
         limit = time.monotonic() + 120.0
+        first = None
         while time.monotonic() < limit:
             p = self.progress()
+            if p.get("reformation") == reformation and first is None:
+                first = time.monotonic()
+                if since is not None:
+                    print(f"\n{self.backend}: fault -> first step of re-formation "
+                          f"{reformation}: {first - since:.1f} s")
             if p.get("reformation") == reformation and p.get("steps", 0) >= steps:
                 assert p["world"] == world, self.report()
                 return
             if all(procs[-1].poll() is not None for procs in self.procs.values()):
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         pytest.fail(f"re-formation {reformation} never trained on {world} workers "
                     f"(progress {self.progress()})\n{self.report()}")
 
@@ -115,8 +124,9 @@ def test_horovod_goes_on_under_node_1_after_node_0_is_killed_and_then_without_no
         job_factory):
     job = job_factory("horovod")
     job.start_all()
+    fault = time.monotonic()
     job.kill_host(0)
-    job.wait_training(world=2, reformation=1)
+    job.wait_training(world=2, reformation=1, since=fault)
     h0, h1, h2 = (_host(job, n) for n in range(3))
     job.said_by([1, 2], f"node 0 ({h0}) lost: its launcher's connection closed",
                 f"node 1 ({h1}) takes over as the job's host at "
@@ -124,8 +134,9 @@ def test_horovod_goes_on_under_node_1_after_node_0_is_killed_and_then_without_no
                 "re-forming with 2 nodes (2 workers) from checkpoint epoch",
                 "(re-formation 1; restart 1 of at most 3)")
     # a second loss: the new host goes on alone, holding the last formation's lowest rank
+    fault = time.monotonic()
     job.link(2, "down")
-    job.wait_training(world=1, reformation=2)
+    job.wait_training(world=1, reformation=2, since=fault)
     job.said_by([1], f"node 2 ({h2}) lost: nothing heard from its launcher for {SILENCE} s",
                 "(re-formation 2; restart 2 of at most 3)")
     job.finish()
@@ -145,8 +156,9 @@ def test_dist_sync_goes_on_without_node_0_cut_off_and_node_0_ends_as_a_minority(
         job_factory):
     job = job_factory("dist_sync")
     job.start_all()
+    fault = time.monotonic()
     job.link(0, "down")
-    job.wait_training(world=2, reformation=1)
+    job.wait_training(world=2, reformation=1, since=fault)
     h0, h1 = _host(job, 0), _host(job, 1)
     job.said_by([1, 2], f"node 0 ({h0}) lost: nothing heard from its launcher for "
                         f"{SILENCE} s",
@@ -168,9 +180,10 @@ def test_p3_node_0_preempted_hands_the_job_over_and_a_lone_survivor_ends_naming_
         job_factory):
     job = job_factory("p3")
     job.start_all()
+    fault = time.monotonic()
     job.procs[0][-1].send_signal(signal.SIGTERM)
+    job.wait_training(world=2, reformation=1, since=fault)
     assert job.wait_exit(0) == 0, job.report()
-    job.wait_training(world=2, reformation=1)
     h0, h1 = _host(job, 0), _host(job, 1)
     job.said_by([0, 1, 2], f"node 0 ({h0}) was preempted (SIGTERM) and left the job; the "
                            "workers saved checkpoint epoch",
