@@ -127,7 +127,7 @@ class Formation:
         """After a takeover: the nodes of the last formation that reach this one, until
         all ``expected`` have or ``timeout`` seconds pass; a node not expected waits to
         join, as one that joins later would."""
-        limit = time.monotonic() + timeout
+        limit, next_tick = time.monotonic() + timeout, 0.0
         while not expected <= set(self.members) and time.monotonic() < limit:
             for link, wire in self.listener.poll():
                 hello = Hello.from_wire(wire)
@@ -143,8 +143,10 @@ class Formation:
                     refuse(link, refusal)
                 else:
                     self.waiting[hello.node] = Peer(hello.node, link, hello)
-            for peer in self.members.values():
-                peer.link.send(Tick())
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.config.heartbeat
+                for peer in self.members.values():
+                    peer.link.send(Tick())
             time.sleep(0.05)
 
     def _too_few_joined(self, count: int):
