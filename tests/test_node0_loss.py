@@ -69,7 +69,8 @@ class Node0Job(ElasticJob):
     def start_all(self) -> None:
         for host in (1, 2, 0):
             self.start(host)
-        self.wait_training(world=3, reformation=0)
+        # past the first checkpoint (every SAVE_EVERY = 4 steps), to resume from it
+        self.wait_training(world=3, reformation=0, steps=5)
 
     def wait_training(self, world: int, reformation: int, steps: int = 3,
                       since: float | None = None) -> None:
