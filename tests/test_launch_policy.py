@@ -232,3 +232,72 @@ def test_the_command_line_becomes_one_frozen_configuration(monkeypatch):
     fan = cli.parse(["-H", "a:2,b:2", "--", "python", "x.py"])
     assert fan.over_ssh and fan.host_slots == (("a", 2, None), ("b", 2, None))
     assert fan.node_rank is None and fan.job_secret is None
+
+
+# ------------------------------------------------------------------ succession
+def test_a_quorum_is_a_strict_majority_of_the_last_formation_or_the_half_with_its_lowest_rank():
+    assert policy.quorum([1, 2], [0, 1, 2])             # node 0 lost: 2 of 3
+    assert not policy.quorum([0], [0, 1, 2])            # node 0 cut off: 1 of 3
+    assert not policy.quorum([2], [1, 2])               # 1 of 2 without the lowest
+    assert policy.quorum([1], [1, 2])                   # ... with it
+    assert policy.quorum([0, 1], [0, 1, 2, 3]) and not policy.quorum([2, 3], [0, 1, 2, 3])
+    assert not policy.quorum([5], [0, 1, 2])            # not a member: counts for nothing
+    # no two disjoint sides of any formation both have a quorum (no split brain)
+    formation = [0, 2, 3, 5]
+    for mask in range(1 << len(formation)):
+        side = [n for i, n in enumerate(formation) if mask >> i & 1]
+        other = [n for n in formation if n not in side]
+        assert not (policy.quorum(side, formation) and policy.quorum(other, formation))
+
+
+def test_the_next_host_is_the_lowest_rank_left_and_each_node_tries_those_below_it():
+    assert policy.successor([0, 1, 2], [0]) == 1
+    assert policy.successor([1, 2], [1]) == 2
+    assert policy.successor([0], [0]) is None
+    assert policy.candidates([0, 1, 2], host=0, me=2) == [1, 2]
+    assert policy.candidates([0, 1, 2], host=0, me=1) == [1]
+    assert policy.candidates([1, 2, 4], host=1, me=4) == [2, 4]
+
+
+def test_a_host_that_keeps_no_quorum_ends_the_job_naming_why():
+    lost = RoundEnd(Outcome.LOST, 1, "node 1 (h1) lost; node 2 (h2) lost", lost=(1, 2))
+    cut_off = policy.decide(lost, elastic(min_nodes=1, formation=(0, 1, 2)))
+    assert not cut_off.again and cut_off.status == 1
+    assert cut_off.report.endswith(
+        "only 1 of the last formation's 3 nodes remain here (node 0 (h0)), not a majority: "
+        "a node cannot tell dead peers from a cut link, and the others may go on as the "
+        "job, so this side ends (no split brain)")
+    # without the addresses (an older node) the job goes on as before
+    assert policy.decide(lost, elastic(min_nodes=1)).again
+    # MIN is checked first; the half with the lowest rank goes on
+    one = RoundEnd(Outcome.LOST, 1, "node 2 (h2) lost", lost=(2,))
+    assert policy.decide(one, elastic(min_nodes=1, nodes=2, host=1,
+                                      formation=(1, 2))).again
+
+
+def test_a_preempted_host_hands_the_job_over_to_the_lowest_node_left():
+    handover = policy.decide(RoundEnd(Outcome.STOPPED, lost=(0,)),
+                             elastic(formation=(0, 1, 2)))
+    assert handover == Decision(0, True, (
+        "node 0 (h0) was preempted (SIGTERM) and left the job; the workers saved "
+        "checkpoint epoch 1 step 20; node 1 (h1) takes over as the job's host and the "
+        "other nodes go on under it"), {}, handover=True)
+    below = policy.decide(RoundEnd(Outcome.STOPPED, lost=(0,)),
+                          elastic(nodes=2, formation=(0, 1)))
+    assert below.status == 128 + signal.SIGTERM and not below.again
+    assert "1 node left, fewer than the minimum 2" in below.report
+
+
+def test_a_round_spec_lists_each_nodes_address_only_when_every_node_gave_one():
+    spec = protocol.RoundSpec("horovod", 2, [1, 2], 1, 0, 4, 2, True, "10.0.0.2", "gloo",
+                              ["h1", "h2"], [1, 1], [0, 0], rendezvous_port=4242,
+                              addresses=[["10.0.0.2", 4001], ["10.0.0.3", 4002]],
+                              restarts=1)
+    assert protocol.from_master(json.loads(json.dumps(protocol.Start(spec).to_wire()))) \
+        == protocol.Start(spec)
+    assert spec.host == 1 and spec.name(2) == "node 2 (h2)"
+    hello = protocol.Hello(2, "h2", 1, None, "10.0.0.3", 4002)
+    assert protocol.from_node(json.loads(json.dumps(hello.to_wire()))) == hello
+    assert "addr" not in protocol.Hello(2, "h2", 1).to_wire()
+    for message in (protocol.Saved(3, 12), protocol.End(0, True, "over", handover=True)):
+        assert protocol.from_master(json.loads(json.dumps(message.to_wire()))) == message

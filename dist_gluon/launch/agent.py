@@ -1,16 +1,21 @@
-"""The launcher of nodes 1..M-1 (an agent): joins node 0's launcher and runs each round
-it is sent on this machine (the job loop is described in job.py)."""
+"""The launcher of nodes 1..M-1 (an agent): joins the host's launcher (node 0's, or the
+node's that took over from it) and runs each round it is sent on this machine (the job
+loop is described in job.py; what happens when the host is lost, in succession.py)."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import signal
 import socket
 import time
 
+from . import succession
 from .channel import STATUS_EVERY, JoinError, Link, connect_to_master
 from .config import LaunchConfig
 from .job import Interrupted, Preemption, check_multinode_host
+from .master import Master
 from .node import Node
+from .policy import KILL_GRACE
 from .processes import TERM_GRACE
 from .protocol import (
     End,
@@ -20,6 +25,7 @@ from .protocol import (
     News,
     Preempt,
     RoundSpec,
+    Saved,
     StacksFound,
     StacksRequest,
     Start,
@@ -31,12 +37,26 @@ from .protocol import (
 )
 
 
+class HostLost(Exception):
+    """The job's host is gone (``planned``: it was preempted and handed the job over);
+    ``report`` says how, naming it."""
+
+    def __init__(self, report: str, planned: bool = False):
+        super().__init__(report)
+        self.report, self.planned = report, planned
+
+
 class Agent:
-    """The launcher of node 1..M-1: joins node 0's, runs each round it is sent."""
+    """The launcher of node 1..M-1: joins the host's, runs each round it is sent; in an
+    elastic job, elects the next host when the host is lost (succession.py)."""
 
     def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
         self.config, self.out, self.preemption = config, out, preemption
-        self._told = False      # node 0 heard of this node's preemption
+        self._told = False      # the host heard of this node's preemption
+        self.spec: RoundSpec | None = None      # the last round's, as the host sent it
+        self.checkpoint: tuple[int, int] | None = None  # the newest the host told of
+        self.master_at = f"{config.master_addr}:{config.master_port}"
+        self.addr: str | None = None    # where the other nodes reach this one
 
     def run(self) -> int:
         config = self.config
@@ -44,19 +64,74 @@ class Agent:
         if error:
             self.out.say(error)
             return 1
+        listener = None
+        try:
+            listener = succession.open_door(config, self.out.say)
+            if listener is not None:
+                self.addr = succession.own_address(config.master_addr)
+        except (OSError, JoinError):
+            listener = None     # this node cannot host the job: it goes on without
         hello = Hello(config.node_rank, socket.gethostname(), config.num_workers,
-                      config.servers)
+                      config.servers, self.addr if listener else None,
+                      listener.port if listener else None)
+        self.hello = hello.to_wire()
         try:
             link = connect_to_master(config.master_addr, config.master_port,
-                                     hello.to_wire(), config.join_timeout,
-                                     config.job_secret)
+                                     self.hello, config.join_timeout, config.job_secret)
         except JoinError as err:
             self.out.say(str(err))
+            if listener is not None:
+                listener.close()
             return 1
         try:
-            return self._idle(link)
+            while True:
+                try:
+                    return self._idle(link)
+                except HostLost as lost:
+                    link.close()
+                    nxt = self._succeed(lost, listener)
+                    if not isinstance(nxt, Link):
+                        return nxt
+                    link = nxt
         finally:
             link.close()
+            if listener is not None:
+                listener.close()
+
+    # ------------------------------------------------------------------ succession
+    def _lost(self, link: Link) -> HostLost | None:
+        """The host's loss, to elect the next one; None when this node cannot."""
+        if not succession.can_succeed(self.config, self.spec) or self._told:
+            return None     # a preempted node leaves anyway
+        how = ("its connection closed" if link.closed or link.silent_for()
+               < self.config.silence_limit else
+               f"nothing heard from it for {self.config.silence_limit:g} s")
+        name = self.spec.name(self.spec.host)
+        self.out.say(f"lost the master launcher at {self.master_at} ({name}): {how}; "
+                     "terminated this node's processes")
+        how = ("its launcher's connection closed" if how.startswith("its") else
+               f"nothing heard from its launcher for {self.config.silence_limit:g} s")
+        return HostLost(f"{name} lost: {how}")
+
+    def _succeed(self, lost: HostLost, listener) -> Link | int:
+        """Elect the next host (succession.py): a link to it, or this launcher's exit
+        status once it has hosted the job (or found it cannot go on)."""
+        config, spec = self.config, self.spec
+        why = succession.hopeless(config, spec, lost.planned)
+        if why:
+            self.out.say(why)
+            return 1
+        rest = [spec.name(n) for n in spec.nodes if n != spec.host]
+        self.out.say(f"electing the next host among {', '.join(rest)} (the lowest node "
+                     "rank that answers hosts the job)")
+        link = succession.elect(config, spec, self.hello, self.out.say)
+        if link is not None:
+            self.master_at = link.peer
+            return link
+        host = dataclasses.replace(config, master_addr=self.addr, master_port=listener.port)
+        takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
+                                       listener)
+        return Master(host, self.out, self.preemption, takeover).run()
 
     def _idle(self, link: Link) -> int:
         """Between rounds: wait for a start (or the end), beating and watching."""
@@ -73,27 +148,36 @@ class Agent:
                 wire = link.receive(timeout=0.05)
             except queue.Empty:
                 if link.gone(config.silence_limit):
+                    lost = self._lost(link)
+                    if lost is not None:
+                        raise lost from None
                     self.out.say(self._master_lost())
                     return 1
                 continue
             if wire is None:
+                lost = None if link.refusal else self._lost(link)
+                if lost is not None:
+                    raise lost
                 self.out.say(link.refusal or self._master_lost())
                 return 1
             message = from_master(wire)
-            if isinstance(message, News):
+            if isinstance(message, Saved):
+                self.checkpoint = (message.epoch, message.step)
+            elif isinstance(message, News):
                 self.out.say(message.report)
             elif isinstance(message, End):
                 if message.report:
                     self.out.say(message.report)
                 return message.status
             elif isinstance(message, Start):
+                self.spec = message.spec
                 status, again = self._round(message.spec, link)
                 if not again:
                     return status
 
     def _master_lost(self) -> str:
-        return (f"lost the master launcher at {self.config.master_addr}:"
-                f"{self.config.master_port} (node 0 hosts the job: its loss ends the job)")
+        return (f"lost the master launcher at {self.master_at} (node 0 hosts the job: its "
+                "loss ends the job)")
 
     def _tell_preemption(self, link: Link) -> None:
         if self.preemption is not None and self.preemption.at is not None \
@@ -117,15 +201,20 @@ class Agent:
         """Run one round of this node's processes: (exit status, whether another round
         follows)."""
         node = Node(self.config, spec.nodes.index(self.config.node_rank), spec)
+        grace = TERM_GRACE
         try:
             node.start()
             return self._watch(node, link)
+        except HostLost:
+            # workers blocked in a collective with the lost host run no handler
+            grace = KILL_GRACE
+            raise
         except Interrupted as stop:
             self.out.say(f"interrupted by {signal.Signals(stop.signum).name}; terminated "
                          "this node's processes")
             return 128 + stop.signum, False
         finally:
-            node.terminate()
+            node.terminate(grace)
 
     def _watch(self, node: Node, link: Link) -> tuple[int, bool]:
         """Report this node's ranks to node 0 and carry out what it asks, until the
@@ -149,10 +238,15 @@ class Agent:
                     continue
                 wire = None
             if wire is None:
+                lost = None if link.refusal else self._lost(link)
+                if lost is not None:
+                    raise lost
                 self.out.say(self._master_lost() + "; terminated this node's processes")
                 return 1, False
             message = from_master(wire)
-            if isinstance(message, Hint):
+            if isinstance(message, Saved):
+                self.checkpoint = (message.epoch, message.step)
+            elif isinstance(message, Hint):
                 hint = message.low
             elif isinstance(message, Verdicts):
                 node.set_verdicts(message.verdicts)
@@ -169,4 +263,8 @@ class Agent:
                                  if terminated else message.report)
                 node.terminate(TERM_GRACE if message.grace is None else message.grace)
                 link.send(Stopped())
+                if message.handover:
+                    if self._told or not succession.can_succeed(self.config, self.spec):
+                        return 0, False     # preempted too: it leaves with the host
+                    raise HostLost(message.report or "", planned=True)
                 return message.status, message.again

@@ -296,6 +296,7 @@ class Listener:
             self._server.close()
             raise JoinError(f"cannot listen on {bind_addr or '*'}:{port} for the other "
                             f"nodes' launchers: {err}; choose another --master-port") from err
+        self.port = self._server.getsockname()[1]     # port 0: the one given
         self._server.listen(backlog + MAX_PENDING)
         self._server.settimeout(0.0)
         self._pending: list[Link] = []

@@ -1,6 +1,7 @@
-"""Node 0's view of which nodes make up the job: the members of the current formation,
-the nodes waiting to join it (elastic), how they are gathered before the first round
-and admitted later. What to decide is policy.py's; this module holds the links."""
+"""The host's view of which nodes make up the job (node 0's launcher, or the node that
+took over from it): the members of the current formation, the nodes waiting to join it
+(elastic), how they are gathered before the first round (or after a takeover) and
+admitted later. What to decide is policy.py's; this module holds the links."""
 from __future__ import annotations
 
 import queue
@@ -16,43 +17,60 @@ from .protocol import Hello, Preempt, Tick, from_node
 
 
 class Peer:
-    """Another node's launcher: its link and what it said in its hello."""
+    """Another node's launcher: its link and what it said in its hello; ``addr`` is the
+    address it reached this one from."""
 
     def __init__(self, node: int, link: Link, hello: Hello):
         self.node, self.link, self.hello = node, link, hello
         self.host = hello.host
+        self.addr = hello.addr or link.peer.rpartition(":")[0]
 
     def __str__(self):
         return f"node {self.node} ({self.host})"
 
 
 class Formation:
-    """The nodes of the job besides node 0: ``members`` run the rounds, ``waiting``
-    (elastic) joined since and come in at the next re-formation."""
+    """The nodes of the job besides its host (``rank``, node 0 until a takeover):
+    ``members`` run the rounds, ``waiting`` (elastic) joined since and come in at the
+    next re-formation."""
 
-    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
+                 listener: Listener | None = None):
         self.config, self.out, self.preemption = config, out, preemption
-        self.hello = Hello(0, socket.gethostname(), config.num_workers, config.servers)
+        self.rank = config.node_rank
+        self.hello = Hello(self.rank, socket.gethostname(), config.num_workers,
+                           config.servers)
         self.members: dict[int, Peer] = {}
+        # names of the nodes of earlier formations ("node 0 (h0)"), for reports
+        self.known: dict[int, str] = {}
         self.waiting: dict[int, Peer] = {}
-        self.listener: Listener | None = None
+        self.listener = listener
 
     # ------------------------------------------------------------------ who is in
     def peers(self) -> list[Peer]:
         return list(self.members.values()) + list(self.waiting.values())
 
     def who(self, node: int) -> str:
-        if node == 0:
-            return f"node 0 ({self.hello.host})"
+        if node == self.rank:
+            return f"node {node} ({self.hello.host})"
         peer = self.members.get(node) or self.waiting.get(node)
-        return str(peer) if peer else f"node {node}"
+        return str(peer) if peer else self.known.get(node, f"node {node}")
 
     def names(self) -> dict[int, str]:
-        return {n: self.who(n) for n in [0, *self.members, *self.waiting]}
+        return {n: self.who(n) for n in {*self.known, self.rank, *self.members,
+                                        *self.waiting}}
 
     def order(self) -> list[int]:
-        """The formation's node ranks: node 0, then the others by rank."""
-        return [0] + sorted(self.members)
+        """The formation's node ranks: the host, then the others by rank."""
+        return [self.rank] + sorted(self.members)
+
+    def addresses(self, addr: str, port: int) -> list[list] | None:
+        """Where each node of :meth:`order` is reached and would host the job (the host
+        at ``addr``:``port``); None when a node did not say (it cannot take over)."""
+        peers = [self.members[n] for n in sorted(self.members)]
+        if any(p.hello.port is None for p in peers):
+            return None
+        return [[addr, port]] + [[p.addr, p.hello.port] for p in peers]
 
     def layout(self) -> tuple[list[int], list[int]]:
         """The workers and the ps-lite servers of each node of the formation, in
@@ -105,6 +123,32 @@ class Formation:
                 self._too_few_joined(count)
             time.sleep(0.05)
 
+    def gather_survivors(self, expected: set[int], timeout: float) -> None:
+        """After a takeover: the nodes of the last formation that reach this one, until
+        all ``expected`` have or ``timeout`` seconds pass; a node not expected waits to
+        join, as one that joins later would."""
+        limit, next_tick = time.monotonic() + timeout, 0.0
+        while not expected <= set(self.members) and time.monotonic() < limit:
+            for link, wire in self.listener.poll():
+                hello = Hello.from_wire(wire)
+                if hello.node in expected and hello.node not in self.members:
+                    self.members[hello.node] = peer = Peer(hello.node, link, hello)
+                    self.out.say(f"{peer} joined the new host")
+                    continue
+                taken = {self.rank, *self.members, *self.waiting, *expected}
+                refusal = policy.admission_refusal(hello.node, taken,
+                                                   self.config.min_nodes,
+                                                   self.config.max_nodes)
+                if refusal:
+                    refuse(link, refusal)
+                else:
+                    self.waiting[hello.node] = Peer(hello.node, link, hello)
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + self.config.heartbeat
+                for peer in self.members.values():
+                    peer.link.send(Tick())
+            time.sleep(0.05)
+
     def _too_few_joined(self, count: int):
         config = self.config
         for peer in self.members.values():
@@ -134,7 +178,7 @@ class Formation:
         into = self.waiting if waiting else self.members
         for link, wire in self.listener.poll():
             hello = Hello.from_wire(wire)
-            taken = {0, *self.members, *self.waiting}
+            taken = {self.rank, *self.members, *self.waiting}
             refusal = policy.admission_refusal(hello.node, taken, config.min_nodes,
                                                config.max_nodes)
             if refusal:

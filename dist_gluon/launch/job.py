@@ -23,9 +23,11 @@ a checkpoint and exits. A script that never asks is stopped right after its next
 checkpoint instead; a preempted node waits at most --preempt-grace seconds for either,
 then leaves anyway (the steps since the last checkpoint are lost).
 
-Node 0 hosts the rendezvous (the launchers' channel, Gloo's rendezvous, ps-lite's
-scheduler), as torchrun's static rendezvous does: its loss ends the job on every node
-(each node's launcher says so), and its preemption ends the job after a checkpoint.
+Node 0 hosts the job at first (the launchers' channel, Gloo's rendezvous, ps-lite's
+scheduler). A static job ends when it is lost, as torchrun's static rendezvous does. An
+elastic job goes on without it: the lowest node left takes over as the host and the
+job re-forms with a quorum of the last formation (succession.py); a preempted host
+hands the job over after a checkpoint.
 
 This module holds what both sides share: how a signal interrupts a launcher, and the
 check of this host's name before a multi-node horovod job.

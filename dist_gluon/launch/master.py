@@ -1,7 +1,9 @@
-"""Node 0's launcher: gathers the nodes, runs the rounds and decides after each (the
+"""The job's host: node 0's launcher, or the node's launcher that took over from a lost
+host (succession.py). It gathers the nodes, runs the rounds and decides after each (the
 job loop is described in job.py; the decisions are policy.py's)."""
 from __future__ import annotations
 
+import dataclasses
 import queue
 import signal
 import time
@@ -16,24 +18,38 @@ from .policy import Decision, Outcome, RoundEnd, Standing
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, from_node
 from .rendezvous import GlooRendezvous
 from .rounds import JobView, Ledger, RoundWatch
+from .succession import Takeover
 
 STATIC_CONFIRM = 15.0   # seconds the nodes of a static job get to confirm their end
 
 
 class Master:
-    """Node 0's launcher: gathers the nodes, runs the rounds, decides after each."""
+    """The job's host: gathers the nodes, runs the rounds, decides after each. With a
+    ``takeover`` it is a node that took over from the lost host: its ``config`` names
+    this node's address and port as the master's."""
 
-    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
+                 takeover: Takeover | None = None):
         self.config, self.out, self.preemption = config, out, preemption
-        self.formation = Formation(config, out, preemption)
+        self.takeover = takeover
+        self.formation = Formation(config, out, preemption,
+                                   takeover.listener if takeover else None)
         self.ledger = Ledger()
-        # the address node 0 listens on for the other nodes (and Gloo's rendezvous)
+        # the address the host listens on for the other nodes (and Gloo's rendezvous)
         self.listen_addr = ""
+        # the node ranks of the last round, when each node knows every other's address
+        self.last_formation: tuple[int, ...] = ()
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
         config = self.config
-        if config.several_nodes:
+        if self.takeover is not None:
+            self.listen_addr = channel.listen_address(config.master_addr)
+            status = self._take_over()
+            if status is not None:
+                self.formation.close()
+                return status
+        elif config.several_nodes:
             problem = check_multinode_host(config)
             if problem:
                 self.out.say(problem)
@@ -68,7 +84,55 @@ class Master:
             reformations=ledger.reformations, nodes=1 + len(formation.members),
             waiting=len(formation.waiting), workers=formation.workers(),
             checkpoint=ledger.checkpoint, preempt_grace=config.preempt_grace,
-            names=formation.names())
+            names=formation.names(), host=formation.rank,
+            formation=self.last_formation)
+
+    # ------------------------------------------------------------------ a takeover
+    def _take_over(self) -> int | None:
+        """Host the job after its host was lost: gather the last formation's other
+        nodes, and go on with a quorum of it (policy.decide); the exit status when the
+        job ends here instead."""
+        takeover, formation, ledger = self.takeover, self.formation, self.ledger
+        spec, config = takeover.spec, self.config
+        formation.known = {n: (f"node {n} ({h})" if h else f"node {n}")
+                           for n, h in zip(spec.nodes, spec.hosts)}
+        last = [n for n in spec.nodes if not (takeover.planned and n == spec.host)]
+        formation.gather_survivors(set(last) - {formation.rank, spec.host},
+                                   takeover.gather_timeout(config))
+        ledger.runs, ledger.reformations = spec.restart + 1, spec.reformation
+        ledger.restarts, ledger.checkpoint = spec.restarts or 0, takeover.checkpoint
+        here = {formation.rank, *formation.members}
+        lost = tuple(n for n in last if n not in here)
+        reports = [] if takeover.planned else [takeover.report]
+        reports += [f"{formation.who(n)} lost: it did not reach the new host within "
+                    f"{takeover.gather_timeout(config):g} s" for n in lost
+                    if n != spec.host]
+        end = (RoundEnd(Outcome.LOST, 1, "\n".join(reports), lost=lost) if lost
+               else RoundEnd(Outcome.STOPPED))
+        self.last_formation = tuple(last)
+        standing = dataclasses.replace(self._standing(), nodes=len(last))
+        decision = policy.decide(end, standing)
+        took = (f"{formation.who(formation.rank)} takes over as the job's host at "
+                f"{config.master_addr}:{config.master_port} ({len(here)} of the last "
+                f"formation's {policy.plural(len(last), 'node')} reached it)")
+        if not decision.again:
+            report = "\n".join(r for r in (took, decision.report) if r)
+            for peer in formation.members.values():
+                refuse(peer.link, report, status=decision.status)
+            formation.end_waiting(decision.status, decision.report)
+            self.out.say(report)
+            return decision.status
+        if decision.restart:
+            ledger.restarts += 1
+        ledger.reformations += 1
+        formation.admit_waiting()
+        news = "\n".join(r for r in (decision.report, took,
+                                     policy.formation_news(end, self._standing(), True))
+                         if r)
+        self.out.say(news)
+        for peer in formation.members.values():
+            peer.link.send(News(news))
+        return None
 
     # ------------------------------------------------------------------ one round
     def _spec(self) -> tuple[RoundSpec, str | None]:
@@ -78,15 +142,21 @@ class Master:
         slots, servers = formation.layout()
         port = free_port("" if config.several_nodes else "127.0.0.1")
         horovod = config.backend == "horovod"
+        master_addr = config.master_addr or "127.0.0.1"
+        addresses = formation.addresses(
+            self.listen_addr or master_addr, config.master_port) if config.elastic \
+            and config.several_nodes else None
         spec = RoundSpec(
             backend=config.backend, nnodes=len(order), nodes=order,
             nproc=config.num_workers, servers=config.servers, restart=self.ledger.runs,
             reformation=self.ledger.reformations, elastic=config.elastic,
-            master_addr=config.master_addr or "127.0.0.1", transport=config.transport,
-            hosts=[None] + [formation.members[n].host for n in order[1:]],
+            master_addr=master_addr, transport=config.transport,
+            hosts=[formation.hello.host] + [formation.members[n].host for n in order[1:]],
             slots=slots, server_counts=servers,
             rendezvous_port=port if horovod else None,
-            scheduler_port=None if horovod else port)
+            scheduler_port=None if horovod else port,
+            addresses=addresses,
+            restarts=self.ledger.restarts if addresses else None)
         return spec, policy.round_problem(slots, servers, config.backend)
 
     def _round(self, spec: RoundSpec, deadline: float | None) -> int | None:
@@ -101,6 +171,7 @@ class Master:
                 self.out.say)
             rendezvous.start()
         node = Node(config, 0, spec)
+        self.last_formation = tuple(spec.nodes) if spec.addresses else ()
         links = {n: p.link for n, p in formation.members.items()}
         view = JobView(node, links, self.out)
         view.preempted = [n for n in self.ledger.preempts if n in links]
@@ -116,21 +187,27 @@ class Master:
             end = RoundEnd(Outcome.INTERRUPTED, 128 + stop.signum,
                            f"interrupted by {signal.Signals(stop.signum).name}")
         finally:
-            decision, end = self._decide(end)
+            decision, end = self._decide(end, tuple(view.preempted))
             unconfirmed = self._end_round(node, end, decision)
             if rendezvous is not None:
                 rendezvous.stop()
+        if decision.handover:
+            formation.end_waiting(1, "the job's host left; start this node again with "
+                                     "the new host's address to join")
+            return decision.status
         if not decision.again:
             formation.end_waiting(decision.status, decision.report)
             return decision.status
         return self._next_formation(unconfirmed, end)
 
-    def _decide(self, end: RoundEnd) -> tuple[Decision, RoundEnd]:
+    def _decide(self, end: RoundEnd,
+                preempted: tuple[int, ...] = ()) -> tuple[Decision, RoundEnd]:
         """Apply policy.decide: count the restart, let the lost nodes go."""
         formation = self.formation
         if end.outcome is Outcome.LOST and self.config.elastic:
             end = end._replace(report="; ".join(formation.lost_reason(n) for n in end.lost))
-        decision = policy.decide(end, self._standing())
+        decision = policy.decide(end, dataclasses.replace(self._standing(),
+                                                          preempted=preempted))
         if end.outcome is Outcome.LOST and self.config.elastic:
             for n in end.lost:
                 formation.drop(n).link.close(flush=0)
@@ -149,7 +226,7 @@ class Master:
                 peer.link.send(End(0, False, decision.leaving[n]))
             else:
                 peer.link.send(End(decision.status, decision.again, decision.report,
-                                   terminated, grace))
+                                   terminated, grace, decision.handover or None))
         if decision.report:
             self.out.say(decision.report + "\nterminated the rest of the job." if terminated
                          else decision.report)

@@ -99,7 +99,9 @@ class Node:
             mpi.start(self, base)
             return
         nproc, nnodes = spec.nproc, spec.nnodes
-        if nnodes == 1:
+        # a job of several nodes re-formed on one still has its rendezvous on the host's
+        # address, not on loopback
+        if nnodes == 1 and not self.config.several_nodes:
             addr, iface, label = "127.0.0.1", "lo", "localhost"
         else:
             addr = socket.gethostbyname(spec.master_addr)

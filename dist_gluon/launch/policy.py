@@ -1,8 +1,10 @@
-"""What node 0's launcher decides, as pure functions of what it knows: whether a node
-may join (admission), when the first round starts, what follows a round (restart,
-re-formation or the end, with the reports every node shows), which waiting nodes come
-in, and when a requested stop has ended a round. No sockets, no processes, no clock but
-the ``now`` given: tests/test_launch_policy.py checks them directly.
+"""What the job's host (node 0's launcher, or the node that took over from it) decides,
+as pure functions of what it knows: whether a node may join (admission), when the first
+round starts, what follows a round (restart, re-formation or the end, with the reports
+every node shows), which waiting nodes come in, when a requested stop has ended a round,
+and who hosts the job once its host is gone (quorum and succession). No sockets, no
+processes, no clock but the ``now`` given: tests/test_launch_policy.py checks them
+directly.
 
 A static job (``--nnodes N``) restarts the same nodes after a failure, up to
 --max-restarts times, and ends when a node is lost. An elastic job (``--nnodes
@@ -47,24 +49,32 @@ class RoundEnd(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """What follows a round: node 0's exit ``status``; whether a round runs ``again``;
+    """What follows a round: the host's exit ``status``; whether a round runs ``again``;
     the ``report`` every node shows; ``leaving``: the parting report of each node that
-    leaves while the others go on; ``restart``: whether it uses one of --max-restarts."""
+    leaves while the others go on; ``restart``: whether it uses one of --max-restarts;
+    ``handover``: the host leaves (preempted) and the others go on under the next host
+    (:func:`successor`)."""
 
     status: int
     again: bool
     report: str | None
     leaving: dict[int, str]
     restart: bool = False
+    handover: bool = False
 
 
 @dataclass(frozen=True)
 class Standing:
-    """The job as node 0 sees it when it decides.
+    """The job as its host sees it when it decides.
 
-    ``nodes`` counts the formation's nodes (node 0 included), ``waiting`` the nodes
+    ``nodes`` counts the formation's nodes (the host included), ``waiting`` the nodes
     waiting to join, ``workers`` the formation's workers; ``names`` says each node's
     name ("node 2 (host)"); ``checkpoint`` is the newest (epoch, step) rank 0 saved.
+    ``host`` is the node rank of the job's host; ``formation`` the node ranks of the
+    round that just ended when every node knows every other's address (then a loss
+    re-forms only with a quorum of it, and a preempted host hands the job over); empty
+    when they do not (the host's loss ends the job). ``preempted``: the nodes whose
+    launchers got SIGTERM too (they leave as well; none takes the job over).
     """
 
     elastic: bool
@@ -79,6 +89,9 @@ class Standing:
     checkpoint: tuple[int, int] | None = None
     preempt_grace: float = 20.0
     names: Mapping[int, str] | None = None
+    host: int = 0
+    formation: tuple[int, ...] = ()
+    preempted: tuple[int, ...] = ()
 
     def who(self, node: int) -> str:
         return (self.names or {}).get(node, f"node {node}")
@@ -98,7 +111,7 @@ def admission_refusal(node, taken: Iterable[int], min_nodes: int,
     if len(taken) >= max_nodes:
         return (f"the job already has its maximum of {max_nodes} nodes "
                 f"(--nnodes {min_nodes}:{max_nodes})")
-    if not isinstance(node, int) or not 0 < node < max_nodes or node in taken:
+    if not isinstance(node, int) or not 0 <= node < max_nodes or node in taken:
         return (f"node rank {node} is taken or out of range [1, {max_nodes}) (nodes now in "
                 f"the job: {', '.join(map(str, sorted(taken)))}); give each machine its "
                 "own --node-rank")
@@ -154,6 +167,11 @@ def decide(end: RoundEnd, job: Standing) -> Decision:
     if job.elastic and remaining < job.min_nodes:
         return Decision(end.status or 1, False,
                         f"{end.report}\n{too_few(remaining, job)}", {})
+    if kind is Outcome.LOST and job.formation:
+        here = [n for n in job.formation if n not in end.lost]
+        if not quorum(here, job.formation):
+            return Decision(end.status or 1, False,
+                            f"{end.report}\n{minority(here, job.formation, job.who)}", {})
     if job.restarts >= job.max_restarts:
         if kind is Outcome.LOST:
             return Decision(1, False, (f"{end.report}\nno restart left (--max-restarts "
@@ -168,10 +186,22 @@ def _decide_stop(end: RoundEnd, job: Standing) -> Decision:
     saved = (f"the workers did not stop within --preempt-grace {job.preempt_grace:g} s; "
              f"the steps since {where} are lost" if end.late else f"the workers saved {where}")
     preempted = 128 + signal.SIGTERM
-    if end.lost == (0,):
+    if end.lost == (job.host,):
+        others = [n for n in job.formation if n != job.host and n not in job.preempted]
+        if others and len(others) >= job.min_nodes:
+            heir = successor(job.formation, (job.host,))
+            return Decision(0, True, (
+                f"{job.who(job.host)} was preempted (SIGTERM) and left the job; {saved}; "
+                f"{job.who(heir)} takes over as the job's host and the other nodes go on "
+                "under it"), {}, handover=True)
+        if others:
+            return Decision(preempted, False, (
+                f"{job.who(job.host)} preempted (the job's host); "
+                f"{too_few(len(others), job)}; {saved}"), {})
         return Decision(preempted, False, (
-            f"{job.who(0)} was preempted (SIGTERM): it hosts the job's rendezvous, so the "
-            f"job ends on every node; {saved}: start the job again to resume from it"), {})
+            f"{job.who(job.host)} was preempted (SIGTERM): it hosts the job's rendezvous, "
+            f"so the job ends on every node; {saved}: start the job again to resume from "
+            "it"), {})
     leaving = {n: (f"{job.who(n)} was preempted (SIGTERM) and left the job; {saved}; the "
                    "other nodes go on without it") for n in end.lost}
     remaining = job.nodes - len(leaving) + job.waiting
@@ -214,6 +244,48 @@ def formation_news(end: RoundEnd, job: Standing, changed: bool) -> str:
                 f"themselves); restarting them on every node from {where} ({used})")
     return (f"restarting the job on every node ({job.restarts} of {job.max_restarts}) "
             f"from {where}")
+
+
+# ---------------------------------------------------------------------- succession
+def quorum(here: Iterable[int], formation: Iterable[int]) -> bool:
+    """Whether the nodes ``here`` may go on as the job after the rest of the last
+    ``formation`` (its node ranks) went silent: a strict majority of it, or exactly half
+    that holds its lowest node rank. Two sides cut apart each count themselves: at
+    most one holds a strict majority, and of two equal halves only one holds the lowest
+    rank, so never do both go on (no split brain). A side cannot tell dead peers from a
+    cut link, so a side without a quorum ends even when the others are in fact dead."""
+    here, formation = set(here), set(formation)
+    here &= formation
+    if 2 * len(here) != len(formation):
+        return 2 * len(here) > len(formation)
+    return bool(formation) and min(formation) in here
+
+
+def successor(formation: Iterable[int], gone: Iterable[int]) -> int | None:
+    """The node that hosts the job once the nodes ``gone`` left the ``formation``: the
+    lowest node rank that remains (None: none remains)."""
+    gone = set(gone)
+    return min((n for n in formation if n not in gone), default=None)
+
+
+def candidates(formation: Iterable[int], host: int, me: int) -> list[int]:
+    """The nodes a node ``me`` of the ``formation`` that lost its ``host`` tries, in
+    order, as the next host: the lowest ranks first, down to itself (it hosts when
+    every lower one is unreachable)."""
+    return sorted(n for n in formation if n != host and n <= me)
+
+
+def minority(here: Iterable[int], formation: Iterable[int], who=None) -> str:
+    """Why the nodes ``here`` end the job: they are no quorum of ``formation``."""
+    here, formation = sorted(set(here)), sorted(set(formation))
+    who = who or (lambda n: f"node {n}")
+    names = ", ".join(who(n) for n in here) or "none"
+    tie = (" (half of it without its lowest node rank, node "
+           f"{formation[0]})" if 2 * len(here) == len(formation) else "")
+    return (f"only {len(here)} of the last formation's {plural(len(formation), 'node')} "
+            f"remain here ({names}), not a majority{tie}: a node cannot tell dead peers "
+            "from a cut link, and the others may go on as the job, so this side ends "
+            "(no split brain)")
 
 
 def too_few(count: int, job: Standing) -> str:

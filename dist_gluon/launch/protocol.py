@@ -10,7 +10,8 @@ node -> master: :class:`Hello` (the channel adds its nonce), :class:`Status`,
 :class:`StacksFound`, :class:`Stopped`, :class:`Idle` (between rounds), :class:`Preempt`
 (its launcher got SIGTERM).
 master -> node: :class:`Start`, :class:`Hint`, :class:`Verdicts`, :class:`StacksRequest`,
-:class:`Stop` (stop at the next step boundary), :class:`News`, :class:`End`, :class:`Tick`.
+:class:`Stop` (stop at the next step boundary), :class:`News`, :class:`End`, :class:`Tick`,
+:class:`Saved` (the newest checkpoint, which a node that takes over resumes from).
 """
 from __future__ import annotations
 
@@ -46,9 +47,13 @@ class RoundSpec:
 
     ``nodes`` are the node ranks of the formation in order (node 0 first); ``slots`` and
     ``server_counts`` the workers and ps-lite servers of each, in that order; ``hosts``
-    their host names (None for node 0). ``restart`` counts the rounds before this one
-    (DG_RESTART), ``reformation`` the changes of the set of nodes (DG_REFORMATION). A
-    horovod round has a ``rendezvous_port`` (Gloo's), a ps-lite round a ``scheduler_port``.
+    their host names (None for the job's host, the first node). ``restart`` counts the
+    rounds before this one (DG_RESTART), ``reformation`` the changes of the set of nodes
+    (DG_REFORMATION). A horovod round has a ``rendezvous_port`` (Gloo's), a ps-lite round a
+    ``scheduler_port``. An elastic round lists every node's ``addresses`` (in order: the
+    address the others reach it at and the port its launcher would host the job on) and
+    the ``restarts`` used of --max-restarts, so that the nodes that lose the host can
+    elect the next one and go on (policy.successor).
     """
 
     backend: str
@@ -66,14 +71,26 @@ class RoundSpec:
     server_counts: list[int]
     rendezvous_port: int | None = None
     scheduler_port: int | None = None
+    addresses: list[list] | None = None
+    restarts: int | None = None
+
+    @property
+    def host(self) -> int:
+        """The node rank of the job's host."""
+        return self.nodes[0]
 
     @property
     def num_workers(self) -> int:
         return sum(self.slots)
 
+    def name(self, node: int) -> str:
+        """"node 2 (h2)" for a node of this round."""
+        host = self.hosts[self.nodes.index(node)]
+        return f"node {node} ({host})" if host else f"node {node}"
+
     def to_wire(self) -> dict[str, Any]:
         wire = dataclasses.asdict(self)
-        for port in ("rendezvous_port", "scheduler_port"):
+        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts"):
             if wire[port] is None:
                 del wire[port]
         return wire
@@ -91,17 +108,22 @@ class RoundSpec:
 # ---------------------------------------------------------------------- node -> master
 @dataclass(frozen=True)
 class Hello(Message):
-    """A node's launcher introduces itself (node 0 makes its own, never sent)."""
+    """A node's launcher introduces itself (the host makes its own, never sent). An
+    elastic node adds the ``addr`` the others reach it at and the ``port`` its
+    launcher listens on, should it become the job's host."""
 
     TYPE: ClassVar[str] = "hello"
     node: int | None
     host: str | None
     nproc: int | None
     servers: int | None = None
+    addr: str | None = _optional()
+    port: int | None = _optional()
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> Hello:
-        return cls(wire.get("node"), wire.get("host"), wire.get("nproc"), wire.get("servers"))
+        return cls(wire.get("node"), wire.get("host"), wire.get("nproc"), wire.get("servers"),
+                   wire.get("addr"), wire.get("port"))
 
 
 @dataclass(frozen=True)
@@ -192,7 +214,8 @@ class News(Message):
 class End(Message):
     """The round (``again``: and not the job) ends; the node exits with ``status``.
     ``terminated`` (default: status != 0) says whether to add that the node's processes
-    were ended; ``grace`` is the seconds between their SIGTERM and SIGKILL."""
+    were ended; ``grace`` is the seconds between their SIGTERM and SIGKILL; ``handover``:
+    the host leaves (preempted), the node goes on under the next host."""
 
     TYPE: ClassVar[str] = "end"
     status: int
@@ -200,6 +223,16 @@ class End(Message):
     report: str | None
     terminated: bool | None = _optional()
     grace: float | None = _optional()
+    handover: bool | None = _optional()
+
+
+@dataclass(frozen=True)
+class Saved(Message):
+    """Rank 0 saved the checkpoint of ``epoch`` and ``step``."""
+
+    TYPE: ClassVar[str] = "saved"
+    epoch: int
+    step: int
 
 
 @dataclass(frozen=True)
@@ -241,5 +274,7 @@ def from_master(wire: dict[str, Any]) -> Message | None:
         return News(wire["report"])
     if kind == "end":
         return End(wire["status"], wire.get("again", False), wire.get("report"),
-                   wire.get("terminated"), wire.get("grace"))
+                   wire.get("terminated"), wire.get("grace"), wire.get("handover"))
+    if kind == "saved":
+        return Saved(wire["epoch"], wire["step"])
     return Tick() if kind == "tick" else None

@@ -19,6 +19,7 @@ from .protocol import (
     Hint,
     Message,
     Preempt,
+    Saved,
     StacksFound,
     StacksRequest,
     Status,
@@ -206,9 +207,9 @@ class RoundWatch:
             self._request_stop("preempt", preempted, self.config.preempt_grace)
 
     def _preempted(self) -> int | None:
-        """The node whose launcher got SIGTERM (node 0's own first), if any."""
+        """The node whose launcher got SIGTERM (the host's own first), if any."""
         if self.preemption is not None and self.preemption.at is not None:
-            return 0
+            return self.formation.rank
         return self.view.preempted[0] if self.view.preempted else None
 
     def _request_stop(self, reason: str, node: int | None, grace: float | None) -> None:
@@ -230,3 +231,5 @@ class RoundWatch:
         count, epoch, step = first["saved"]
         self.ledger.checkpoint = (epoch, step)
         self.saves = count
+        # the node that takes over, should this one be lost, names it
+        self.view.broadcast(Saved(epoch, step))
