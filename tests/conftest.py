@@ -78,7 +78,7 @@ def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
 # environments.
 _SLOW_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_packaging.py", "test_examples.py", "test_pslite_job.py",
-               "test_async.py", "test_server_hosts.py"}
+               "test_async.py", "test_server_hosts.py", "test_node0_loss.py"}
 _SLOW_PARAMETERS = {"dist_sync", "p3", "mpi", "dist_async"}
 
 

@@ -448,8 +448,9 @@ def settings_sections(results: dict) -> list[str]:
                  "the hosts at the link rate; *codec ms*: the codec's own work per step "
                  "(compressing and reconstructing every gradient on the engine, with the "
                  "sums replaced by nothing), timed alone after the timed rounds, on the "
-                 "same cores the step shares with the other workers. MXNet's 2-bit pushes 1/16 of the float32 "
-                 "bytes and pulls them all (not counted by the wrapper).", ""]
+                 "same cores the step shares with the other workers. MXNet's 2-bit pushes "
+                 "1/16 of the float32 bytes and pulls them all (not counted by the "
+                 "wrapper).", ""]
         for s in results["settings"]:
             for model in s.get("compress", {}):
                 text += [f"### {model}, {setting_name(s)}", "",
