@@ -140,12 +140,13 @@ class ElasticJob:
                     p.wait()
 
 
-@pytest.fixture
-def job_factory(cluster, tmp_path):
+def make_jobs(job_class, cluster, tmp_path):
+    """A job_factory fixture's body: yields ``make(backend)``, which starts a
+    ``job_class`` job; afterwards closes every job made and brings every link back up."""
     jobs = []
 
     def make(backend):
-        jobs.append(ElasticJob(cluster, tmp_path, backend))
+        jobs.append(job_class(cluster, tmp_path, backend))
         return jobs[-1]
 
     yield make
@@ -153,6 +154,11 @@ def job_factory(cluster, tmp_path):
         job.close()
         for host in range(3):
             job.link(host, "up")
+
+
+@pytest.fixture
+def job_factory(cluster, tmp_path):
+    yield from make_jobs(ElasticJob, cluster, tmp_path)
 
 
 def replay(events: list[dict]) -> tuple[np.ndarray, float]:

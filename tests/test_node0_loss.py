@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_elastic import ElasticJob, assert_replayed
+from test_elastic import ElasticJob, assert_replayed, make_jobs
 
 from conftest import REPO
 from test_launch import assert_nothing_left
@@ -104,17 +104,7 @@ class Node0Job(ElasticJob):
 
 @pytest.fixture
 def job_factory(cluster, tmp_path):
-    jobs = []
-
-    def make(backend):
-        jobs.append(Node0Job(cluster, tmp_path, backend))
-        return jobs[-1]
-
-    yield make
-    for job in jobs:
-        job.close()
-        for host in range(3):
-            job.link(host, "up")
+    yield from make_jobs(Node0Job, cluster, tmp_path)
 
 
 def _host(job, n) -> str:
