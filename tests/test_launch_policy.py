@@ -250,6 +250,48 @@ def test_a_quorum_is_a_strict_majority_of_the_last_formation_or_the_half_with_it
         assert not (policy.quorum(side, formation) and policy.quorum(other, formation))
 
 
+class _Link:
+    """A node's link as the host sees it, recording what it was sent."""
+
+    def __init__(self):
+        self.sent, self.closed, self.peer = [], False, "10.0.0.9:1"
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def close(self, flush=None):
+        self.closed = True
+
+
+def test_a_host_whose_nodes_fall_silent_one_after_the_other_ends_as_a_minority(
+        monkeypatch):
+    # node 0 cut off from nodes 1 and 2: node 1's silence ends the round (2 of 3 remain,
+    # a quorum), node 2 then does not confirm its end; node 0 alone must not go on while
+    # nodes 1 and 2 elect a host of their own (seen in CI under load)
+    from dist_gluon.launch.formation import Peer
+    from dist_gluon.launch.master import Master
+
+    monkeypatch.setenv("DG_JOB_SECRET", "s" * 64)
+    said = []
+    out = type("Out", (), {"say": staticmethod(said.append)})()
+    config = cli.parse(["--nnodes", "1:3", "--node-rank", "0", "--master-addr", "10.0.0.1",
+                        "--master-port", "29500", "-n", "1", "--", "python", "x.py"])
+    master = Master(config, out, None)
+    link = _Link()
+    master.formation.members = {2: Peer(2, link, protocol.Hello(2, "h2", 1, 0))}
+    master.last_formation = (0, 1, 2)
+    status = master._next_formation([2], RoundEnd(Outcome.LOST, 1, "", lost=(1,)))
+    assert status == 1
+    assert any("only 1 of the last formation's 3 nodes remain here" in s for s in said), said
+    assert not any("re-forming" in s for s in said), said
+    # with a quorum left the job goes on: the host and node 1 of 0, 1, 2
+    master = Master(config, out, None)
+    master.formation.members = {1: Peer(1, _Link(), protocol.Hello(1, "h1", 1, 0)),
+                                2: Peer(2, _Link(), protocol.Hello(2, "h2", 1, 0))}
+    master.last_formation = (0, 1, 2)
+    assert master._next_formation([2], RoundEnd(Outcome.LOST, 1, "", lost=())) is None
+
+
 def test_the_next_host_is_the_lowest_rank_left_and_each_node_tries_those_below_it():
     assert policy.successor([0, 1, 2], [0]) == 1
     assert policy.successor([1, 2], [1]) == 2

@@ -254,6 +254,17 @@ class Master:
         for n in unconfirmed:
             self.out.say(f"{formation.drop(n)} did not confirm that its processes "
                          "ended: it leaves the job")
+        here = {formation.rank, *formation.members}
+        if unconfirmed and self.last_formation and \
+                not policy.quorum(here, self.last_formation):
+            # the nodes lost one after the other: the first loss left a quorum, the
+            # silent ones dropped now do not, and they may be electing a host of their own
+            report = policy.minority(here, self.last_formation, formation.who)
+            formation.end_waiting(1, report)
+            for peer in formation.members.values():
+                refuse(peer.link, report, status=1)
+            self.out.say(report)
+            return 1
         formation.admit_waiting()
         count = 1 + len(formation.members)
         if count < config.min_nodes:
