@@ -12,6 +12,11 @@ The public names are loaded on first use, so the launcher (``python -m
 dist_gluon.launch``), which needs neither MXNet nor Horovod, starts in a fraction of a
 second. Importing dist_gluon after mxnet, or using any of its names, registers the
 'horovod' backend with ``mx.kv.create``.
+
+Which side a file runs on is told by its path: ``launch/`` is the launcher (one per
+node; it imports neither MXNet nor Horovod), every other module runs in the processes
+it starts (the workers, and ps-lite's servers for dist_async), and ``jobcontrol.py`` is
+the shared-memory record between the two (standard library only, imported by both).
 """
 import importlib
 import sys
