@@ -575,8 +575,11 @@ def elastic_section(results: dict) -> list[str]:
              + ("; host 0 lost: the later of nodes 1 and 2's launchers prints `lost the "
                 "master launcher at ...`" if node0 else "")
              + ". A launcher prints it as soon as it decides, before it ends the broken "
-             "round's workers; with the link down it is bounded below by --silence-limit "
-             "(8 s by default).",
+             "round's workers; with the link down it is --silence-limit (8 s by "
+             "default) after the last message the launcher heard from the lost one, "
+             "which came up to one beat before the fault (nodes report to the host "
+             "every 0.1 s, the host beats every --heartbeat, 0.5 s): about 8 s where host "
+             "2 is lost, 7.5 to 8 s where host 0 is.",
              *(["- **takeover** (host 0 lost): that line -> node 1's launcher prints "
                 "`node 1 (...) takes over as the job's host at ...`: each of nodes 1 and "
                 "2 ends its broken round's workers (SIGKILL 0.5 s after SIGTERM) and says "
