@@ -34,9 +34,10 @@ scheduler on host 0. In every cluster:
    after a checkpoint, with the checkpoints in a directory every host shares; then
    host 0, the job's first host, the same ways, with node-local checkpoints (each host's
    own copy): nodes 1 and 2 elect node 1 as the new host, which takes over. The time
-   from the fault to the re-formed job's first step, split into detection, takeover
-   (host 0 only), re-formation, worker start, model build, checkpoint load and first
-   step, from the launchers' lines (stamped as they are read) and the workers' clocks.
+   from the fault to the re-formed job's first step, split into detection, the
+   takeover (host 0 only: the survivors end their workers, then elect), re-formation,
+   worker start, model build, checkpoint load and first step, from the launchers' lines
+   (stamped as they are read) and the workers' clocks.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -148,9 +149,12 @@ ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
            "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
 ELASTIC_TAG = "ELASTIC "
 # the phases of a recovery, each named for the boundary that ends it; it begins at the
-# boundary before it that the recovery has ("took" only where the host was lost)
-BOUNDS = ("fault", "lost", "took", "spawned", "created", "built", "restored", "first_step")
-PHASES = (("detection", "lost"), ("takeover", "took"), ("re-formation", "spawned"),
+# boundary before it that the recovery has ("electing" and "took" only where the host
+# was lost: its takeover is the survivors ending their workers, then the election)
+BOUNDS = ("fault", "lost", "electing", "took", "spawned", "created", "built", "restored",
+          "first_step")
+PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "took"),
+          ("re-formation", "spawned"),
           ("worker start", "created"), ("model build", "built"),
           ("checkpoint load", "restored"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
@@ -590,6 +594,8 @@ def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
         return dict(out, error=error)
     # the job re-forms once every surviving node knows: the last detection counts
     bounds = {"fault": fault_at, "lost": max(seen.values()),
+              **({"electing": max(e[0] for e in electing.values() if e)}
+                 if any(electing.values()) else {}),
               **({"took": took[0]} if took else {}),
               "spawned": min(e["times"]["process"] for e in new),
               **{name: max(e["times"][name] for e in new)

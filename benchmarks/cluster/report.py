@@ -536,8 +536,8 @@ def async_section(results: dict) -> list[str]:
     return lines + [""]
 
 
-ELASTIC_PHASES = ("detection", "takeover", "re-formation", "worker start", "model build",
-                  "checkpoint load", "first step")
+ELASTIC_PHASES = ("detection", "workers ended", "election", "re-formation", "worker start",
+                  "model build", "checkpoint load", "first step")
 
 
 def _seconds(values) -> str:
@@ -580,16 +580,18 @@ def elastic_section(results: dict) -> list[str]:
              "which came up to one beat before the fault (nodes report to the host "
              "every 0.1 s, the host beats every --heartbeat, 0.5 s): about 8 s where host "
              "2 is lost, 7.5 to 8 s where host 0 is.",
-             *(["- **takeover** (host 0 lost): that line -> node 1's launcher prints "
-                "`node 1 (...) takes over as the job's host at ...`: each of nodes 1 and "
-                "2 ends its broken round's workers (SIGKILL 0.5 s after SIGTERM) and says "
-                "`electing the next host ...`; the election (each node tries the last "
-                "formation's nodes below its own rank, lowest first: node 1 has none and "
-                "hosts the job), node 2 reaching node 1's listener, and node 1 gathering "
-                "the last formation's nodes and counting the quorum (2 of 3)."]
+             *(["- **workers ended** (host 0 lost; the first part of the takeover): that "
+                "line -> the later of nodes 1 and 2 says `electing the next host ...`: "
+                "each ends its broken round's workers first (SIGKILL 0.5 s after "
+                "SIGTERM).",
+                "- **election** (host 0 lost): that line -> node 1's launcher prints "
+                "`node 1 (...) takes over as the job's host at ...`: each node tries the "
+                "last formation's nodes below its own rank, lowest first (node 1 has none "
+                "and hosts the job), node 2 reaches node 1's listener, and node 1 gathers "
+                "the last formation's nodes and counts the quorum (2 of 3)."]
                if node0 else []),
              "- **re-formation**: "
-             + ("that line (the takeover's, where host 0 was lost)" if node0
+             + ("that line (the election's, where host 0 was lost)" if node0
                 else "that line")
              + " -> the first new worker process starts: where host 2 was lost, node 0 "
              "waits for node 1 to confirm its workers ended and says `re-forming with "
@@ -628,7 +630,7 @@ def elastic_section(results: dict) -> list[str]:
              "2 workers (and on ps-lite their servers and the scheduler) start on them at "
              "once, next to whatever else runs: worker start, model build and checkpoint "
              "load are mostly CPU (imports, graph building, hashing) and take several "
-             "times what they would on hosts of their own; detection, takeover and "
+             "times what they would on hosts of their own; detection, the takeover and "
              "re-formation are timers and messages and transfer as they are. (The share of "
              "other processes in the header also counts the lost host's processes that the "
              "faults ended: their CPU time never reaches this benchmark's accounting.)", "",
