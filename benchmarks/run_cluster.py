@@ -31,9 +31,13 @@ scheduler on host 0. In every cluster:
 7. Elastic recovery: 3 hosts at 1 Gbit/s, an elastic ResNet-50 job (--nnodes 2:3, one
    worker per host, checkpoints every 2 steps; cluster/elastic.py) on horovod,
    dist_sync and p3 loses host 2 (every process SIGKILLed, or its link down) one step
-   after a checkpoint; the time from the fault to the re-formed job's first step, split
-   into detection, re-formation, worker start, model build, checkpoint load and first
-   step, from the launcher's lines (stamped as they are read) and the workers' clocks.
+   after a checkpoint, with the checkpoints in a directory every host shares; then
+   host 0, the job's first host, the same ways, with node-local checkpoints (each host's
+   own copy): nodes 1 and 2 elect node 1 as the new host, which takes over. The time
+   from the fault to the re-formed job's first step, split into detection, the
+   takeover (host 0 only: the survivors end their workers, then elect), re-formation,
+   worker start, model build, checkpoint load and first step, from the launchers' lines
+   (stamped as they are read) and the workers' clocks.
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -46,6 +50,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -134,16 +139,25 @@ SERVER_LAYOUTS = (
 )
 # Part 6: a worker slowed to half speed, on 2 hosts.
 ASYNC = {"hosts": 2, "rate": "1gbit"}
-# Part 7: an elastic ResNet-50 job (--nnodes 2:3, a worker per host) loses host 2 to a
-# fault; the launchers keep their defaults (--silence-limit 8, --heartbeat 0.5).
+# Part 7: an elastic ResNet-50 job (--nnodes 2:3, a worker per host) loses host 2, then
+# (in another job) host 0, to a fault; the launchers keep their defaults (--silence-limit
+# 8, --heartbeat 0.5). Where host 0 is lost the checkpoints are node-local: its disk goes
+# with it, and a shared directory would hide what the survivors must hold themselves.
 ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
            "backends": ("horovod", "dist_sync", "p3"), "faults": ("kill", "link"),
+           "lost_hosts": (2, 0), "node_local": (0,),
            "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
 ELASTIC_TAG = "ELASTIC "
-# the boundaries between the phases of a recovery, and the phases they delimit
-PHASES = (("detection", "fault", "lost"), ("re-formation", "lost", "spawned"),
-          ("worker start", "spawned", "created"), ("model build", "created", "built"),
-          ("checkpoint load", "built", "restored"), ("first step", "restored", "first_step"))
+# the phases of a recovery, each named for the boundary that ends it; it begins at the
+# boundary before it that the recovery has ("electing" and "took" only where the host
+# was lost: its takeover is the survivors ending their workers, then the election)
+BOUNDS = ("fault", "lost", "electing", "took", "spawned", "created", "built", "restored",
+          "first_step")
+PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "took"),
+          ("re-formation", "spawned"),
+          ("worker start", "created"), ("model build", "built"),
+          ("checkpoint load", "restored"), ("first step", "first_step"))
+TOOK_OVER = "takes over as the job's host"
 
 _ports = itertools.count(29700)
 
@@ -461,10 +475,14 @@ class _Lines:
             return [line for _, n, stream, line in self.lines
                     if n == node and stream == "stderr"]
 
-    def first(self, node: int, text: str, after: float) -> tuple[float, str] | None:
+    def first(self, node: int | None, text: str,
+              after: float) -> tuple[float, str] | None:
+        """The first line holding ``text`` that node ``node``'s launcher (any node's,
+        for None) said at or after ``after``: (its stamp, the line)."""
         with self.changed:
-            return next(((t, line) for t, n, _, line in self.lines
-                         if n == node and t >= after and text in line), None)
+            return next(((t, line) for t, n, stream, line in self.lines
+                         if node in (None, n) and stream == "stderr" and t >= after
+                         and text in line), None)
 
 
 def _fault_moment(events: list[dict], save_every: int) -> bool:
@@ -516,44 +534,94 @@ def watch_ends(pids: list[int], limit: float = 60.0) -> dict[int, float | None]:
     return ends
 
 
-def recovery(lines: _Lines, fault_at: float) -> dict:
-    """The boundaries of the recovery (wall-clock times) and the phases between them;
-    {'error': ...} when the job did not get that far."""
+def _detection(lines: _Lines, fault_at: float, lost: int,
+               nodes: int) -> tuple[dict, int | None, tuple[float, str] | None]:
+    """Who saw the loss of node ``lost`` when, who hosts the job after it, and that
+    host's line naming the loss: ({node: stamp of its detection line}, the host, line).
+
+    Node 2's loss: node 0, the host, says `node 2 (...) lost: ...`. Node 0's loss: every
+    other node says `lost the master launcher at ...` as it decides, then they elect
+    the next host, which says `node N (...) takes over as the job's host` (every node
+    repeats it) next to `node 0 (...) lost: ...`."""
+    if lost != 0:
+        line = lines.first(0, " lost: ", fault_at)
+        return ({0: line[0]} if line else {}), 0, line
+    seen = {}
+    for n in range(1, nodes):
+        line = lines.first(n, "lost the master launcher at", fault_at)
+        if line:
+            seen[n] = line[0]
+    took = lines.first(None, TOOK_OVER, fault_at)
+    match = took and re.search(r"\]: node (\d+) \(", took[1])
+    if not match:
+        return seen, None, None
+    host = int(match.group(1))
+    return seen, host, lines.first(host, " lost: ", fault_at)
+
+
+def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
+    """The boundaries of the recovery from the loss of node ``lost`` (wall-clock
+    times) and the phases between them; {'error': ...} when the job did not get that
+    far."""
     events = lines.events()
-    lost = lines.first(0, " lost: ", fault_at)
-    reform = lines.first(0, "re-forming with", fault_at)
+    seen, host, lost_line = _detection(lines, fault_at, lost, nodes)
+    took = lines.first(host, TOOK_OVER, fault_at) if lost == 0 and host is not None \
+        else None
+    reform = lines.first(host, "re-forming with", fault_at) if host is not None else None
     old = [e for e in events if e["event"] == "timeline" and e["reformation"] == 0]
     new = [e for e in events if e["event"] == "timeline" and e["reformation"] > 0]
-    out = {"fault": fault_at, "lost_line": lost and lost[1], "reform_line": reform and reform[1],
-           "timelines": old + new}
+    electing = {n: lines.first(n, "electing the next host", fault_at)
+                for n in seen} if lost == 0 else {}
+    out = {"fault": fault_at, "lost": lost, "new_host": host,
+           "detected": {str(n): t - fault_at for n, t in seen.items()},
+           # after its detection line each survivor ends its workers, then elects
+           "electing": {str(n): e[0] - fault_at for n, e in electing.items() if e},
+           "lost_line": lost_line and lost_line[1], "took_line": took and took[1],
+           "reform_line": reform and reform[1], "timelines": old + new}
     if old:
         out["cold_start"] = (max(e["times"]["first_step"] for e in old)
                              - min(e["times"]["process"] for e in old))
         out["workers_before"] = old[0]["workers"]
-    if lost is None or not new:
-        return dict(out, error="no 'lost' line from node 0" if lost is None
-                    else "the re-formed job's workers never finished a step")
-    bounds = {"fault": fault_at, "lost": lost[0],
+    error = None
+    if not seen:
+        error = ("no 'lost' line from node 0" if lost != 0 else
+                 "no surviving node said it lost the master launcher")
+    elif lost == 0 and took is None:
+        error = "no surviving node took over as the job's host"
+    elif not new:
+        error = "the re-formed job's workers never finished a step"
+    if error:
+        return dict(out, error=error)
+    # the job re-forms once every surviving node knows: the last detection counts
+    bounds = {"fault": fault_at, "lost": max(seen.values()),
+              **({"electing": max(e[0] for e in electing.values() if e)}
+                 if any(electing.values()) else {}),
+              **({"took": took[0]} if took else {}),
               "spawned": min(e["times"]["process"] for e in new),
               **{name: max(e["times"][name] for e in new)
                  for name in ("created", "built", "restored", "first_step")}}
+    order = [b for b in BOUNDS if b in bounds]
     out.update(bounds=bounds, workers_after=new[0]["workers"],
-               reform_after_lost=reform[0] - lost[0] if reform else None,
+               reform_after_lost=reform[0] - bounds["lost"] if reform else None,
                resumed_from=new[0]["resumed_from"],
-               phases={name: bounds[end] - bounds[start] for name, start, end in PHASES},
+               phases={name: bounds[end] - bounds[order[order.index(end) - 1]]
+                       for name, end in PHASES if end in bounds},
                total=bounds["first_step"] - fault_at)
     return out
 
 
-def run_elastic_job(cluster, backend: str, fault: str, timeout: float,
+def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float,
                     workdir: Path) -> dict:
-    """One elastic job on the cluster's 3 hosts: train, break host 2 once the first
-    round has saved a checkpoint and trained a step past it, and time the recovery."""
+    """One elastic job on the cluster's 3 hosts: train, break host ``lost`` once the
+    first round has saved a checkpoint and trained a step past it, and time the
+    recovery (node-local checkpoints where ELASTIC['node_local'] lists the host)."""
     port = str(next(_ports))
     cfg = ELASTIC
     argv = [str(HERE / "cluster" / "elastic.py"), "--dir", str(workdir / f"ckpt-{port}"),
             "--batch", str(cfg["batch"]), "--image", str(cfg["image"]),
-            "--save-every", str(cfg["save_every"]), "--steps-after", str(cfg["steps_after"])]
+            "--save-every", str(cfg["save_every"]), "--steps-after", str(cfg["steps_after"]),
+            *(["--node-local"] if lost in cfg["node_local"] else [])]
+    stay = [h.index for h in cluster.hosts if h.index != lost]
     lines, procs = _Lines(), []
     for host in cluster.hosts:
         command = [PY, "-m", "dist_gluon.launch", "--nnodes", cfg["nnodes"],
@@ -577,59 +645,76 @@ def run_elastic_job(cluster, backend: str, fault: str, timeout: float,
                     break
                 lines.changed.wait(timeout=1.0)
         if _fault_moment(lines.events(), cfg["save_every"]):
-            # the first round's workers on the nodes that stay (all ranks printed their
+            # the first round's workers on the hosts that stay (all ranks printed their
             # timeline at their first step, long before the fault)
-            old = {e["pid"]: e["rank"] for e in lines.events()
-                   if e["event"] == "timeline" and e["rank"] < 2}
-            fault_at = inject_fault(cluster, 2, fault)
+            names = {cluster.hosts[n].name: n for n in stay}
+            old = {e["pid"]: names[e["host"]] for e in lines.events()
+                   if e["event"] == "timeline" and e["reformation"] == 0
+                   and e["host"] in names}
+            fault_at = inject_fault(cluster, lost, fault)
             ended = watch_ends(sorted(old))
-        codes = [wait_or_kill(p, deadline) for p in procs[:2]]
-        # a cut-off node's launcher ends by itself once node 0 has been silent for long
-        codes.append(wait_or_kill(procs[2], time.monotonic() + 30))
+        codes = dict.fromkeys(range(len(procs)))
+        for n in stay:
+            codes[n] = wait_or_kill(procs[n], deadline)
+        # a cut-off node's launcher ends by itself once the others have been silent
+        # for long (a minority of the last formation: it cannot go on)
+        codes[lost] = wait_or_kill(procs[lost], time.monotonic() + 30)
+        codes = [codes[n] for n in range(len(procs))]
     finally:
         kill_leftovers(cluster)
         if fault == "link":
-            subprocess.run(["ip", "-n", cluster.hosts[2].namespace, "link", "set", "eth0",
+            subprocess.run(["ip", "-n", cluster.hosts[lost].namespace, "link", "set", "eth0",
                             "up"], check=False)
         shutil.rmtree(workdir / f"ckpt-{port}", ignore_errors=True)
     time.sleep(0.5)     # the readers take in the last lines
-    said = lines.said(0)
     if fault_at is None:
+        said = lines.said(0)
         return {"error": "the first round never saved a checkpoint and trained past it: "
                 + " | ".join(said[-6:]), "codes": codes, "launcher": said}
-    result = dict(recovery(lines, fault_at), codes=codes, launcher=said)
-    # when node 0's and node 1's workers of the broken round were gone: a worker blocked
-    # in a collective ends only at the launcher's SIGKILL, 3 s after its SIGTERM
-    result["old_ended"] = {str(rank): None if ended[pid] is None else ended[pid] - fault_at
-                           for pid, rank in old.items()}
-    if "error" not in result and any(code != 0 for code in codes[:2]):
-        result["error"] = f"nodes 0 and 1 ended with {codes[:2]}: " + " | ".join(said[-6:])
+    result = recovery(lines, fault_at, lost, len(procs))
+    # what the job's host after the fault said (node 0, or the node that took over)
+    host = result["new_host"] if result["new_host"] is not None else stay[0]
+    said = lines.said(host)
+    result.update(codes=codes, launcher=said, launcher_node=host,
+                  node_local=lost in cfg["node_local"])
+    # when the broken round's workers on the hosts that stay were gone: a worker blocked
+    # in a collective ends only at its launcher's SIGKILL, 0.5 s after its SIGTERM
+    result["old_ended"] = {str(node): None if ended[pid] is None else ended[pid] - fault_at
+                           for pid, node in old.items()}
+    if "error" not in result and any(codes[n] != 0 for n in stay):
+        result["error"] = (f"nodes {stay[0]} and {stay[1]} ended with "
+                           f"{[codes[n] for n in stay]}: " + " | ".join(said[-6:]))
     return result
 
 
-def run_elastic(cfg, timeout: float) -> dict:
-    """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend."""
-    setting = dict(ELASTIC, load_start=os.getloadavg(), uptime_start=uptime(), jobs={})
+def run_elastic(cfg, timeout: float, lost_hosts=None) -> dict:
+    """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend;
+    ``lost_hosts``: the hosts to break (default ELASTIC['lost_hosts']), one at a time."""
+    lost_hosts = tuple(lost_hosts or ELASTIC["lost_hosts"])
+    setting = dict(ELASTIC, lost_hosts=lost_hosts, load_start=os.getloadavg(),
+                   uptime_start=uptime(), jobs={})
     log(f"elastic: {ELASTIC['hosts']} hosts at {ELASTIC['rate']}, --nnodes "
-        f"{ELASTIC['nnodes']}, {cfg['elastic_reps']} repetition(s) of each fault")
+        f"{ELASTIC['nnodes']}, host(s) {', '.join(map(str, lost_hosts))} lost, "
+        f"{cfg['elastic_reps']} repetition(s) of each fault")
     with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
             emulated_cluster.EmulatedCluster(num_hosts=ELASTIC["hosts"],
                                              rate=ELASTIC["rate"]) as cluster:
         for backend in ELASTIC["backends"]:
-            for fault in ELASTIC["faults"]:
+            for lost, fault in itertools.product(lost_hosts, ELASTIC["faults"]):
                 runs = []
                 for rep in range(cfg["elastic_reps"]):
-                    run = run_elastic_job(cluster, backend, fault, timeout, Path(tmp))
+                    run = run_elastic_job(cluster, backend, fault, lost, timeout, Path(tmp))
                     runs.append(run)
-                    log(f"  {backend}, {fault}, repetition {rep + 1}: "
+                    log(f"  {backend}, host {lost} {fault}, repetition {rep + 1}: "
                         + (f"FAILED {run['error'][:400]}" if "error" in run else
                            f"first step {run['total']:.1f} s after the fault ("
                            + ", ".join(f"{k} {v:.1f}" for k, v in run["phases"].items())
                            + "; old workers gone after "
                            + ", ".join("?" if t is None else f"{t:.1f}"
                                        for t in run["old_ended"].values()) + " s)"))
-                setting["jobs"][f"{backend} {fault}"] = {"backend": backend, "fault": fault,
-                                                         "runs": runs}
+                setting["jobs"][f"{backend} host {lost} {fault}"] = {
+                    "backend": backend, "fault": fault, "lost": lost,
+                    "node_local": lost in ELASTIC["node_local"], "runs": runs}
     setting["load_end"] = os.getloadavg()
     setting["uptime_end"] = uptime()
     return setting
@@ -687,6 +772,11 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="where to write the report")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
+    parser.add_argument("--lost-host", action="append", type=int,
+                        choices=ELASTIC["lost_hosts"], metavar="HOST",
+                        help="part 7 (elastic): break only this host (repeatable); "
+                             "default: host 2 (checkpoints in a shared directory), then "
+                             "host 0, the job's first host (node-local checkpoints)")
     args = parser.parse_args(argv)
     if args.out is None:
         args.out = HERE / ("RESULTS-cluster-quick.md" if args.quick else "RESULTS-cluster.md")
@@ -748,7 +838,7 @@ def main(argv=None) -> int:
         if "async" in parts:
             results["async"] = run_async(cfg, args.job_timeout)
         if "elastic" in parts:
-            results["elastic"] = run_elastic(cfg, args.job_timeout)
+            results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host)
         if set(parts) & {"servers", "async", "elastic"}:
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()

@@ -5,7 +5,10 @@ through ``python -m dist_gluon.launch --nnodes 2:3 ...``. It trains gluoncv's
 ``resnet50_v1b`` (random init, one fixed random batch per worker, SGD with momentum)
 with ``dg.DistributedTrainer``, saves a checkpoint every ``--save-every`` steps, and
 resumes from the newest one whenever the launcher starts it (again): the job the
-benchmark breaks and times.
+benchmark breaks and times. With ``--node-local`` every host keeps its own copy of each
+checkpoint (``dg.Checkpointer(node_local=True)``) under ``DIR/disk-<host name>``, as
+machines without a shared file system do: the emulated hosts share this machine's disk,
+so each writes into a directory of its own, and a lost host's copy is never read again.
 
 Every rank prints one ``ELASTIC {json}`` line per round with wall-clock times
 (``time.time()``; every emulated host shares this machine's clock) of:
@@ -31,6 +34,7 @@ STARTED = time.time()
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import socket  # noqa: E402
 
 import mxnet as mx  # noqa: E402
 import numpy as np  # noqa: E402
@@ -59,7 +63,12 @@ def say(payload: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", required=True, help="the checkpoint directory (shared)")
+    parser.add_argument("--dir", required=True,
+                        help="the checkpoint directory (shared by every host, unless "
+                             "--node-local)")
+    parser.add_argument("--node-local", action="store_true",
+                        help="each host keeps its own copy of every checkpoint, in "
+                             "DIR/disk-<host name> (dg.Checkpointer(node_local=True))")
     parser.add_argument("--batch", type=int, default=4, help="samples per worker and step")
     parser.add_argument("--image", type=int, default=64, help="image side in pixels")
     parser.add_argument("--save-every", type=int, default=2,
@@ -87,7 +96,11 @@ def main() -> None:
         net(data).wait_to_read()
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd", dict(OPTIMIZER_PARAMS),
                                     kv=kv)
-    ckpt = dg.Checkpointer(args.dir, kv, keep=2)
+    if args.node_local:
+        ckpt = dg.Checkpointer(os.path.join(args.dir, f"disk-{socket.gethostname()}"), kv,
+                               keep=2, node_local=True)
+    else:
+        ckpt = dg.Checkpointer(args.dir, kv, keep=2)
     mx.nd.waitall()
     times["built"] = time.time()
     state = ckpt.restore(net, trainer)
@@ -107,6 +120,7 @@ def main() -> None:
         if steps == 1:
             times["first_step"] = time.time()
             say({"event": "timeline", "rank": kv.rank, "pid": os.getpid(),
+                 "host": socket.gethostname(),
                  "workers": kv.num_workers,
                  "reformation": kv.reformation, "restart": kv.restart,
                  "resumed_from": resumed_from, "times": times})

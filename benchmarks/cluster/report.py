@@ -536,8 +536,8 @@ def async_section(results: dict) -> list[str]:
     return lines + [""]
 
 
-ELASTIC_PHASES = ("detection", "re-formation", "worker start", "model build",
-                  "checkpoint load", "first step")
+ELASTIC_PHASES = ("detection", "workers ended", "election", "re-formation", "worker start",
+                  "model build", "checkpoint load", "first step")
 
 
 def _seconds(values) -> str:
@@ -549,6 +549,8 @@ def elastic_section(results: dict) -> list[str]:
     """Part 7: an elastic job's recovery from a lost host, phase by phase."""
     s = results["elastic"]
     reps = results["config"].get("elastic_reps", 1)
+    lost_hosts = s.get("lost_hosts", (2,))
+    node0 = 0 in lost_hosts
     lines = ["## Recovery of an elastic job from a lost host", "",
              f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')}, one "
              f"worker each, launched with `--nnodes {s['nnodes']} --max-restarts "
@@ -557,45 +559,70 @@ def elastic_section(results: dict) -> list[str]:
              f"resnet50_v1b, random init, 25.6M parameters), batch {s['batch']} of "
              f"{s['image']}x{s['image']} synthetic images per worker, DistributedTrainer with "
              f"SGD and momentum, a checkpoint every {s['save_every']} steps (parameters and "
-             "momentum, 196 MiB, through dg.Checkpointer on this machine's disk, which every "
-             "host shares). One step after the first checkpoint, host 2 is broken:", "",
+             "momentum, 196 MiB, through dg.Checkpointer). One step after the first "
+             "checkpoint, a host is broken, in a job of its own for each row:", "",
              *(f"- *{name}*: {text}" for name, text in _fault_texts(s)), "",
-             "Node 0's launcher reports the node lost and re-forms the job on 2 nodes; the "
-             "new workers restore the checkpoint and go on. Times are wall-clock on this "
-             "machine's one clock (every emulated host shares it): the benchmark stamps the "
-             "fault and every line the launchers print as it reads it; each worker reports "
-             "its process's start (/proc, 10 ms resolution), when `dg.create()` returned, "
-             "when the model and trainer were built, when `Checkpointer.restore` returned "
-             "and when its first `trainer.step` finished (engine waited for). The phases, "
-             "each up to the last of the re-formed job's workers (its first one, for the "
-             "start):", "",
-             "- **detection**: fault -> node 0's launcher prints `node 2 (...) lost: ...`. "
-             "It prints it as soon as it decides, before it ends the broken round's "
-             "workers; with the link down it is bounded below by --silence-limit (8 s by "
-             "default).",
-             "- **re-formation**: that line -> the first new worker process starts "
-             "(node 0 waits for node 1 to confirm its workers ended, says `re-forming "
-             "with ...`, starts the rendezvous and the new round). The launcher writes "
-             "its lines through an output thread and the benchmark reads them on a "
-             "loaded machine, so a line's stamp can lag its event by some tens of ms: "
-             "a re-formation shorter than that comes out slightly negative.",
+             *(f"- *host {h}*: {_LOST_TEXTS[h]}" for h in lost_hosts), "",
+             "Times are wall-clock on this machine's one clock (every emulated host shares "
+             "it): the benchmark stamps the fault and every line the launchers print as it "
+             "reads it; each worker reports its process's start (/proc, 10 ms resolution), "
+             "when `dg.create()` returned, when the model and trainer were built, when "
+             "`Checkpointer.restore` returned and when its first `trainer.step` finished "
+             "(engine waited for). The phases, each up to the last of the re-formed job's "
+             "workers (its first one, for the start):", "",
+             "- **detection**: fault -> host 2 lost: node 0's launcher prints `node 2 "
+             "(...) lost: ...`"
+             + ("; host 0 lost: the later of nodes 1 and 2's launchers prints `lost the "
+                "master launcher at ...`" if node0 else "")
+             + ". A launcher prints it as soon as it decides, before it ends the broken "
+             "round's workers; with the link down it is --silence-limit (8 s by "
+             "default) after the last message the launcher heard from the lost one, "
+             "which came up to one beat before the fault (nodes report to the host "
+             "every 0.1 s, the host beats every --heartbeat, 0.5 s): about 8 s where host "
+             "2 is lost, 7.5 to 8 s where host 0 is.",
+             *(["- **workers ended** (host 0 lost; the first part of the takeover): that "
+                "line -> the later of nodes 1 and 2 says `electing the next host ...`: "
+                "each ends its broken round's workers first (SIGKILL 0.5 s after "
+                "SIGTERM).",
+                "- **election** (host 0 lost): that line -> node 1's launcher prints "
+                "`node 1 (...) takes over as the job's host at ...`: each node tries the "
+                "last formation's nodes below its own rank, lowest first (node 1 has none "
+                "and hosts the job), node 2 reaches node 1's listener, and node 1 gathers "
+                "the last formation's nodes and counts the quorum (2 of 3)."]
+               if node0 else []),
+             "- **re-formation**: "
+             + ("that line (the election's, where host 0 was lost)" if node0
+                else "that line")
+             + " -> the first new worker process starts: where host 2 was lost, node 0 "
+             "waits for node 1 to confirm its workers ended and says `re-forming with "
+             "...`"
+             + ("; where host 0 was lost, nodes 1 and 2 ended theirs before the election "
+                "and node 1 says `re-forming with ...` with the takeover line" if node0
+                else "")
+             + "; then the host starts the rendezvous or the scheduler and the new round. "
+             "The launchers write their lines through an output thread and the benchmark "
+             "reads them on a loaded machine, so a line's stamp can lag its event by some "
+             "tens of ms: a phase shorter than that comes out slightly negative.",
              "- **worker start**: process start -> `dg.create()` returned: the "
              "interpreter, importing mxnet and dist_gluon, and the backend's rendezvous "
              "(Gloo's, or ps-lite's scheduler and servers), which waits for every worker.",
              "- **model build**: building ResNet-50, a forward pass for its shapes, the "
              "trainer.",
-             "- **checkpoint load**: `Checkpointer.restore`: rank 0 reads and checks the "
-             "files (SHA-256 of 196 MiB), the values reach the other rank through the "
-             "backend.",
+             "- **checkpoint load**: `Checkpointer.restore`: with a shared directory rank "
+             "0 reads and checks the files (SHA-256 of 196 MiB)"
+             + ("; node-local, the ranks first tell each other which checkpoints their "
+                "node holds, and the lowest rank of a node holding the newest one reads "
+                "and checks it" if node0 else "")
+             + "; the values reach the other rank through the backend.",
              "- **first step**: restore done -> the first `trainer.step` finished "
              "(forward, backward, the gradient sum over the link, the update).", "",
              "*total*: fault -> first step of the re-formed job. *old workers gone*: fault "
-             "-> the last worker of the broken round on nodes 0 and 1 has ended (polled "
-             "every 10 ms): when an elastic job re-forms after a loss the launchers send "
-             "them SIGTERM and SIGKILL 0.5 s later (a worker's SIGTERM handler is Python, "
-             "so a worker blocked inside a collective, a pull from the lost host's server "
-             "or a sum with its worker, waits for the SIGKILL). *cold start*: the first "
-             "round's start, first worker process -> first step on 3 workers, for "
+             "-> the last worker of the broken round on the hosts that stay has ended "
+             "(polled every 10 ms): when an elastic job re-forms after a loss the launchers "
+             "send them SIGTERM and SIGKILL 0.5 s later (a worker's SIGTERM handler is "
+             "Python, so a worker blocked inside a collective, a pull from the lost host's "
+             "server or a sum with its worker, waits for the SIGKILL). *cold start*: the "
+             "first round's start, first worker process -> first step on 3 workers, for "
              "comparison. Seconds; medians over "
              f"{reps} repetition(s) of each fault ({_load(s)}; `uptime` before: "
              f"`{s.get('uptime_start', '?')}`, after: `{s.get('uptime_end', '?')}`).", "",
@@ -603,13 +630,13 @@ def elastic_section(results: dict) -> list[str]:
              "2 workers (and on ps-lite their servers and the scheduler) start on them at "
              "once, next to whatever else runs: worker start, model build and checkpoint "
              "load are mostly CPU (imports, graph building, hashing) and take several "
-             "times what they would on hosts of their own; detection and re-formation are "
-             "timers and messages and transfer as they are. (The share of other "
-             "processes in the header also counts host 2's processes that the faults "
-             "ended: their CPU time never reaches this benchmark's accounting.)", "",
-             "| backend | fault | " + " | ".join(ELASTIC_PHASES)
+             "times what they would on hosts of their own; detection, the takeover and "
+             "re-formation are timers and messages and transfer as they are. (The share of "
+             "other processes in the header also counts the lost host's processes that the "
+             "faults ended: their CPU time never reaches this benchmark's accounting.)", "",
+             "| backend | host lost | checkpoints | fault | " + " | ".join(ELASTIC_PHASES)
              + " | total | old workers gone | cold start | runs |",
-             "|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 4)]
+             "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 4)]
     failures = []
     for name, job in s["jobs"].items():
         good = [r for r in job["runs"] if "error" not in r]
@@ -617,23 +644,32 @@ def elastic_section(results: dict) -> list[str]:
                      for i, r in enumerate(job["runs"]) if "error" in r]
         totals = ", ".join(f"{r['total']:.1f}" for r in good)
         lines.append(
-            f"| {job['backend']} | {job['fault']} | "
-            + " | ".join(_seconds(r["phases"][p] for r in good) for p in ELASTIC_PHASES)
+            f"| {job['backend']} | {job.get('lost', 2)} | "
+            f"{'node-local' if job.get('node_local') else 'shared'} | {job['fault']} | "
+            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in ELASTIC_PHASES)
             + f" | {_seconds(r['total'] for r in good)} | "
             f"{_seconds(_gone(r) for r in good)} | "
             f"{_seconds(r.get('cold_start') for r in good)} | "
             f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
             + " |")
-    example = next((r for job in s["jobs"].values() for r in job["runs"]
-                    if "error" not in r), None)
-    if example:
-        lines += ["", "What node 0's launcher said, e.g. (" + example["lost_line"].split(
-            " lost: ")[1] + "):", "", "```",
+    for lost in lost_hosts:
+        example = next((r for job in s["jobs"].values() if job.get("lost", 2) == lost
+                        for r in job["runs"] if "error" not in r), None)
+        if example is None:
+            continue
+        node = example.get("launcher_node", 0)
+        lines += ["", f"What node {node}'s launcher said when host {lost} was lost, e.g. ("
+                  + example["lost_line"].split(" lost: ")[1] + "):", "", "```",
                   *(line for line in example["launcher"]
-                    if " lost: " in line or "re-forming" in line), "```"]
+                    if any(text in line for text in _TOLD)), "```"]
     if failures:
         lines += ["", "Failed runs:", "", *(f"- {f}" for f in failures)]
     return lines + [""]
+
+
+# the launchers' lines about a loss, the election and the re-formation
+_TOLD = (" lost: ", "lost the master launcher", "electing the next host", "joined the new host",
+         "takes over as the job's host", "re-forming")
 
 
 def _gone(run: dict) -> float | None:
@@ -642,8 +678,22 @@ def _gone(run: dict) -> float | None:
 
 
 def _fault_texts(s: dict) -> list[tuple[str, str]]:
-    texts = {"kill": "every process of host 2 (its launcher, its worker and, on ps-lite, "
+    texts = {"kill": "every process of the host (its launcher, its worker and, on ps-lite, "
                      "its server) SIGKILLed at once: its launcher's connection closes.",
-             "link": "host 2's link set down (`ip link set eth0 down` in its namespace): "
+             "link": "the host's link set down (`ip link set eth0 down` in its namespace): "
                      "its launcher goes silent, nothing is closed."}
     return [(f, texts[f]) for f in s["faults"]]
+
+
+# what each lost host's rows measure
+_LOST_TEXTS = {2: "checkpoints in one directory on this machine's disk, which every host "
+                  "shares. Node 0's launcher, the job's host, reports the node lost and "
+                  "re-forms the job on 2 nodes.",
+               0: "the job's host (the launchers' channel, the rendezvous or the scheduler, "
+                  "rank 0) is lost with its disk, so the checkpoints are node-local "
+                  "(`dg.Checkpointer(node_local=True)`: each host's first worker writes "
+                  "every checkpoint into a directory of its own; the emulated hosts share "
+                  "one disk). Nodes 1 and 2 elect node 1, the lowest node left, as the new "
+                  "host; it takes over with a quorum of the last formation (2 of 3 nodes), "
+                  "becomes rank 0 and re-forms the job on 2 nodes, which resume from their "
+                  "own copies. The cut-off host 0 (link down) ends as a minority of 1."}
