@@ -183,3 +183,12 @@ def test_the_launchers_scheduler_and_servers_load_mxnets_package_only_for_an_opt
                    if line.startswith("weight ")]
         assert [[float(w) for w in pair] for pair in weights] == [
             [pytest.approx(expected), pytest.approx(expected)]], proc.stdout
+
+
+def test_the_service_run_by_hand_outside_a_ps_lite_job_says_what_it_is_for():
+    env = _environment({})
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.pslite_service"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "runs ps-lite's scheduler or a server" in proc.stderr
+    assert "DMLC_ROLE=scheduler or server" in proc.stderr
