@@ -116,12 +116,8 @@ class Master:
                 f"{config.master_addr}:{config.master_port} ({len(here)} of the last "
                 f"formation's {policy.plural(len(last), 'node')} reached it)")
         if not decision.again:
-            report = "\n".join(r for r in (took, decision.report) if r)
-            for peer in formation.members.values():
-                refuse(peer.link, report, status=decision.status)
-            formation.end_waiting(decision.status, decision.report)
-            self.out.say(report)
-            return decision.status
+            return self._end_job("\n".join(r for r in (took, decision.report) if r),
+                                 decision.status, decision.report)
         if decision.restart:
             ledger.restarts += 1
         ledger.reformations += 1
@@ -243,6 +239,16 @@ class Master:
             formation.drop(n)
         return unconfirmed
 
+    def _end_job(self, report: str, status: int, waiting_report: str | None) -> int:
+        """End the job from this host: every member is told ``report`` and exits with
+        ``status``, the waiting nodes are turned away (``waiting_report``, None: the
+        job finished); the launcher's exit status."""
+        for peer in self.formation.members.values():
+            refuse(peer.link, report, status=status)
+        self.formation.end_waiting(status, waiting_report)
+        self.out.say(report)
+        return status
+
     def _next_formation(self, unconfirmed: list[int], end: RoundEnd) -> int | None:
         """After a round that runs again: drop the nodes that did not confirm, admit
         the waiting ones, say what happens; or end the job when too few remain."""
@@ -260,20 +266,11 @@ class Master:
             # the nodes lost one after the other: the first loss left a quorum, the
             # silent ones dropped now do not, and they may be electing a host of their own
             report = policy.minority(here, self.last_formation, formation.who)
-            formation.end_waiting(1, report)
-            for peer in formation.members.values():
-                refuse(peer.link, report, status=1)
-            self.out.say(report)
-            return 1
+            return self._end_job(report, 1, report)
         formation.admit_waiting()
         count = 1 + len(formation.members)
         if count < config.min_nodes:
-            formation.end_waiting(1, None)
-            report = policy.too_few(count, self._standing())
-            for peer in formation.members.values():
-                refuse(peer.link, report, status=1)
-            self.out.say(report)
-            return 1
+            return self._end_job(policy.too_few(count, self._standing()), 1, None)
         changed = set(formation.members) != before
         if changed:
             self.ledger.reformations += 1
