@@ -343,3 +343,62 @@ def test_a_round_spec_lists_each_nodes_address_only_when_every_node_gave_one():
     assert "addr" not in protocol.Hello(2, "h2", 1).to_wire()
     for message in (protocol.Saved(3, 12), protocol.End(0, True, "over", handover=True)):
         assert protocol.from_master(json.loads(json.dumps(message.to_wire()))) == message
+
+
+# ------------------------------------------------------------------ the end of a job
+class _View:
+    """What the supervisor sees of a job: verdicts given and lines said."""
+
+    def __init__(self):
+        self.verdicts, self.said = {}, []
+
+    def set_verdicts(self, verdicts):
+        self.verdicts.update(verdicts)
+
+    def say(self, line):
+        self.said.append(line)
+
+
+def _departed(rank: int, returncode) -> dict:
+    from dist_gluon import jobcontrol
+    return {"rank": rank, "host": "h0", "attached": True, "count": 40,
+            "phase": jobcontrol.DEPARTING, "departed_at": 1.0, "exception": None,
+            "returncode": returncode, "tail": [], "left_at": 1.0, "key_next": None,
+            "key_last": "w"}
+
+
+def test_ranks_stuck_in_the_backends_shutdown_after_their_work_end_as_finished_in_time():
+    """A rank that finished its script with every collective done but never returns
+    from the backend's shutdown (ps-lite's final barrier lost its reply) does not hang
+    the job: after SHUTDOWN_LIMIT it ends as finished, saying so."""
+    from dist_gluon import jobcontrol
+    from dist_gluon.launch import supervisor
+    view = _View()
+    judge = supervisor.Supervisor(view, stall_warning=None, stall_timeout=None)
+    states = [_departed(0, 0), _departed(1, None)]
+    assert judge.check(states, now=100.0) is None
+    assert view.verdicts == {1: jobcontrol.FINALIZE}
+    assert judge.check(states, now=100.0 + supervisor.SHUTDOWN_LIMIT - 1) is None
+    assert view.said == []
+    verdict = judge.check(states, now=100.0 + supervisor.SHUTDOWN_LIMIT)
+    assert verdict is not None and verdict.ok
+    assert view.said == [f"rank 1 finished the script but is still in the backend's "
+                         f"shutdown after {supervisor.SHUTDOWN_LIMIT:g} s (every collective "
+                         "of every rank had completed, so nothing is lost): ending it"]
+    # one that exits in time needs no words
+    judge = supervisor.Supervisor(_View(), None, None)
+    assert judge.check(states, now=0.0) is None
+    assert judge.check([_departed(0, 0), _departed(1, 0)], now=1.0).ok
+
+
+def test_the_scheduler_of_a_p3_job_runs_the_plain_van():
+    """ps-lite's P3 van can drop the scheduler's replies to the final barrier (equal
+    priorities leave its queue in any order, its TERMINATE included): the scheduler,
+    which sends only control messages, runs ZeroMQ's plain van; servers and workers P3."""
+    from dist_gluon.launch import jobenv
+    common = jobenv.pslite_env("10.0.0.1", 9000, 2, 1, "10.0.0.1", p3=True)
+    assert common["DMLC_PS_VAN_TYPE"] == "p3"
+    scheduler = jobenv.scheduler_env(common)
+    assert "DMLC_PS_VAN_TYPE" not in scheduler and scheduler["DMLC_ROLE"] == "scheduler"
+    assert scheduler["DMLC_PS_ROOT_URI"] == "10.0.0.1"
+    assert common["DMLC_PS_VAN_TYPE"] == "p3"       # the others' environment unchanged

@@ -46,7 +46,12 @@ ps-lite (``dist_sync`` and P3; the ps-lite of MXNet 1.9.1, ``src/van.cc``, ``zmq
 - ``DMLC_LOCAL=1`` replaces TCP with ``ipc:///tmp/<port>`` and only works on one host;
   ``PS_VERBOSE=1`` (or 2) logs binds and connections, which helps to debug multi-host
   jobs; ``PS_HEARTBEAT_INTERVAL``/``_TIMEOUT`` and ``PS_RESEND`` are off by default.
-- ``DMLC_PS_VAN_TYPE=p3`` selects the P3 van (a ZeroMQ van: the same addressing).
+- ``DMLC_PS_VAN_TYPE=p3`` selects the P3 van (a ZeroMQ van: the same addressing and
+  wire). It sends from a priority queue in which messages of equal priority leave in any
+  order, and its Stop queues the TERMINATE that ends its sending thread behind whatever
+  is still queued. The scheduler, which sends only control messages, therefore runs the
+  plain ZeroMQ van (:func:`scheduler_env`): on the P3 van its replies to the final
+  barrier could be dropped, leaving every worker and server in ``ps::Finalize`` forever.
 """
 from __future__ import annotations
 
@@ -236,6 +241,15 @@ def pslite_role_env(role: str) -> dict[str, str]:
     if role not in _ROLES:
         raise ValueError(f"role must be one of {', '.join(_ROLES)}; got {role!r}")
     return {"DMLC_ROLE": role}
+
+
+def scheduler_env(common: dict[str, str]) -> dict[str, str]:
+    """The scheduler's environment from ``common`` (:func:`pslite_env`): its role, and
+    ZeroMQ's plain van even in a P3 job (see the module docstring: on the P3 van its
+    replies to the job's final barrier can be lost)."""
+    env = {k: v for k, v in common.items() if k != "DMLC_PS_VAN_TYPE"}
+    env.update(pslite_role_env("scheduler"))
+    return env
 
 
 def route_iface(dest_addr: str) -> str:

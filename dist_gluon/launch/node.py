@@ -133,7 +133,7 @@ class Node:
         service = [sys.executable, "-c", "import mxnet"]
         if self.node_rank == 0:
             self._spawn("scheduler", "scheduler", None, service,
-                        dict(common, **jobenv.pslite_role_env("scheduler")))
+                        jobenv.scheduler_env(common))
         for s in range(counts[self.node_rank]):
             index = sum(counts[:self.node_rank]) + s
             self._spawn(f"server{index}", "server", None, service,

@@ -33,6 +33,7 @@ from .processes import signal_name
 
 SETTLE = 0.5            # seconds to let near-simultaneous departures land before judging
 EXIT_WAIT = 3.0         # seconds a released rank gets to exit with its own status
+SHUTDOWN_LIMIT = 30.0   # seconds ranks that finished may spend in the backend's shutdown
 # Errors a rank hits because a peer went away; never the cause when another rank left.
 _CONSEQUENCE = re.compile(
     r"has been shut down|shut ?down|ps-lite|ps::|Check failed|gloo|Gloo|connection|"
@@ -113,6 +114,7 @@ class Supervisor:
         self._stall_since: float | None = None
         self._stall_warned = False
         self._finalized: set[int] = set()
+        self._shutdown_since: float | None = None
 
     # ------------------------------------------------------------------ one look
     def check(self, states: list[dict], now: float | None = None) -> Verdict | None:
@@ -129,8 +131,27 @@ class Supervisor:
             self._release(states, jobcontrol.FINALIZE)
             if all(s["returncode"] == 0 for s in states):
                 return Verdict(True)
-            return None
+            return self._watch_shutdown(states, now)
         return self._watch_stall(states, now)
+
+    def _watch_shutdown(self, states, now) -> Verdict | None:
+        """Every rank finished its script with every collective done; those still
+        running are in the backend's collective shutdown (ps-lite's final barrier,
+        horovod's shutdown). One that never returns (a peer's library lost the
+        barrier's reply) would hang the job after its work is done: after
+        SHUTDOWN_LIMIT the job ends as finished, saying so, and the launcher ends the
+        stuck processes."""
+        if self._shutdown_since is None:
+            self._shutdown_since = now
+        if now - self._shutdown_since < SHUTDOWN_LIMIT:
+            return None
+        stuck = [s for s in states if s["returncode"] is None]
+        self.view.say(f"{_ranks(s['rank'] for s in stuck)} finished the script but "
+                      f"{'is' if len(stuck) == 1 else 'are'} still in the backend's "
+                      f"shutdown after {SHUTDOWN_LIMIT:g} s (every collective of every rank "
+                      "had completed, so nothing is lost): ending "
+                      f"{'it' if len(stuck) == 1 else 'them'}")
+        return Verdict(True)
 
     def _broken(self, states) -> bool:
         if any(_failed(s) for s in states):
