@@ -189,7 +189,7 @@ def test_every_message_reads_back_as_it_was_sent():
     to_node = [protocol.Start(spec), protocol.Hint(5), protocol.Verdicts({1: 2}),
                protocol.StacksRequest([1, 3]), protocol.Stop(2), protocol.News("re-forming"),
                protocol.End(1, True, "why", True, 0.5), protocol.End(2, False, "no"),
-               protocol.Tick()]
+               protocol.Tick(), protocol.Redirect("10.0.0.2", 29500, "node 1 (h1)")]
     for message in to_node:
         wire = json.loads(json.dumps(message.to_wire()))
         assert protocol.from_master(wire) == message
@@ -402,3 +402,33 @@ def test_the_scheduler_of_a_p3_job_runs_the_plain_van():
     assert "DMLC_PS_VAN_TYPE" not in scheduler and scheduler["DMLC_ROLE"] == "scheduler"
     assert scheduler["DMLC_PS_ROOT_URI"] == "10.0.0.1"
     assert common["DMLC_PS_VAN_TYPE"] == "p3"       # the others' environment unchanged
+
+
+def test_a_node_that_does_not_host_sends_joiners_on_and_keeps_electing_nodes():
+    """At an elastic node's door, a launcher that joins (a node rank not in the last
+    formation) is sent on to the host; one of the formation (electing the next host)
+    is kept for this node to take over."""
+    from dist_gluon.launch import succession
+
+    class Door:
+        def __init__(self, hellos):
+            self.hellos, self.kept = hellos, []
+
+        def poll(self):
+            hellos, self.hellos = self.hellos, []
+            return hellos
+
+        def keep(self, link, hello):
+            self.kept.append((link, hello))
+
+    joiner, elector = _Link(), _Link()
+    door = Door([(joiner, {"node": 3, "host": "h3"}), (elector, {"node": 2, "host": "h2"})])
+    spec = protocol.RoundSpec("horovod", 2, [1, 2], 1, 0, 4, 2, True, "10.0.0.2", "gloo",
+                              [None, "h2"], [1, 1], [0, 0])
+    said = []
+    succession.send_on(door, spec, ("10.0.0.2", 29500, "node 1 (h1)"), said.append)
+    assert joiner.sent == [protocol.Redirect("10.0.0.2", 29500, "node 1 (h1)")]
+    assert joiner.closed and not elector.sent and not elector.closed
+    assert door.kept == [(elector, {"node": 2, "host": "h2"})]
+    assert said == ["node 3 (h3) joined through this node, which does not host the job: "
+                    "sent it on to node 1 (h1) at 10.0.0.2:29500"]

@@ -10,7 +10,8 @@ replay of the schedule of world sizes (test_elastic.replay); nothing is left run
 Which backend meets which fault (one job per test, to keep the module short):
 - horovod: node 0 SIGKILLed; then the new host loses node 2 (its link cut): 1 of 2
   with the lowest rank goes on.
-- dist_sync: node 0's link cut: node 0 (1 of 3) ends as a minority, nodes 1 and 2 go on.
+- dist_sync: node 0's link cut: node 0 (1 of 3) ends as a minority, nodes 1 and 2 go on;
+  node 0's machine joins again as node 3 through node 2, which sends it on to node 1.
 - p3: node 0 preempted (SIGTERM): it hands the job over after a checkpoint; then the new
   host is SIGKILLed: node 2 alone (1 of 2 without the lowest rank) ends naming why.
 """
@@ -46,15 +47,22 @@ def cluster():
 
 
 class Node0Job(ElasticJob):
-    """An elastic job (--nnodes 1:3) whose node 0 goes away; nodes 1 and 2 start first
-    so that all three form the first round."""
+    """An elastic job (--nnodes 1:3, or ``nnodes``) whose node 0 goes away; nodes 1 and
+    2 start first so that all three form the first round."""
 
-    def start(self, host: int, where=None, script_args=()) -> subprocess.Popen:
+    nnodes = "1:3"
+
+    def start(self, host: int, where=None, script_args=(), node_rank: int | None = None,
+              through: int = 0) -> subprocess.Popen:
+        """Host ``host``'s launcher as node ``host`` (or ``node_rank``), given host
+        ``through``'s address as --master-addr."""
         env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"node0-{self.port}",
                **self.marker}
-        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:3",
-                "--node-rank", str(host), "--master-addr", self.cluster.hosts[0].address,
+        node_rank = host if node_rank is None else node_rank
+        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", self.nnodes,
+                "--node-rank", str(node_rank),
+                "--master-addr", self.cluster.hosts[through].address,
                 "--master-port", self.port, "-n", "1", "--backend", self.backend,
                 "--max-restarts", "3", "--heartbeat", "0.3",
                 "--silence-limit", str(SILENCE), "--last-call", "5", "--preempt-grace", "60",
@@ -143,9 +151,13 @@ def test_horovod_goes_on_under_node_1_after_node_0_is_killed_and_then_without_no
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 
-def test_dist_sync_goes_on_without_node_0_cut_off_and_node_0_ends_as_a_minority(
+def test_dist_sync_goes_on_without_node_0_cut_off_node_0_ends_as_a_minority_and_joins_again(
         job_factory):
+    """Node 0 cut off: nodes 1 and 2 go on, node 0 ends as a minority. Its machine then
+    joins again as a new node, given node 2's address: node 2 does not host the job and
+    sends it on to node 1, which admits it."""
     job = job_factory("dist_sync")
+    job.nnodes = "1:4"
     job.start_all()
     fault = time.monotonic()
     job.link(0, "down")
@@ -159,11 +171,22 @@ def test_dist_sync_goes_on_without_node_0_cut_off_and_node_0_ends_as_a_minority(
     job.said_by([0], "only 1 of the last formation's 3 nodes remain here "
                      f"(node 0 ({h0})), not a majority: a node cannot tell dead peers from "
                      "a cut link")
+    # node 0's machine back as node 3, through node 2 (which does not host the job)
+    job.link(0, "up")
+    job.start(0, node_rank=3, through=2)
+    job.wait_training(world=3, reformation=2)
+    a1, a2 = (job.cluster.hosts[n].address for n in (1, 2))
+    job.said_by([2], f"node 3 ({h0}) joined through this node, which does not host the "
+                     f"job: sent it on to node 1 ({h1}) at {a1}:{job.port}")
+    job.said_by([0], f"{a2}:{job.port} does not host the job: joining its host, node 1 "
+                     f"({h1}) at {a1}:{job.port}")
     job.finish()
-    assert job.wait_exit(1) == 0, job.report()
-    assert job.wait_exit(2) == 0, job.report()
-    job.said_by([1, 2], "the job finished on 2 nodes (2 workers) after 1 re-formation")
-    assert_replayed(job.events(), job.report())
+    for host in range(3):
+        assert job.wait_exit(host) == 0, job.report()
+    job.said_by([1, 2, 0], "the job finished on 3 nodes (3 workers) after 2 re-formations")
+    events = job.events()
+    assert_replayed(events, job.report())
+    assert [e["world"] for e in events if e["event"] == "start"] == [3, 2, 3]
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 

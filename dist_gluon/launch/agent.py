@@ -24,6 +24,7 @@ from .protocol import (
     Idle,
     News,
     Preempt,
+    Redirect,
     RoundSpec,
     Saved,
     StacksFound,
@@ -46,6 +47,17 @@ class HostLost(Exception):
         self.report, self.planned = report, planned
 
 
+class Redirected(Exception):
+    """The node this launcher joined through does not host the job: it named the host."""
+
+    def __init__(self, message: Redirect):
+        super().__init__(f"{message.name} at {message.addr}:{message.port}")
+        self.message = message
+
+
+MAX_REDIRECTS = 3
+
+
 class Agent:
     """The launcher of node 1..M-1: joins the host's, runs each round it is sent; in an
     elastic job, elects the next host when the host is lost (succession.py)."""
@@ -56,7 +68,9 @@ class Agent:
         self.spec: RoundSpec | None = None      # the last round's, as the host sent it
         self.checkpoint: tuple[int, int] | None = None  # the newest the host told of
         self.master_at = f"{config.master_addr}:{config.master_port}"
+        self.host = (config.master_addr, config.master_port, "node 0")  # addr, port, name
         self.addr: str | None = None    # where the other nodes reach this one
+        self.listener = None            # the door should this node host the job
 
     def run(self) -> int:
         config = self.config
@@ -75,15 +89,12 @@ class Agent:
                       config.servers, self.addr if listener else None,
                       listener.port if listener else None)
         self.hello = hello.to_wire()
+        self.listener = listener
+        link = None
         try:
             link = connect_to_master(config.master_addr, config.master_port,
                                      self.hello, config.join_timeout, config.job_secret)
-        except JoinError as err:
-            self.out.say(str(err))
-            if listener is not None:
-                listener.close()
-            return 1
-        try:
+            redirects = 0
             while True:
                 try:
                     return self._idle(link)
@@ -93,8 +104,28 @@ class Agent:
                     if not isinstance(nxt, Link):
                         return nxt
                     link = nxt
+                except Redirected as sent:
+                    link.close()
+                    link = None
+                    redirects += 1
+                    if redirects > MAX_REDIRECTS:
+                        self.out.say(f"sent on {MAX_REDIRECTS} times without reaching the "
+                                     "job's host: start this node with the current host's "
+                                     "address as --master-addr")
+                        return 1
+                    to = sent.message
+                    self.out.say(f"{self.master_at} does not host the job: joining its host, "
+                                 f"{to.name} at {to.addr}:{to.port}")
+                    link = connect_to_master(to.addr, to.port, self.hello,
+                                             config.join_timeout, config.job_secret)
+                    self.master_at = f"{to.addr}:{to.port}"
+                    self.host = (to.addr, to.port, to.name)
+        except JoinError as err:
+            self.out.say(str(err))
+            return 1
         finally:
-            link.close()
+            if link is not None:
+                link.close()
             if listener is not None:
                 listener.close()
 
@@ -124,9 +155,11 @@ class Agent:
         rest = [spec.name(n) for n in spec.nodes if n != spec.host]
         self.out.say(f"electing the next host among {', '.join(rest)} (the lowest node "
                      "rank that answers hosts the job)")
-        link = succession.elect(config, spec, self.hello, self.out.say)
-        if link is not None:
-            self.master_at = link.peer
+        elected = succession.elect(config, spec, self.hello, self.out.say)
+        if elected is not None:
+            link, node = elected
+            addr, port = spec.addresses[spec.nodes.index(node)]
+            self.master_at, self.host = f"{addr}:{port}", (addr, port, spec.name(node))
             return link
         host = dataclasses.replace(config, master_addr=self.addr, master_port=listener.port)
         takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
@@ -137,6 +170,7 @@ class Agent:
         """Between rounds: wait for a start (or the end), beating and watching."""
         config, next_beat = self.config, 0.0
         while True:
+            self._send_on()
             self._tell_preemption(link)
             if self._preemption_overdue():
                 return 128 + signal.SIGTERM
@@ -169,11 +203,19 @@ class Agent:
                 if message.report:
                     self.out.say(message.report)
                 return message.status
+            elif isinstance(message, Redirect):
+                raise Redirected(message)
             elif isinstance(message, Start):
                 self.spec = message.spec
+                self.host = self.host[:2] + (message.spec.name(message.spec.host),)
                 status, again = self._round(message.spec, link)
                 if not again:
                     return status
+
+    def _send_on(self) -> None:
+        """Launchers that join through this node are sent on to the job's host."""
+        if self.listener is not None:
+            succession.send_on(self.listener, self.spec, self.host, self.out.say)
 
     def _master_lost(self) -> str:
         return (f"lost the master launcher at {self.master_at} (node 0 hosts the job: its "
@@ -221,6 +263,7 @@ class Agent:
         round ends."""
         config, hint, next_status = self.config, 0, 0.0
         while True:
+            self._send_on()
             self._tell_preemption(link)
             if self._preemption_overdue():
                 return 128 + signal.SIGTERM, False

@@ -300,9 +300,15 @@ class Listener:
         self._server.listen(backlog + MAX_PENDING)
         self._server.settimeout(0.0)
         self._pending: list[Link] = []
+        self._kept: list[tuple[Link, dict]] = []
+
+    def keep(self, link: Link, hello: dict) -> None:
+        """Hand ``link`` (and its ``hello``) out again at the next ``poll``."""
+        self._kept.append((link, hello))
 
     def poll(self) -> list[tuple[Link, dict]]:
-        """The connections that said an authenticated hello since the last call."""
+        """The connections that said an authenticated hello since the last call (and
+        those kept)."""
         while True:
             link = _accept(self._server, self._secret, self._say)
             if link is None:
@@ -313,7 +319,7 @@ class Listener:
                 oldest.close(flush=0)
                 self._say(f"dropped the connection from {oldest.peer}: more than "
                           f"{MAX_PENDING} connections waiting to say hello; carrying on")
-        hellos = []
+        hellos, self._kept = self._kept, []
         for link in list(self._pending):
             try:
                 hello = link.inbox.get_nowait()
@@ -335,9 +341,10 @@ class Listener:
 
     def close(self) -> None:
         self._server.close()
-        for link in self._pending:
+        for link in self._pending + [link for link, _ in self._kept]:
             link.close(flush=0)
         self._pending.clear()
+        self._kept.clear()
 
 
 def refuse(link: Link, report: str, status: int = 2) -> None:

@@ -129,7 +129,8 @@ def _node_arguments(nodes) -> None:
                        help="this node's rank in [0, nnodes) (default: 0, or SLURM_NODEID)")
     nodes.add_argument("--master-addr", default=None,
                        help="address of node 0, reachable from every node (default under "
-                            "srun: the first host of the job's node list)")
+                            "srun: the first host of the job's node list); elastic: of "
+                            "any node of the job for a node that joins later")
     nodes.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                        help=f"port of node 0's launcher (default: {DEFAULT_MASTER_PORT})")
     nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="SEC",

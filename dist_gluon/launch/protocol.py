@@ -12,6 +12,8 @@ node -> master: :class:`Hello` (the channel adds its nonce), :class:`Status`,
 master -> node: :class:`Start`, :class:`Hint`, :class:`Verdicts`, :class:`StacksRequest`,
 :class:`Stop` (stop at the next step boundary), :class:`News`, :class:`End`, :class:`Tick`,
 :class:`Saved` (the newest checkpoint, which a node that takes over resumes from).
+member -> joiner: :class:`Redirect` (an elastic node that does not host the job sends a
+launcher that joined through it on to the host).
 """
 from __future__ import annotations
 
@@ -236,6 +238,17 @@ class Saved(Message):
 
 
 @dataclass(frozen=True)
+class Redirect(Message):
+    """To a launcher that joined an elastic job through a node that does not host it:
+    the job's host (``name``) is at ``addr``:``port``; the link then closes."""
+
+    TYPE: ClassVar[str] = "redirect"
+    addr: str
+    port: int
+    name: str
+
+
+@dataclass(frozen=True)
 class Tick(Message):
     """Node 0 is alive."""
 
@@ -277,4 +290,6 @@ def from_master(wire: dict[str, Any]) -> Message | None:
                    wire.get("terminated"), wire.get("grace"), wire.get("handover"))
     if kind == "saved":
         return Saved(wire["epoch"], wire["step"])
+    if kind == "redirect":
+        return Redirect(wire["addr"], int(wire["port"]), wire["name"])
     return Tick() if kind == "tick" else None

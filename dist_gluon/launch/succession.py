@@ -3,7 +3,9 @@
 The host (node 0's launcher at first) hosts the launchers' channel, Gloo's rendezvous
 and ps-lite's scheduler, and runs rank 0. Every round's spec lists every node's address
 and the port its launcher listens on should it host the job (each elastic node's
-launcher opens that port when it starts: ``Listener``, polled only once it hosts).
+launcher opens that port when it starts, on --master-port where it is free: until the
+node hosts the job, a launcher that joins through it is sent on to the host, so a node
+joining later can be given any node's address; ``open_door``, ``send_on``).
 
 1. *Detection*: a node's launcher loses the host's (its link closed, or nothing heard for
    --silence-limit), or the host, preempted, hands the job over (``End(handover=True)``).
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from . import policy
 from .channel import JoinError, Link, Listener, connect_to_master
 from .config import LaunchConfig
-from .protocol import RoundSpec
+from .protocol import Redirect, RoundSpec
 
 
 @dataclass
@@ -51,11 +53,46 @@ class Takeover:
 
 
 def open_door(config: LaunchConfig, say) -> Listener | None:
-    """An elastic node's listener for the job, should it become the host (any free
-    port, every interface); None for a job of one node or a static one."""
+    """An elastic node's listener for the job, should it become the host, on every
+    interface: on --master-port where that is free (so that a node joining later can be
+    given any node's address with the job's --master-port), else on any free port (node
+    0 on this very machine holds --master-port). None for a job of one node or a static
+    one."""
     if not (config.elastic and config.several_nodes):
         return None
-    return Listener(0, config.job_secret, say, "", config.max_nodes or 1)
+    backlog = config.max_nodes or 1
+    if not _same_machine(config.master_addr):
+        try:
+            return Listener(config.master_port, config.job_secret, say, "", backlog)
+        except JoinError:
+            pass
+    return Listener(0, config.job_secret, say, "", backlog)
+
+
+def _same_machine(master_addr: str) -> bool:
+    try:
+        master = socket.gethostbyname(master_addr)
+        return own_address(master_addr) == master
+    except OSError:
+        return False
+
+
+def send_on(listener: Listener, spec: RoundSpec | None, host: tuple[str, int, str],
+            say) -> None:
+    """A node that does not host the job answers at its door: a launcher that joins
+    through it is sent on to the job's ``host`` (address, port, name); a node of the
+    last formation (electing the next host, which may be this node) is kept there for
+    this node to take over."""
+    for link, hello in listener.poll():
+        node = hello.get("node")
+        if spec is not None and node in spec.nodes:
+            listener.keep(link, hello)
+            continue
+        addr, port, name = host
+        link.send(Redirect(addr, port, name))
+        link.close()
+        say(f"node {node} ({hello.get('host')}) joined through this node, which does not "
+            f"host the job: sent it on to {name} at {addr}:{port}")
 
 
 def own_address(master_addr: str) -> str:
@@ -85,8 +122,10 @@ def hopeless(config: LaunchConfig, spec: RoundSpec, planned: bool) -> str | None
     return None
 
 
-def elect(config: LaunchConfig, spec: RoundSpec, hello: dict, say) -> Link | None:
-    """Reach the next host: a link to it, or None when this node is to host the job."""
+def elect(config: LaunchConfig, spec: RoundSpec, hello: dict,
+          say) -> tuple[Link, int] | None:
+    """Reach the next host: a link to it and its node rank, or None when this node is
+    to host the job."""
     me = config.node_rank
     for candidate in policy.candidates(spec.nodes, spec.host, me):
         if candidate == me:
@@ -99,5 +138,5 @@ def elect(config: LaunchConfig, spec: RoundSpec, hello: dict, say) -> Link | Non
             say(f"node {candidate} at {addr}:{port} did not answer within "
                 f"{Takeover.gather_timeout(config):g} s: trying the next node")
             continue
-        return link
+        return link, candidate
     return None
