@@ -432,3 +432,33 @@ def test_a_node_that_does_not_host_sends_joiners_on_and_keeps_electing_nodes():
     assert door.kept == [(elector, {"node": 2, "host": "h2"})]
     assert said == ["node 3 (h3) joined through this node, which does not host the job: "
                     "sent it on to node 1 (h1) at 10.0.0.2:29500"]
+
+
+def test_the_host_goes_on_ticking_while_it_ends_a_round(monkeypatch):
+    """Ending this node's processes (SIGTERM, SIGKILL after the grace) and waiting for
+    the others' can take longer than --silence-limit: the nodes must go on hearing from
+    the host meanwhile, or they would take it for lost and elect another."""
+    import time as _time
+
+    from dist_gluon.launch.formation import Peer
+    from dist_gluon.launch.master import Master
+
+    monkeypatch.setenv("DG_JOB_SECRET", "s" * 64)
+    config = cli.parse(["--nnodes", "1:3", "--node-rank", "0", "--master-addr", "10.0.0.1",
+                        "--master-port", "29500", "-n", "1", "--heartbeat", "0.05",
+                        "--silence-limit", "1", "--", "python", "x.py"])
+    master = Master(config, type("Out", (), {"say": staticmethod(lambda line: None)})(),
+                    None)
+
+    class ConfirmingLink(_Link):
+        def receive(self, timeout=None):
+            return protocol.Stopped().to_wire()
+
+    member = ConfirmingLink()
+    master.formation.members = {1: Peer(1, member, protocol.Hello(1, "h1", 1, 0))}
+    slow = type("Node", (), {"terminate": lambda self, grace: _time.sleep(0.5)})()
+    decision = Decision(1, True, "re-forming", {})
+    assert master._end_round(slow, RoundEnd(Outcome.FAILED, 1, "x"), decision) == []
+    ticks = [m for m in member.sent if isinstance(m, protocol.Tick)]
+    assert len(ticks) >= 5, member.sent
+    assert isinstance(member.sent[0], protocol.End)

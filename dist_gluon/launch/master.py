@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
+import threading
 import time
 
 from . import channel, policy, secret
@@ -15,7 +16,7 @@ from .formation import Formation
 from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
-from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, from_node
+from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
 from .rendezvous import GlooRendezvous
 from .rounds import JobView, Ledger, RoundWatch
 from .succession import Takeover
@@ -226,15 +227,19 @@ class Master:
         if decision.report:
             self.out.say(decision.report + "\nterminated the rest of the job." if terminated
                          else decision.report)
-        node.terminate(grace)
         # a lost node cannot confirm anything: waiting for it held a static job's end
         # for the whole confirmation time
         gone = set(decision.leaving) | (set(end.lost) if end.outcome is Outcome.LOST
                                         else set())
-        unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
-                                     if n not in gone}, self.out,
-                                    config.silence_limit if config.elastic
-                                    else STATIC_CONFIRM, self.ledger.preempts)
+        with _Ticking([p.link for p in formation.members.values()]
+                      + [p.link for p in formation.waiting.values()], config.heartbeat):
+            # ending processes can take longer than --silence-limit (SIGTERM, then
+            # SIGKILL after the grace): the other nodes go on hearing from the host
+            node.terminate(grace)
+            unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
+                                         if n not in gone}, self.out,
+                                        config.silence_limit if config.elastic
+                                        else STATIC_CONFIRM, self.ledger.preempts)
         for n in decision.leaving:
             formation.drop(n)
         return unconfirmed
@@ -279,6 +284,29 @@ class Master:
         for peer in formation.members.values():
             peer.link.send(News(message))
         return None
+
+
+class _Ticking:
+    """While in the ``with`` block, a thread sends a Tick over ``links`` every
+    ``every`` seconds (the host is alive while it does something slow)."""
+
+    def __init__(self, links: list[Link], every: float):
+        self._links, self._every = links, every
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every):
+            for link in self._links:
+                link.send(Tick())
+
+    def __enter__(self) -> _Ticking:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
 
 
 def _wait_stopped(links: dict[int, Link], out, timeout: float,
