@@ -462,3 +462,91 @@ def test_the_host_goes_on_ticking_while_it_ends_a_round(monkeypatch):
     ticks = [m for m in member.sent if isinstance(m, protocol.Tick)]
     assert len(ticks) >= 5, member.sent
     assert isinstance(member.sent[0], protocol.End)
+
+
+def _spec3(host_first=(0, 1, 2)) -> protocol.RoundSpec:
+    return protocol.RoundSpec("dist_sync", 3, list(host_first), 1, 1, 2, 1, True, "10.0.0.1",
+                              "gloo", [None, "h1", "h2"], [1, 1, 1], [1, 1, 1],
+                              scheduler_port=9000,
+                              addresses=[["10.0.0.1", 29500], ["10.0.0.2", 29500],
+                                         ["10.0.0.3", 29500]])
+
+
+def _elastic_config(monkeypatch, node_rank: int, nnodes: str = "1:3"):
+    monkeypatch.setenv("DG_JOB_SECRET", "s" * 64)
+    return cli.parse(["--nnodes", nnodes, "--node-rank", str(node_rank), "--master-addr",
+                      "10.0.0.1", "--master-port", "29500", "-n", "1", "--silence-limit",
+                      "0.2", "--heartbeat", "0.05", "--", "python", "x.py"])
+
+
+def test_which_nodes_may_elect_a_host_and_when_the_rest_cannot_go_on(monkeypatch):
+    from dist_gluon.launch import succession
+    spec = _spec3()
+    node2 = _elastic_config(monkeypatch, 2)
+    assert succession.can_succeed(node2, spec)
+    assert not succession.can_succeed(node2, None)                      # never ran a round
+    assert not succession.can_succeed(_elastic_config(monkeypatch, 0), spec)  # the host
+    assert not succession.can_succeed(node2, dataclasses.replace(spec, addresses=None))
+    # 2 of 3 left: a quorum, and MIN 1 allows it
+    assert succession.hopeless(node2, spec, planned=False) is None
+    # MIN 3: the 2 left are too few, whoever they are
+    strict = _elastic_config(monkeypatch, 2, nnodes="3:3")
+    assert "its loss ends the job, since the other nodes of the last formation (2 nodes) " \
+           "are fewer than the minimum 3" in succession.hopeless(strict, spec, planned=False)
+    # of a formation of 2, the one left without the lowest rank has no quorum, unless
+    # the host left on purpose (a planned handover counts over the nodes that remain)
+    pair = dataclasses.replace(spec, nodes=[0, 2], nnodes=2, hosts=[None, "h2"],
+                               slots=[1, 1], server_counts=[1, 1],
+                               addresses=[["10.0.0.1", 29500], ["10.0.0.3", 29500]])
+    assert "not a majority" in succession.hopeless(node2, pair, planned=False)
+    assert succession.hopeless(node2, pair, planned=True) is None
+
+
+def test_a_node_that_reaches_no_lower_candidate_hosts_the_job_itself(monkeypatch):
+    from dist_gluon.launch import channel, succession
+    said = []
+    tried = []
+
+    def unreachable(addr, port, hello, timeout, secret):
+        tried.append((addr, port))
+        raise channel.JoinError("no answer")
+
+    monkeypatch.setattr(succession, "connect_to_master", unreachable)
+    node2 = _elastic_config(monkeypatch, 2)
+    assert succession.elect(node2, _spec3(), {"node": 2}, said.append) is None
+    assert tried == [("10.0.0.2", 29500)]               # node 1 only: node 0 is the lost host
+    assert said == ["node 1 at 10.0.0.2:29500 did not answer within 0.4 s: trying the "
+                    "next node"]
+    # the first candidate that answers is the new host
+    link = object()
+    monkeypatch.setattr(succession, "connect_to_master", lambda *a: link)
+    assert succession.elect(node2, _spec3(), {"node": 2}, said.append) == (link, 1)
+
+
+def test_an_elastic_nodes_door_takes_the_master_port_unless_node_0_is_on_its_machine(
+        monkeypatch):
+    from dist_gluon.launch import node as node_module
+    from dist_gluon.launch import succession
+    port = node_module.free_port()
+    monkeypatch.setenv("DG_JOB_SECRET", "s" * 64)
+    here = cli.parse(["--nnodes", "1:3", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                      "--master-port", str(port), "-n", "1", "--", "python", "x.py"])
+    door = succession.open_door(here, lambda line: None)
+    try:
+        assert door.port != port        # node 0 on this very machine holds --master-port
+    finally:
+        door.close()
+    # elsewhere (node 0 at an address not on this machine) the door is on --master-port
+    monkeypatch.setattr(succession, "_same_machine", lambda addr: False)
+    door = succession.open_door(here, lambda line: None)
+    try:
+        assert door.port == port
+        # taken: any free port instead
+        other = succession.open_door(here, lambda line: None)
+        assert other.port != port
+        other.close()
+    finally:
+        door.close()
+    static = cli.parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+                        "-n", "1", "--", "python", "x.py"])
+    assert succession.open_door(static, lambda line: None) is None
