@@ -67,10 +67,14 @@ class Agent:
         self._told = False      # the host heard of this node's preemption
         self.spec: RoundSpec | None = None      # the last round's, as the host sent it
         self.checkpoint: tuple[int, int] | None = None  # the newest the host told of
-        self.master_at = f"{config.master_addr}:{config.master_port}"
         self.host = (config.master_addr, config.master_port, "node 0")  # addr, port, name
         self.addr: str | None = None    # where the other nodes reach this one
         self.listener = None            # the door should this node host the job
+
+    @property
+    def master_at(self) -> str:
+        """"address:port" of the job's host, as this node reaches it."""
+        return f"{self.host[0]}:{self.host[1]}"
 
     def run(self) -> int:
         config = self.config
@@ -118,7 +122,6 @@ class Agent:
                                  f"{to.name} at {to.addr}:{to.port}")
                     link = connect_to_master(to.addr, to.port, self.hello,
                                              config.join_timeout, config.job_secret)
-                    self.master_at = f"{to.addr}:{to.port}"
                     self.host = (to.addr, to.port, to.name)
         except JoinError as err:
             self.out.say(str(err))
@@ -159,7 +162,7 @@ class Agent:
         if elected is not None:
             link, node = elected
             addr, port = spec.addresses[spec.nodes.index(node)]
-            self.master_at, self.host = f"{addr}:{port}", (addr, port, spec.name(node))
+            self.host = (addr, port, spec.name(node))
             return link
         host = dataclasses.replace(config, master_addr=self.addr, master_port=listener.port)
         takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
