@@ -550,3 +550,31 @@ def test_an_elastic_nodes_door_takes_the_master_port_unless_node_0_is_on_its_mac
     static = cli.parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
                         "-n", "1", "--", "python", "x.py"])
     assert succession.open_door(static, lambda line: None) is None
+
+
+def test_a_preempted_host_hears_out_the_nodes_preempted_with_it():
+    """SLURM signals every node at once; a checkpoint right after the signal can end
+    the round on the host before the others' notices arrive, and the host would hand
+    the job to a node that is leaving too. It waits (at most PREEMPT_SETTLE) for them."""
+    import queue
+    import threading
+    import time as _time
+
+    from dist_gluon.launch.rounds import JobView
+
+    class Inbox:
+        def __init__(self):
+            self.inbox = queue.Queue()
+
+    prompt, late, silent = Inbox(), Inbox(), Inbox()
+    view = JobView(None, {1: prompt, 2: late}, None)
+    prompt.inbox.put(protocol.Preempt().to_wire())
+    threading.Timer(0.3, late.inbox.put, [protocol.Preempt().to_wire()]).start()
+    began = _time.monotonic()
+    view.await_preemptions(5.0)
+    assert sorted(view.preempted) == [1, 2]
+    assert 0.25 < _time.monotonic() - began < 2.0       # returns once all have said so
+    view = JobView(None, {1: prompt, 3: silent}, None)   # node 3 is not preempted
+    began = _time.monotonic()
+    view.await_preemptions(0.4)
+    assert view.preempted == [] and 0.35 < _time.monotonic() - began < 2.0

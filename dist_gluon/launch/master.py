@@ -18,7 +18,7 @@ from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
 from .rendezvous import GlooRendezvous
-from .rounds import JobView, Ledger, RoundWatch
+from .rounds import PREEMPT_SETTLE, JobView, Ledger, RoundWatch
 from .succession import Takeover
 
 STATIC_CONFIRM = 15.0   # seconds the nodes of a static job get to confirm their end
@@ -180,6 +180,9 @@ class Master:
                 link.send(Start(spec))
             node.start()
             end = watch.watch(deadline)
+            if end.outcome is Outcome.STOPPED and formation.rank in end.lost:
+                # whether the host hands the job over depends on who else is preempted
+                view.await_preemptions(PREEMPT_SETTLE)
         except Interrupted as stop:
             end = RoundEnd(Outcome.INTERRUPTED, 128 + stop.signum,
                            f"interrupted by {signal.Signals(stop.signum).name}")

@@ -31,6 +31,9 @@ from .protocol import (
 from .supervisor import Supervisor
 
 SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the workers
+# seconds a preempted host waits for the other nodes to say they are preempted too
+# (SLURM and cloud preemption signal every node at once) before it hands the job over
+PREEMPT_SETTLE = 1.0
 
 
 @dataclass
@@ -82,6 +85,15 @@ class JobView:
                 return
             if not got:
                 time.sleep(0.02)
+
+    def await_preemptions(self, seconds: float) -> None:
+        """Take in messages for up to ``seconds``, until every other node has said it
+        is preempted (or is lost): the host's own preemption can end a round (a
+        checkpoint right after the signal) before the others' notices arrive."""
+        limit = time.monotonic() + seconds
+        while time.monotonic() < limit and \
+                not set(self.links) <= set(self.preempted) | set(self.lost):
+            self.pump(0.05)
 
     def states(self) -> list[dict]:
         """Every rank's state; ``left_at`` is when it left on this launcher's monotonic
