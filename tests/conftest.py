@@ -95,3 +95,23 @@ def pytest_collection_modifyitems(config, items):
                 callspec is not None and any(
                     _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)
+
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """Add up each test file's time (setup, call and teardown): where the suite's
+    minutes go, printed at the end of every run."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if len(_FILE_SECONDS) < 2:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.section("seconds per test file (setup, call and teardown)")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {path}")
+    terminalreporter.write_line(f"{total:8.1f} s in all")
