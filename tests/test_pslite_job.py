@@ -3,7 +3,8 @@
 naming the scheduler address it tried.
 
 The launcher always sets correct ranks, so these jobs are started by hand: a scheduler,
-a server and the workers, as MXNet's own ps-lite tools would.
+a server and the workers, as MXNet's own ps-lite tools would. The last test is the
+launcher's own: its scheduler and servers run on MXNet's library alone.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, assert_ok, launch, worker_lines
 from dist_gluon.backends import pslite
 from dist_gluon.launch import jobenv
 
@@ -113,3 +114,82 @@ def test_a_connect_timeout_that_is_not_a_positive_number_is_a_clear_error(value)
         pslite.connect_timeout({"DG_CONNECT_TIMEOUT": value})
     assert pslite.connect_timeout({}) == 60.0
     assert pslite.connect_timeout({"DG_CONNECT_TIMEOUT": "2.5"}) == 2.5
+
+
+SERVICES_WORKER = """
+import os
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+PORT = os.environ["DMLC_PS_ROOT_PORT"]
+
+
+def services():
+    '''This job's scheduler and servers (found by their environment), each with whether
+    MXNet's Python package is loaded in it (numpy's core is: the package imports it).'''
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(v.split(b"=", 1) for v in f.read().split(b"\\0") if b"=" in v)
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        role = env.get(b"DMLC_ROLE", b"").decode()
+        if role in ("scheduler", "server") and env.get(b"DMLC_PS_ROOT_PORT") == PORT.encode():
+            found[role] = "_multiarray_umath" in maps
+    return dict(sorted(found.items()))
+
+
+kv = mx.kv.create("dist_sync")
+if kv.rank == 0:
+    print("before", services(), flush=True)
+net = gluon.nn.Dense(3, in_units=4)
+net.initialize(mx.init.Constant(0.5))
+# MXNet's defaults: the optimizer runs on the servers (update_on_kvstore)
+trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+x = mx.nd.ones((2, 4)) * (kv.rank + 1)
+for _ in range(3):
+    with autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    trainer.step(2)
+weight = net.weight.data().asnumpy()
+print("weight", float(weight.min()), float(weight.max()), flush=True)
+kv._barrier()
+if kv.rank == 0:
+    print("after", services(), flush=True)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_the_launchers_scheduler_and_servers_load_mxnets_package_only_for_an_optimizer(
+        tmp_path):
+    """The launcher's ps-lite scheduler and servers (dist_gluon.launch.pslite_service) run on
+    MXNet's library alone, and a server imports MXNet's package when a plain
+    gluon.Trainer sends it its optimizer, which then trains as in one process."""
+    proc = launch(SERVICES_WORKER, tmp_path, backend="dist_sync")
+    assert_ok(proc)
+    lines = worker_lines(proc.stdout, 0)
+    assert "before {'scheduler': False, 'server': False}" in lines, proc.stdout
+    assert "after {'scheduler': False, 'server': True}" in lines, proc.stdout
+    # the servers sum both workers' gradients (2 * (rank + 1) per weight) and apply
+    # SGD with rescale_grad 1 / batch size 2, three times
+    expected = 0.5 - 3 * 0.1 * (2 * 1 + 2 * 2) / 2
+    for rank in range(2):
+        weights = [line.split()[1:] for line in worker_lines(proc.stdout, rank)
+                   if line.startswith("weight ")]
+        assert [[float(w) for w in pair] for pair in weights] == [
+            [pytest.approx(expected), pytest.approx(expected)]], proc.stdout
+
+
+def test_the_service_started_by_hand_as_a_worker_says_what_it_is_for():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DMLC_")}
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.launch.pslite_service"],
+                          env=dict(env, DMLC_ROLE="worker"), cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "runs ps-lite's scheduler or a server: the launcher starts it with " \
+           "DMLC_ROLE=scheduler or server" in proc.stderr

@@ -130,7 +130,8 @@ class Node:
         common.update(jobenv.pslite_env(root, spec.scheduler_port, spec.num_workers,
                                         sum(counts), node_host,
                                         p3=spec.backend == "p3"))
-        service = [sys.executable, "-c", "import mxnet"]
+        # MXNet's library without its Python package (about 3 s of CPU less per process)
+        service = [sys.executable, "-m", "dist_gluon.launch.pslite_service"]
         if self.node_rank == 0:
             self._spawn("scheduler", "scheduler", None, service,
                         jobenv.scheduler_env(common))
