@@ -172,7 +172,9 @@ def test_the_launchers_scheduler_and_servers_load_mxnets_package_only_for_an_opt
     gluon.Trainer sends it its optimizer, which then trains as in one process."""
     proc = launch(SERVICES_WORKER, tmp_path, backend="dist_sync")
     assert_ok(proc)
-    lines = worker_lines(proc.stdout, 0)
+    # printed by ps-lite's rank 0, which the scheduler numbers in the order the workers
+    # arrive (either of the launcher's ranks)
+    lines = worker_lines(proc.stdout, 0) + worker_lines(proc.stdout, 1)
     assert "before {'scheduler': False, 'server': False}" in lines, proc.stdout
     assert "after {'scheduler': False, 'server': True}" in lines, proc.stdout
     # the servers sum both workers' gradients (2 * (rank + 1) per weight) and apply
