@@ -37,6 +37,16 @@ def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
                           timeout=timeout)
 
 
+def host_env() -> dict[str, str]:
+    """The bare environment of a process a test starts on an emulated host, as a fresh
+    login would have it (the system's PATH, the checkout on PYTHONPATH), plus make
+    coverage's variables while it measures, so that those processes are counted too."""
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO)}
+    env.update({name: os.environ[name] for name in ("COVERAGE_PROCESS_START", "COVERAGE_FILE")
+                if name in os.environ})
+    return env
+
+
 def worker_lines(output: str, rank: int) -> list[str]:
     """The lines worker ``rank`` printed, without the launcher's ``[rank] `` prefix."""
     prefix = f"[{rank}] "

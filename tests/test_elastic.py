@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, host_env
 from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -57,7 +57,7 @@ class ElasticJob:
     def start(self, host: int, where=None, script_args=()) -> subprocess.Popen:
         """Start host ``host``'s launcher as node ``host`` (again, after it left); or,
         with ``where`` (launcher options such as -H), one launcher for every host."""
-        env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+        env = {**host_env(),
                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"elastic-{self.port}",
                **self.marker}
         where = where or ["--node-rank", str(host), "--master-addr",

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from test_faults import FAILURE_DEADLINE, FAULT_WORKER, HOW, STATUS, _run_fault
 
-from conftest import REPO, assert_ok, launch, run, worker_lines
+from conftest import REPO, assert_ok, host_env, launch, run, worker_lines
 from test_launch import SLEEPING_WORKER, _marker_env, _report, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -285,7 +285,7 @@ def test_one_command_over_ssh_runs_mpi_ranks_on_every_host(cluster, tmp_path):
     argv = [sys.executable, "-m", "dist_gluon.launch", "-H",
             ",".join(f"{h.name}:2" for h in cluster.hosts), *_ssh(cluster),
             "--master-port", str(next(multinode._ports)), *MPI, "--", sys.executable, str(script)]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1"}
     proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=180)

@@ -21,7 +21,15 @@ import numpy as np
 import pytest
 from test_faults import FAULT_WORKER
 
-from conftest import DISTRIBUTED_BACKENDS, REPO, TRAINING_BACKENDS, assert_ok, run, worker_lines
+from conftest import (
+    DISTRIBUTED_BACKENDS,
+    REPO,
+    TRAINING_BACKENDS,
+    assert_ok,
+    host_env,
+    run,
+    worker_lines,
+)
 from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -62,7 +70,7 @@ def run_nodes(cluster, argv, backend="horovod", nproc=1, nodes=(0, 1), nnodes=2,
     same command on every host (``node_env[i]``: more environment for node i's
     launcher), and wait for all of them."""
     port = str(next(_ports))
-    full_env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    full_env = {**host_env(),
                 "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"test-job-{port}", **(env or {})}
     procs = []
     for i in nodes:
@@ -244,7 +252,7 @@ def test_one_command_starts_every_node_over_ssh_from_a_hostfile(cluster, tmp_pat
             "--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
             cluster.identity_file, "--master-port", str(next(_ports)), "--backend", backend,
             "--", sys.executable, str(script)]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1"}
     proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=180)
@@ -261,7 +269,7 @@ def test_a_failure_over_ssh_names_the_rank_and_host(cluster, tmp_path):
             str(cluster.ssh_port), "--ssh-identity-file", cluster.identity_file,
             "--master-port", str(next(_ports)), "--backend", "dist_sync", "--",
             sys.executable, str(script), "systemexit", "1"]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1"}
     proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=180)
@@ -308,7 +316,7 @@ def test_a_silent_node_ends_the_job_after_the_silence_limit(cluster, tmp_path):
     script.write_text("import time\nimport dist_gluon as dg\nkv = dg.create()\nkv.barrier()\n"
                       "print('READY', flush=True)\ntime.sleep(60)\n")
     port = str(next(_ports))
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": "a-silent-node"}
     procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
                                "--node-rank", str(i), "--master-addr",
@@ -362,7 +370,7 @@ def test_a_fixed_size_job_ends_on_every_node_soon_after_a_host_is_lost(cluster, 
                       "print('READY', flush=True)\ntime.sleep(120)\n")
     port = str(next(_ports))
     markers = [_marker_env() for _ in (0, 1)]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"lost-host-{fault}"}
     procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",
                                "--node-rank", str(i), "--master-addr",
@@ -446,7 +454,7 @@ def test_a_stranger_on_another_host_cannot_take_node_1s_place(cluster, tmp_path)
     (tmp_path / "stranger.py").write_text(STRANGER)
     (tmp_path / "worker.py").write_text(TOKEN_WORKER)
     port = str(next(_ports))
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1"}
     master, other = cluster.hosts[0], cluster.hosts[1]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from test_elastic import ElasticJob, assert_replayed, make_jobs
 
-from conftest import REPO
+from conftest import REPO, host_env
 from test_launch import assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -56,7 +56,7 @@ class Node0Job(ElasticJob):
               through: int = 0) -> subprocess.Popen:
         """Host ``host``'s launcher as node ``host`` (or ``node_rank``), given host
         ``through``'s address as --master-addr."""
-        env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+        env = {**host_env(),
                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"node0-{self.port}",
                **self.marker}
         node_rank = host if node_rank is None else node_rank

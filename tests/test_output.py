@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, host_env
 
 # every test launches a job of its own
 pytestmark = pytest.mark.spawns
@@ -95,7 +95,7 @@ def test_a_node_whose_output_is_blocked_keeps_its_place_in_the_job(tmp_path):
     if reason:
         pytest.skip(str(reason))
     (tmp_path / "chatty.py").write_text(textwrap.dedent(CHATTY))
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": "test-output-job"}
     with emulated_cluster.EmulatedCluster(num_hosts=2) as cluster:
         procs = [cluster.popen(i, [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2",

@@ -19,7 +19,7 @@ import pytest
 from test_async import STEPS, TRAINER_JOB, _one_process_reference, _results
 from test_multinode import _max_error, _params, run_nodes
 
-from conftest import REPO, assert_ok, run, worker_lines
+from conftest import REPO, assert_ok, host_env, run, worker_lines
 
 sys.path.insert(0, str(REPO / "tools"))
 import emulated_cluster  # noqa: E402
@@ -74,7 +74,7 @@ def test_a_server_only_host_first_in_the_host_list_serves_two_worker_hosts(
             "--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
             cluster.identity_file, "--master-port", str(next(_ports)), "--",
             sys.executable, str(WORKERS / "cluster_train.py"), str(tmp_path), str(WORLD)]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1", "PS_VERBOSE": "1"}
     proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
@@ -116,7 +116,7 @@ def test_dist_async_runs_its_optimizer_on_a_server_only_host(cluster, tmp_path):
             "dist_async", "--ssh-port", str(cluster.ssh_port), "--ssh-identity-file",
             cluster.identity_file, "--master-port", str(next(_ports)), "--",
             sys.executable, str(script)]
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO),
+    env = {**host_env(),
            "OMP_NUM_THREADS": "1", "PS_VERBOSE": "1"}
     proc = cluster.run(0, argv, cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
