@@ -454,6 +454,9 @@ def test_the_host_goes_on_ticking_while_it_ends_a_round(monkeypatch):
         def receive(self, timeout=None):
             return protocol.Stopped().to_wire()
 
+        def silent_for(self):
+            return 0.0
+
     member = ConfirmingLink()
     master.formation.members = {1: Peer(1, member, protocol.Hello(1, "h1", 1, 0))}
     slow = type("Node", (), {"terminate": lambda self, grace: _time.sleep(0.5)})()
@@ -578,3 +581,55 @@ def test_a_preempted_host_hears_out_the_nodes_preempted_with_it():
     began = _time.monotonic()
     view.await_preemptions(0.4)
     assert view.preempted == [] and 0.35 < _time.monotonic() - began < 2.0
+
+
+def test_the_host_waits_for_a_node_that_beats_while_its_processes_end():
+    """A node whose processes take longer than --silence-limit to end (slow exit
+    handlers, a server's shutdown) goes on beating and is waited for, up to the kill
+    grace on top; a node that falls silent is given up after the silence limit."""
+    import queue
+    import threading
+    import time as _time
+
+    from dist_gluon.launch.master import _wait_stopped
+
+    class Beating:
+        """Idle beats every 0.05 s, Stopped after ``after`` seconds (None: never), or
+        silence from the start when ``silent``."""
+
+        def __init__(self, after, silent=False):
+            self.inbox, self.heard = queue.Queue(), _time.monotonic()
+            self.silent = silent
+            if not silent:
+                threading.Thread(target=self._beat, args=(after,), daemon=True).start()
+
+        def _beat(self, after):
+            began = _time.monotonic()
+            while after is None or _time.monotonic() - began < after:
+                self.inbox.put(protocol.Idle().to_wire())
+                self.heard = _time.monotonic()
+                _time.sleep(0.05)
+            self.inbox.put(protocol.Stopped().to_wire())
+
+        def receive(self, timeout=None):
+            return self.inbox.get(timeout=timeout)
+
+        def silent_for(self):
+            return _time.monotonic() - self.heard
+
+    said = []
+    out = type("Out", (), {"say": staticmethod(said.append)})()
+    began = _time.monotonic()
+    # ends its processes in 0.6 s, twice the silence limit, within the grace
+    assert _wait_stopped({1: Beating(0.6)}, out, 0.3, [], grace=1.0) == []
+    assert said == [] and _time.monotonic() - began >= 0.55
+    # beats for ever: given up at grace + silence limit
+    began = _time.monotonic()
+    assert _wait_stopped({1: Beating(None)}, out, 0.3, [], grace=0.5) == [1]
+    assert 0.7 < _time.monotonic() - began < 1.5
+    # silent: given up after the silence limit
+    began = _time.monotonic()
+    assert _wait_stopped({2: Beating(None, silent=True)}, out, 0.3, [], grace=5.0) == [2]
+    assert _time.monotonic() - began < 1.0
+    assert said == ["node 1 did not confirm that its processes ended",
+                    "node 2 did not confirm that its processes ended"]

@@ -10,7 +10,7 @@ import socket
 import time
 
 from . import succession
-from .channel import STATUS_EVERY, JoinError, Link, connect_to_master
+from .channel import STATUS_EVERY, Beating, JoinError, Link, connect_to_master
 from .config import LaunchConfig
 from .job import Interrupted, Preemption, check_multinode_host
 from .master import Master
@@ -307,7 +307,9 @@ class Agent:
                         else message.terminated
                     self.out.say(message.report + "\nterminated this node's processes."
                                  if terminated else message.report)
-                node.terminate(TERM_GRACE if message.grace is None else message.grace)
+                # the host waits for Stopped while this node is heard from
+                with Beating([link], config.heartbeat, Idle()):
+                    node.terminate(TERM_GRACE if message.grace is None else message.grace)
                 link.send(Stopped())
                 if message.handover:
                     if self._told or not succession.can_succeed(self.config, self.spec):

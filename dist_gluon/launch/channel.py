@@ -252,6 +252,30 @@ class Link:
         return time.monotonic() - self.last_heard
 
 
+class Beating:
+    """While in the ``with`` block, a thread sends ``message`` over ``links`` every
+    ``every`` seconds: a launcher stays heard from while it does something slow (ending
+    its processes: SIGTERM, then SIGKILL after a grace)."""
+
+    def __init__(self, links: list[Link], every: float, message: Message):
+        self._links, self._every, self._message = links, every, message
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.wait(self._every):
+            for link in self._links:
+                link.send(self._message)
+
+    def __enter__(self) -> Beating:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 class JoinError(RuntimeError):
     """A node did not join the job in time."""
 

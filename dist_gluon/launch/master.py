@@ -6,16 +6,16 @@ from __future__ import annotations
 import dataclasses
 import queue
 import signal
-import threading
 import time
 
 from . import channel, policy, secret
-from .channel import JoinError, Link, refuse
+from .channel import Beating, JoinError, Link, refuse
 from .config import LaunchConfig
 from .formation import Formation
 from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
+from .processes import TERM_GRACE
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
 from .rendezvous import GlooRendezvous
 from .rounds import PREEMPT_SETTLE, JobView, Ledger, RoundWatch
@@ -234,15 +234,15 @@ class Master:
         # for the whole confirmation time
         gone = set(decision.leaving) | (set(end.lost) if end.outcome is Outcome.LOST
                                         else set())
-        with _Ticking([p.link for p in formation.members.values()]
-                      + [p.link for p in formation.waiting.values()], config.heartbeat):
+        with Beating([p.link for p in formation.members.values()]
+                     + [p.link for p in formation.waiting.values()], config.heartbeat, Tick()):
             # ending processes can take longer than --silence-limit (SIGTERM, then
             # SIGKILL after the grace): the other nodes go on hearing from the host
             node.terminate(grace)
             unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
                                          if n not in gone}, self.out,
                                         config.silence_limit if config.elastic
-                                        else STATIC_CONFIRM, self.ledger.preempts)
+                                        else STATIC_CONFIRM, self.ledger.preempts, grace)
         for n in decision.leaving:
             formation.drop(n)
         return unconfirmed
@@ -289,38 +289,17 @@ class Master:
         return None
 
 
-class _Ticking:
-    """While in the ``with`` block, a thread sends a Tick over ``links`` every
-    ``every`` seconds (the host is alive while it does something slow)."""
-
-    def __init__(self, links: list[Link], every: float):
-        self._links, self._every = links, every
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._done.wait(self._every):
-            for link in self._links:
-                link.send(Tick())
-
-    def __enter__(self) -> _Ticking:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        self._thread.join()
-
-
-def _wait_stopped(links: dict[int, Link], out, timeout: float,
-                  preempted: list[int]) -> list[int]:
-    """Wait for each node to confirm its processes ended; the nodes that did not. A
+def _wait_stopped(links: dict[int, Link], out, timeout: float, preempted: list[int],
+                  grace: float = TERM_GRACE) -> list[int]:
+    """Wait for each node to confirm its processes ended; the nodes that did not. A node
+    that goes on beating while its processes end (SIGTERM, SIGKILL after ``grace``) gets
+    up to ``grace`` + ``timeout``; one that falls silent for ``timeout`` is given up. A
     preemption reported meanwhile is added to ``preempted``."""
-    limit = time.monotonic() + timeout
+    limit = time.monotonic() + grace + timeout
     missing = []
     for n, link in links.items():
         confirmed = False
-        while not confirmed and time.monotonic() < limit:
+        while not confirmed and time.monotonic() < limit and link.silent_for() <= timeout:
             try:
                 wire = link.receive(timeout=0.2)
             except queue.Empty:
