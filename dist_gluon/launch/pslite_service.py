@@ -86,6 +86,7 @@ class Service:
                 f"%(asctime)-15s Server[{self.kvstore.rank}] %(message)s"))
         return self.kvstore
 
+
 def main() -> int:
     if os.environ.get("DMLC_ROLE") not in ("scheduler", "server"):
         print("dist_gluon.launch.pslite_service runs ps-lite's scheduler or a server: the "
