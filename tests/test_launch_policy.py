@@ -454,8 +454,8 @@ def test_the_host_goes_on_ticking_while_it_ends_a_round(monkeypatch):
         def receive(self, timeout=None):
             return protocol.Stopped().to_wire()
 
-        def silent_for(self):
-            return 0.0
+        def gone(self, silence):
+            return False
 
     member = ConfirmingLink()
     master.formation.members = {1: Peer(1, member, protocol.Hello(1, "h1", 1, 0))}
@@ -614,8 +614,8 @@ def test_the_host_waits_for_a_node_that_beats_while_its_processes_end():
         def receive(self, timeout=None):
             return self.inbox.get(timeout=timeout)
 
-        def silent_for(self):
-            return _time.monotonic() - self.heard
+        def gone(self, silence):
+            return _time.monotonic() - self.heard > silence
 
     said = []
     out = type("Out", (), {"say": staticmethod(said.append)})()

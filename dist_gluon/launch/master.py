@@ -15,7 +15,6 @@ from .formation import Formation
 from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
-from .processes import TERM_GRACE
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
 from .rendezvous import GlooRendezvous
 from .rounds import PREEMPT_SETTLE, JobView, Ledger, RoundWatch
@@ -290,7 +289,7 @@ class Master:
 
 
 def _wait_stopped(links: dict[int, Link], out, timeout: float, preempted: list[int],
-                  grace: float = TERM_GRACE) -> list[int]:
+                  grace: float) -> list[int]:
     """Wait for each node to confirm its processes ended; the nodes that did not. A node
     that goes on beating while its processes end (SIGTERM, SIGKILL after ``grace``) gets
     up to ``grace`` + ``timeout``; one that falls silent for ``timeout`` is given up. A
@@ -299,7 +298,7 @@ def _wait_stopped(links: dict[int, Link], out, timeout: float, preempted: list[i
     missing = []
     for n, link in links.items():
         confirmed = False
-        while not confirmed and time.monotonic() < limit and link.silent_for() <= timeout:
+        while not confirmed and time.monotonic() < limit and not link.gone(timeout):
             try:
                 wire = link.receive(timeout=0.2)
             except queue.Empty:
