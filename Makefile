@@ -13,6 +13,10 @@ HOROVOD_BUILD_ENV := HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
 # variables, so it would hand a Gloo-only wheel to an MPI build (and back).
 HOROVOD_WHEELS ?= $(HOME)/.cache/dist_gluon/horovod-0.28.1
 PYTEST_ARGS ?=
+# make test and make test-fast run this many pytest processes side by side (pytest-xdist;
+# each test file runs whole in one of them: tests/conftest.py). 1 runs them in order.
+TEST_PROCESSES ?= 2
+PYTEST_PARALLEL = $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadgroup)
 
 .PHONY: setup kernels gpu-check system-packages horovod test test-fast coverage demo lm-demo lint bench bench-cluster clean
 
@@ -95,14 +99,14 @@ horovod: $(STAMP)
 	echo "==> environment ready in $(VENV) (horovod: $$flavour)"
 
 test: setup
-	$(PY) -m pytest -q --durations=20 tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=20 tests $(PYTEST_ARGS)
 
 # The edit-run loop: the tests that start no MXNet process of their own and those that
 # read their module's shared horovod job (no other backends, no test that launches a job
 # or a training process of its own, no emulated hosts, examples or packaging;
 # tests/conftest.py says which).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests $(PYTEST_ARGS)
 
 # Line coverage of dist_gluon over the whole suite (PYTEST_ARGS narrows it), counting the
 # code run in every process the tests start: a .pth file in the environment starts

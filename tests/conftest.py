@@ -18,6 +18,11 @@ DISTRIBUTED_BACKENDS = ("horovod", "dist_sync", "p3")
 # of the trainer's exact training step (test_trainer.py), of compression, of threads and
 # of part of the fault matrix, and behaviours built on those run on these two.
 TRAINING_BACKENDS = ("horovod", "dist_sync")
+# PYTHONPATH of the processes the tests start: the checkout, after tests/lean, which
+# hides SciPy and OpenCV from them (see tests/lean/sitecustomize.py: 1 s of CPU a
+# process). FULL_PYTHONPATH keeps them, for the scripts that run gluoncv.
+FULL_PYTHONPATH = str(REPO)
+WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests" / "lean"), FULL_PYTHONPATH])
 
 
 def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
@@ -29,7 +34,7 @@ def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
     (stdout and stderr as text)."""
     path = tmp_path / name
     path.write_text(textwrap.dedent(script))
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH)
     full_env.update(env or {})
     argv = [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
             *launcher_args, "--", sys.executable, str(path), *args]
@@ -41,7 +46,7 @@ def host_env() -> dict[str, str]:
     """The bare environment of a process a test starts on an emulated host, as a fresh
     login would have it (the system's PATH, the checkout on PYTHONPATH), plus make
     coverage's variables while it measures, so that those processes are counted too."""
-    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": str(REPO)}
+    env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": WORKER_PYTHONPATH}
     env.update({name: os.environ[name] for name in ("COVERAGE_PROCESS_START", "COVERAGE_FILE")
                 if name in os.environ})
     return env
@@ -63,10 +68,12 @@ def backend(request) -> str:
     return request.param
 
 
-def run(argv, cwd, timeout: float = 240) -> subprocess.CompletedProcess:
+def run(argv, cwd, timeout: float = 240, gluoncv: bool = False) -> subprocess.CompletedProcess:
     """Run ``argv`` (a plain process or a launcher command line) with the test
-    environment: OMP_NUM_THREADS=1 and the checkout on PYTHONPATH."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    environment: OMP_NUM_THREADS=1 and the checkout on PYTHONPATH; SciPy and OpenCV
+    hidden unless the script runs ``gluoncv``, which needs them."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=FULL_PYTHONPATH if gluoncv else WORKER_PYTHONPATH)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -98,8 +105,21 @@ def _slow_parameter(value) -> bool:
     return isinstance(value, str) and value in _SLOW_PARAMETERS
 
 
+# ``make test`` runs two pytest processes side by side (pytest-xdist, ``--dist
+# loadgroup``): the suite's jobs spend a third of their time waiting (for a silence
+# limit, a stall report, a rate-limited link), so one alone leaves a core idle. Each test
+# file is one group, run whole by one of them, so that a module's shared job is launched
+# once; the files that build emulated hosts are one group together, since they share
+# the machine's namespaces, bridges and the ports they give the launchers.
+_HOST_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
+               "test_elastic.py", "test_node0_loss.py", "test_output.py",
+               "test_server_hosts.py"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group("hosts" if name in _HOST_FILES else name))
         callspec = getattr(item, "callspec", None)
         if item.path.name in _SLOW_FILES or item.get_closest_marker("spawns") or (
                 callspec is not None and any(

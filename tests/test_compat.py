@@ -23,7 +23,15 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, TRAINING_BACKENDS, assert_ok, launcher, run, worker_lines
+from conftest import (
+    REPO,
+    TRAINING_BACKENDS,
+    WORKER_PYTHONPATH,
+    assert_ok,
+    launcher,
+    run,
+    worker_lines,
+)
 
 WORKERS = REPO / "tests" / "workers"
 RECORD = WORKERS / "record_weights.py"
@@ -185,7 +193,7 @@ def test_horovod_style_module_script_trains(backend, tmp_path):
 def test_style_scripts_train_as_one_process(script, tmp_path):
     # the byteps shim on the path, as --compat byteps does for the workers
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(BYTEPS_SHIM), str(REPO)]))
+               PYTHONPATH=os.pathsep.join([str(BYTEPS_SHIM), WORKER_PYTHONPATH]))
     proc = subprocess.run([sys.executable, str(RECORD), str(tmp_path), str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert_ok(proc)

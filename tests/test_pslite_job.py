@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, assert_ok, launch, worker_lines
+from conftest import REPO, WORKER_PYTHONPATH, assert_ok, launch, worker_lines
 from dist_gluon.backends import pslite
 from dist_gluon.launch import jobenv
 
@@ -39,7 +39,7 @@ def _free_port() -> int:
 def _environment(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DMLC_", "DG_", "HOROVOD_", "OMPI_", "PMI_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **extra)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH, **extra)
     return env
 
 

@@ -237,7 +237,8 @@ def test_hybridize_works_on_one_process_and_raises_a_clear_error_on_several_work
 def reference(tmp_path_factory):
     """One plain process: nn.BatchNorm on the concatenation of the workers' batches."""
     out = tmp_path_factory.mktemp("reference")
-    assert_ok(run([sys.executable, str(WORKERS / "syncbn_cases.py"), str(out)], out))
+    assert_ok(run([sys.executable, str(WORKERS / "syncbn_cases.py"), str(out)], out,
+                  gluoncv=True))
     return out
 
 
@@ -247,7 +248,8 @@ def reference(tmp_path_factory):
 @pytest.fixture(scope="module", params=TRAINING_BACKENDS)
 def distributed(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
-    assert_ok(run(launcher(request.param, WORKERS / "syncbn_cases.py", out), out))
+    assert_ok(run(launcher(request.param, WORKERS / "syncbn_cases.py", out), out,
+                  gluoncv=True))
     return request.param, out
 
 
