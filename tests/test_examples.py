@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, worker_lines
+from conftest import FULL_PYTHONPATH, REPO, WORKER_PYTHONPATH, assert_ok, worker_lines
 
 EXAMPLES = REPO / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -26,7 +26,9 @@ def run(script: str, *args: str, backend: str | None, cwd, timeout: float = 240)
     if backend is not None:
         command = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
                    backend, "--", *command]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # the ImageNet example runs gluoncv, which needs SciPy and OpenCV (conftest.py)
+    path = FULL_PYTHONPATH if script.startswith("imagenet/") else WORKER_PYTHONPATH
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

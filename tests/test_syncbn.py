@@ -324,7 +324,8 @@ def test_the_imagenet_example_trains_with_syncbn_on_two_workers(tmp_path):
     proc = run(launcher("dist_sync", REPO / "examples" / "imagenet" / "train_imagenet.py",
                         "--synthetic", "--syncbn", "--model", "resnet18_v1b", "--input-size",
                         "32", "--num-classes", "10", "--batch-size", "4", "--epochs", "1",
-                        "--steps-per-epoch", "4", "--log-interval", "2"), tmp_path)
+                        "--steps-per-epoch", "4", "--log-interval", "2"), tmp_path,
+               gluoncv=True)
     assert_ok(proc)
     lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
     assert any("SyncBatchNorm: statistics over the samples of all 2 worker(s) x 1 device(s), "

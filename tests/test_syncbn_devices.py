@@ -13,15 +13,17 @@ import numpy as np
 import pytest
 
 import dist_gluon as dg
-from conftest import REPO, assert_ok, launcher
+from conftest import FULL_PYTHONPATH, REPO, WORKER_PYTHONPATH, assert_ok, launcher
 
 WORKER = REPO / "tests" / "workers" / "syncbn_devices.py"
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH,
            MXNET_CPU_TEMP_COPY="1024")
 
 
-def _run(argv, cwd, timeout=240):
-    return subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True,
+def _run(argv, cwd, timeout=240, gluoncv=False):
+    """``gluoncv``: the script runs gluoncv, which needs SciPy and OpenCV (conftest.py)."""
+    env = dict(ENV, PYTHONPATH=FULL_PYTHONPATH) if gluoncv else ENV
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -93,7 +95,7 @@ def test_the_imagenet_example_trains_with_syncbn_on_two_workers_of_two_devices(t
                          "--synthetic", "--syncbn", "--devices", "cpu:0,1", "--model",
                          "resnet18_v1b", "--input-size", "32", "--num-classes", "10",
                          "--batch-size", "4", "--epochs", "1", "--steps-per-epoch", "3",
-                         "--log-interval", "1"), tmp_path)
+                         "--log-interval", "1"), tmp_path, gluoncv=True)
     assert_ok(proc)
     lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] ")]
     assert any("SyncBatchNorm: statistics over the samples of all 2 worker(s) x 2 device(s)"
