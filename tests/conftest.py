@@ -44,7 +44,7 @@ def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
 
 def host_env() -> dict[str, str]:
     """The bare environment of a process a test starts on an emulated host, as a fresh
-    login would have it (the system's PATH, the checkout on PYTHONPATH), plus make
+    login would have it (the system's PATH, WORKER_PYTHONPATH), plus make
     coverage's variables while it measures, so that those processes are counted too."""
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "PYTHONPATH": WORKER_PYTHONPATH}
     env.update({name: os.environ[name] for name in ("COVERAGE_PROCESS_START", "COVERAGE_FILE")
