@@ -121,7 +121,7 @@ def pytest_collection_modifyitems(config, items):
         name = item.path.name
         item.add_marker(pytest.mark.xdist_group("hosts" if name in _HOST_FILES else name))
         callspec = getattr(item, "callspec", None)
-        if item.path.name in _SLOW_FILES or item.get_closest_marker("spawns") or (
+        if name in _SLOW_FILES or item.get_closest_marker("spawns") or (
                 callspec is not None and any(
                     _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)
