@@ -91,9 +91,17 @@ FULL = {
         "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 2, "rounds": 1},
     },
     "elastic_reps": 3,
+    "compress_rounds": 3,
 }
-# Part 3: the wire-bound setting, where compression can pay.
+# Part 3: the wire-bound setting, where compression can pay. Its steps are long and
+# their spread on 2 shared cores wide, so each model runs cfg["compress_rounds"] rounds
+# there, whatever its rounds elsewhere. Horovod over Gloo runs twice: with horovod's
+# default cycle (1 ms here), whose negotiation takes CPU from the compute on 2 cores,
+# and with 20 ms (FINDINGS.md 9c); the launcher leaves the cycle to the user.
 COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
+GLOO_SLOW_CYCLE = "horovod (Gloo, HOROVOD_CYCLE_TIME=20)"
+COMPRESS_EXTRA_VARIANTS = ((GLOO_SLOW_CYCLE, "horovod", "gloo"),)
+VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"}}
 # On ps-lite every trainer gets its own job: four VGG-16 trainers' keys on the servers of
 # one emulated cluster (2 workers and 2 servers sharing this machine) ran out of memory.
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
@@ -115,6 +123,7 @@ QUICK = {
         "vgg16": {"batch": 1, "image": 224, "warmup": 1, "steps": 1, "rounds": 1},
     },
     "elastic_reps": 1,
+    "compress_rounds": 1,
 }
 
 # (label, launcher backend, transport): the horovod MPI row runs only where horovod can
@@ -176,11 +185,11 @@ def worker_env() -> dict[str, str]:
 
 
 def run_job(cluster, backend: str, transport: str | None, argv: list[str],
-            timeout: float, workdir: Path, layout=None) -> dict:
+            timeout: float, workdir: Path, layout=None, env=None) -> dict:
     """Run ``argv`` (after the python executable) as one dist_gluon job with one worker
     on each host (``layout``: the (workers, servers) of hosts 0, 1, ... instead; the
-    other hosts stay idle); return rank 0's ``BENCH`` payload, or {'error': ...}, with
-    the job's wall time."""
+    other hosts stay idle; ``env``: variables added to every process's); return rank 0's
+    ``BENCH`` payload, or {'error': ...}, with the job's wall time."""
     port = str(next(_ports))
     logs = []
     procs = []
@@ -201,8 +210,8 @@ def run_job(cluster, backend: str, transport: str | None, argv: list[str],
         err = open(workdir / f"job{port}-node{host.index}.err", "w+")
         logs.append((out, err))
         # the job secret that lets only this job's launchers join it
-        env = dict(worker_env(), DG_JOB_SECRET=f"bench-{port}")
-        procs.append(cluster.popen(host.index, command, cwd=REPO, env=env,
+        host_env = dict(worker_env(), DG_JOB_SECRET=f"bench-{port}", **(env or {}))
+        procs.append(cluster.popen(host.index, command, cwd=REPO, env=host_env,
                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err))
     started = time.monotonic()
     deadline = started + timeout + 30
@@ -323,11 +332,11 @@ def run_comm(cluster, cfg, cases_path: Path, variants, timeout: float, workdir) 
 
 
 def run_train(cluster, cfg, models, variants, timeout: float, workdir,
-              jobs=None) -> dict:
+              jobs=None, rounds=None) -> dict:
     jobs = jobs or TRAIN_JOBS
     out = {}
     for model in models:
-        opts = cfg["models"][model]
+        opts = dict(cfg["models"][model], **({"rounds": rounds} if rounds else {}))
         args = ["--model", model, *itertools.chain.from_iterable(
             (f"--{k}", str(v)) for k, v in opts.items())]
         per_variant = {}
@@ -338,7 +347,8 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
             for impls in jobs[backend]:
                 payload = run_job(cluster, backend, transport,
                                   [str(HERE / "cluster" / "train.py"), *args,
-                                   "--impls", impls], timeout, workdir)
+                                   "--impls", impls], timeout, workdir,
+                                  env=VARIANT_ENV.get(label))
                 log(f"  training, {model}, {label} [{impls}]: {describe(payload)}")
                 if "error" in payload:
                     slot["errors"][impls] = payload["error"]
@@ -742,8 +752,11 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                                         workdir)
         if "compress" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
-            result["compress"] = run_train(cluster, cfg, COMPRESS["models"], variants,
-                                           timeout, workdir, jobs=COMPRESS_JOBS)
+            gloo = any(transport == "gloo" for _, _, transport in variants)
+            result["compress"] = run_train(
+                cluster, cfg, COMPRESS["models"],
+                (*variants, *(COMPRESS_EXTRA_VARIANTS if gloo else ())), timeout, workdir,
+                jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"])
         if "lm" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
             result["lm"] = run_lm(cluster, variants, timeout, workdir)
