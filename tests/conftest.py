@@ -25,6 +25,14 @@ FULL_PYTHONPATH = str(REPO)
 WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests" / "lean"), FULL_PYTHONPATH])
 
 
+def process_env(gluoncv: bool = False, **extra: str) -> dict[str, str]:
+    """The environment of a process a test starts: this one's, OMP_NUM_THREADS=1, the
+    checkout on PYTHONPATH with SciPy and OpenCV hidden unless it runs gluoncv (which
+    needs them), and ``extra``."""
+    return dict(os.environ, OMP_NUM_THREADS="1",
+                PYTHONPATH=FULL_PYTHONPATH if gluoncv else WORKER_PYTHONPATH, **extra)
+
+
 def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
            args=(), launcher_args=(), timeout: float = 180, env=None,
            name: str = "worker.py") -> subprocess.CompletedProcess:
@@ -34,8 +42,7 @@ def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
     (stdout and stderr as text)."""
     path = tmp_path / name
     path.write_text(textwrap.dedent(script))
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH)
-    full_env.update(env or {})
+    full_env = process_env(**(env or {}))
     argv = [sys.executable, "-m", "dist_gluon.launch", "-n", str(n), "--backend", backend,
             *launcher_args, "--", sys.executable, str(path), *args]
     return subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True,
@@ -72,10 +79,8 @@ def run(argv, cwd, timeout: float = 240, gluoncv: bool = False) -> subprocess.Co
     """Run ``argv`` (a plain process or a launcher command line) with the test
     environment: OMP_NUM_THREADS=1 and the checkout on PYTHONPATH; SciPy and OpenCV
     hidden unless the script runs ``gluoncv``, which needs them."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=FULL_PYTHONPATH if gluoncv else WORKER_PYTHONPATH)
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(argv, cwd=cwd, env=process_env(gluoncv), capture_output=True,
+                          text=True, timeout=timeout)
 
 
 def launcher(backend: str, script, *args, n: int = 2) -> list[str]:

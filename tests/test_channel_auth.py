@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import WORKER_PYTHONPATH, assert_ok, launch, worker_lines
+from conftest import assert_ok, launch, process_env, worker_lines
 from dist_gluon.launch import channel, secret
 from dist_gluon.launch.rendezvous import GlooRendezvous
 
@@ -100,7 +100,7 @@ def _capture_hello(secret_text: str) -> bytes:
     argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(fake.getsockname()[1]),
             "-n", "1", "--backend", "dist_sync", "--", "true"]
-    env = dict(os.environ, PYTHONPATH=WORKER_PYTHONPATH, **{secret.ENV: secret_text})
+    env = process_env(**{secret.ENV: secret_text})
     launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
@@ -246,19 +246,18 @@ def test_node_0_listens_on_the_master_address_when_it_is_its_own():
 
 # ---------------------------------------------------------------------- the secret
 def test_a_job_of_several_nodes_without_a_secret_is_a_usage_error(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != secret.ENV}
+    env = process_env()
+    env.pop(secret.ENV, None)
     argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank", "1",
             "--master-addr", "127.0.0.1", "-n", "1", "--", "true"]
-    proc = subprocess.run(argv, env=dict(env, PYTHONPATH=WORKER_PYTHONPATH), capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "a job of 2 nodes needs a job secret" in proc.stderr
     assert "export DG_JOB_SECRET=$(python -c 'import secrets; print(secrets.token_hex(32))')" \
         in proc.stderr
     missing = tmp_path / "missing"
     proc = subprocess.run(argv[:-2] + ["--job-secret-file", str(missing), "--", "true"],
-                          env=dict(env, PYTHONPATH=WORKER_PYTHONPATH), capture_output=True,
-                          text=True, timeout=60)
+                          env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"cannot read --job-secret-file {str(missing)!r}" in proc.stderr
 
@@ -329,8 +328,7 @@ def _node_launcher(rank: int, port: int, script, cwd, job_secret: str, *extra):
     argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank",
             str(rank), "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
             "--backend", "dist_sync", *extra, "--", sys.executable, str(script)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH,
-               **{secret.ENV: job_secret})
+    env = process_env(**{secret.ENV: job_secret})
     return subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

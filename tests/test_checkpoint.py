@@ -22,7 +22,7 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 import dist_gluon.checkpoint
 import dist_gluon.trainer
-from conftest import REPO, TRAINING_BACKENDS, WORKER_PYTHONPATH, assert_ok, worker_lines
+from conftest import REPO, TRAINING_BACKENDS, assert_ok, process_env, worker_lines
 from dist_gluon.checkpoint import FORMAT, FORMAT_VERSION, Checkpointer, CheckpointError
 
 WORKERS = REPO / "tests" / "workers"
@@ -33,8 +33,7 @@ FILES = ("params.npz", "trainer.states", "state.pkl", "meta.json")
 
 
 def _run(argv, cwd, timeout=180):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH)
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run(argv, cwd=cwd, env=process_env(), capture_output=True, text=True,
                           timeout=timeout)
 
 

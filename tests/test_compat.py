@@ -26,9 +26,9 @@ import pytest
 from conftest import (
     REPO,
     TRAINING_BACKENDS,
-    WORKER_PYTHONPATH,
     assert_ok,
     launcher,
+    process_env,
     run,
     worker_lines,
 )
@@ -192,8 +192,8 @@ def test_horovod_style_module_script_trains(backend, tmp_path):
 @pytest.mark.parametrize("script", [BYTEPS_SCRIPT, HOROVOD_SCRIPT], ids=["byteps", "horovod"])
 def test_style_scripts_train_as_one_process(script, tmp_path):
     # the byteps shim on the path, as --compat byteps does for the workers
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(BYTEPS_SHIM), WORKER_PYTHONPATH]))
+    env = process_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(BYTEPS_SHIM), env["PYTHONPATH"]])
     proc = subprocess.run([sys.executable, str(RECORD), str(tmp_path), str(script)],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert_ok(proc)

@@ -21,7 +21,7 @@ import pytest
 from test_elastic import assert_replayed
 
 import dist_gluon as dg
-from conftest import REPO, WORKER_PYTHONPATH, assert_ok, launch, worker_lines
+from conftest import REPO, assert_ok, launch, process_env, worker_lines
 from dist_gluon import jobcontrol
 from dist_gluon.data import ShardSampler
 from test_launch import _marker_env, assert_nothing_left
@@ -42,8 +42,8 @@ def _run_with_record(tmp_path, script: str, env: dict) -> tuple[dict, subprocess
     control.mkdir()
     jobcontrol.create_record(str(control), 0)
     (tmp_path / "script.py").write_text(textwrap.dedent(script))
-    full_env = dict(os.environ, PYTHONPATH=WORKER_PYTHONPATH, OMP_NUM_THREADS="1",
-                    DG_CONTROL_DIR=str(control), DG_RANK="0", DG_NUM_WORKERS="1", **env)
+    full_env = process_env(**{"DG_CONTROL_DIR": str(control), "DG_RANK": "0",
+                              "DG_NUM_WORKERS": "1", **env})
     for name in ("DG_ELASTIC", "DG_RESTART", "DG_REFORMATION"):
         if name not in env:
             full_env.pop(name, None)
@@ -310,8 +310,7 @@ def test_the_mnist_example_stops_at_a_request_and_resumes_inside_the_epoch_on_on
     assert not any(line.startswith("summary:") for line in lines)
 
     resumed = subprocess.run([sys.executable, str(example), *common], cwd=tmp_path,
-                             env=dict(os.environ, PYTHONPATH=WORKER_PYTHONPATH,
-                                      OMP_NUM_THREADS="1"),
+                             env=process_env(),
                              capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     lines = resumed.stdout.splitlines()
@@ -331,7 +330,7 @@ def test_a_one_node_elastic_job_checkpoints_at_sigterm_and_resumes_there_on_fewe
     on one worker resumes there and ends at the weights of that schedule in NumPy."""
     script = REPO / "tests" / "workers" / "elastic_train.py"
     marker = _marker_env()
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH, **marker)
+    env = process_env(**marker)
 
     def start(n):
         return subprocess.Popen(

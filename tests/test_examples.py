@@ -6,7 +6,6 @@ another."""
 from __future__ import annotations
 
 import gzip
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FULL_PYTHONPATH, REPO, WORKER_PYTHONPATH, assert_ok, worker_lines
+from conftest import REPO, assert_ok, process_env, worker_lines
 
 EXAMPLES = REPO / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -27,8 +26,7 @@ def run(script: str, *args: str, backend: str | None, cwd, timeout: float = 240)
         command = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend",
                    backend, "--", *command]
     # the ImageNet example runs gluoncv, which needs SciPy and OpenCV (conftest.py)
-    path = FULL_PYTHONPATH if script.startswith("imagenet/") else WORKER_PYTHONPATH
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env = process_env(gluoncv=script.startswith("imagenet/"))
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORKER_PYTHONPATH, launch, worker_lines
+from conftest import launch, process_env, worker_lines
 from dist_gluon import launch as launch_module
 
 FAILURE_DEADLINE = 15.0   # seconds from a worker's failure to the launcher's exit
@@ -64,7 +64,7 @@ def _launcher_argv(path: Path, backend: str, n: int = 2, launcher_args=(), args=
 
 
 def _launcher_env(env: dict) -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH, **env)
+    return process_env(**env)
 
 
 def _report(proc) -> str:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, WORKER_PYTHONPATH, host_env
+from conftest import REPO, host_env, process_env
 
 # every test launches a job of its own
 pytestmark = pytest.mark.spawns
@@ -41,11 +41,10 @@ with open(f"done{kv.rank}", "w") as f:
 
 def _start(tmp_path):
     (tmp_path / "chatty.py").write_text(textwrap.dedent(CHATTY))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH)
     return subprocess.Popen([sys.executable, "-m", "dist_gluon.launch", "-n", "2",
                              "--backend", "horovod", "--transport", "gloo", "--",
                              sys.executable, str(tmp_path / "chatty.py")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            cwd=tmp_path, env=process_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
 
 
@@ -132,8 +131,7 @@ def test_a_worker_does_not_wait_forever_for_a_wedged_launcher(tmp_path):
             f.write(str(os.getpid()))
         time.sleep(2)        # the test stops the launcher meanwhile
     """))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH,
-               DG_LAUNCHER_SILENCE="3")
+    env = process_env(DG_LAUNCHER_SILENCE="3")
     proc = subprocess.Popen([sys.executable, "-m", "dist_gluon.launch", "-n", "2",
                              "--backend", "horovod", "--transport", "gloo", "--",
                              sys.executable, str(script)], cwd=tmp_path, env=env,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from conftest import REPO, WORKER_PYTHONPATH, assert_ok, launch, worker_lines
+from conftest import REPO, assert_ok, launch, process_env, worker_lines
 from dist_gluon.backends import pslite
 from dist_gluon.launch import jobenv
 
@@ -37,9 +37,8 @@ def _free_port() -> int:
 
 
 def _environment(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("DMLC_", "DG_", "HOROVOD_", "OMPI_", "PMI_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH, **extra)
+    env = {k: v for k, v in process_env(**extra).items()
+           if k in extra or not k.startswith(("DMLC_", "DG_", "HOROVOD_", "OMPI_", "PMI_"))}
     return env
 
 

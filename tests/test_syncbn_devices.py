@@ -4,7 +4,6 @@ nn.BatchNorm on the whole batch. CPU contexts stand in for GPUs (MXNET_CPU_TEMP_
 set as dist_gluon.syncbn asks)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -13,16 +12,12 @@ import numpy as np
 import pytest
 
 import dist_gluon as dg
-from conftest import FULL_PYTHONPATH, REPO, WORKER_PYTHONPATH, assert_ok, launcher
+from conftest import REPO, assert_ok, launcher, process_env
 
 WORKER = REPO / "tests" / "workers" / "syncbn_devices.py"
-ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH,
-           MXNET_CPU_TEMP_COPY="1024")
-
-
 def _run(argv, cwd, timeout=240, gluoncv=False):
     """``gluoncv``: the script runs gluoncv, which needs SciPy and OpenCV (conftest.py)."""
-    env = dict(ENV, PYTHONPATH=FULL_PYTHONPATH) if gluoncv else ENV
+    env = process_env(gluoncv, MXNET_CPU_TEMP_COPY="1024")
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
