@@ -37,9 +37,8 @@ def _free_port() -> int:
 
 
 def _environment(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in process_env(**extra).items()
-           if k in extra or not k.startswith(("DMLC_", "DG_", "HOROVOD_", "OMPI_", "PMI_"))}
-    return env
+    return {k: v for k, v in process_env(**extra).items()
+            if k in extra or not k.startswith(("DMLC_", "DG_", "HOROVOD_", "OMPI_", "PMI_"))}
 
 
 def _start(role: str, job: dict[str, str], argv: list[str], **extra) -> subprocess.Popen:

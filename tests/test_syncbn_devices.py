@@ -15,6 +15,8 @@ import dist_gluon as dg
 from conftest import REPO, assert_ok, launcher, process_env
 
 WORKER = REPO / "tests" / "workers" / "syncbn_devices.py"
+
+
 def _run(argv, cwd, timeout=240, gluoncv=False):
     """``gluoncv``: the script runs gluoncv, which needs SciPy and OpenCV (conftest.py)."""
     env = process_env(gluoncv, MXNET_CPU_TEMP_COPY="1024")

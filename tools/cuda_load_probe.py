@@ -15,28 +15,20 @@ from __future__ import annotations
 import argparse
 import ctypes
 import mmap
-import struct
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import FATBIN_MAGIC  # noqa: E402
+from gpu_check import fat_binaries  # noqa: E402
 
 
-def fat_binaries(library: Path) -> list[bytes]:
-    """The fat binaries embedded in a library, each with its 16-byte header."""
-    found = []
+def first_fat_binary(library: Path, low: int = 2**20, high: int = 4 * 2**20) -> bytes:
+    """The first fat binary embedded in ``library`` whose size is in [low, high]."""
     with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        pos = data.find(FATBIN_MAGIC)
-        while pos >= 0:
-            _, header, size = struct.unpack_from("<HHQ", data, pos + 4)
-            end = pos + header + size
-            if header != 16 or end > len(data):
-                pos = data.find(FATBIN_MAGIC, pos + 4)
-                continue
-            found.append(data[pos:end])
-            pos = data.find(FATBIN_MAGIC, end)
-    return found
+        for start, end in fat_binaries(data):
+            if low <= end - start <= high:
+                return data[start:end]
+    raise SystemExit(f"{library} holds no fat binary of {low}-{high} bytes")
 
 
 def main() -> int:
@@ -46,8 +38,8 @@ def main() -> int:
     args = parser.parse_args()
     images = [(str(path), path.read_bytes()) for path in args.fatbins]
     if args.from_library:
-        blob = next(b for b in fat_binaries(args.from_library) if 2**20 <= len(b) <= 4 * 2**20)
-        images.append((f"a fat binary of {args.from_library.name}", blob))
+        images.append((f"a fat binary of {args.from_library.name}",
+                       first_fat_binary(args.from_library)))
     cuda = ctypes.CDLL("libcuda.so.1")
 
     def name(code: int) -> str:

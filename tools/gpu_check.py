@@ -35,6 +35,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,30 +66,36 @@ FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 FATBIN_SASS, FATBIN_PTX = 2, 1
 
 
+def fat_binaries(data) -> Iterator[tuple[int, int]]:
+    """Where the fat binaries embedded in a library's bytes (an mmap) start and end, each
+    with its header: 0xBA55ED50, a version, the header's size (16) and the payload's."""
+    pos = data.find(FATBIN_MAGIC)
+    while pos >= 0:
+        _, header, size = struct.unpack_from("<HHQ", data, pos + 4)
+        end = pos + header + size
+        if header != 16 or end > len(data):  # the magic's bytes by chance, not a header
+            pos = data.find(FATBIN_MAGIC, pos + 4)
+            continue
+        yield pos, end
+        pos = data.find(FATBIN_MAGIC, end)
+
+
 def kernel_archs(library: Path) -> tuple[set[int], set[int]]:
     """The architectures a CUDA library carries machine code (SASS) and PTX for, e.g. 86.
 
-    Reads the headers of the fat binaries embedded in it: each starts with 0xBA55ED50, a
-    version and its header and payload sizes, then entries whose headers give the entry's
-    kind (1 PTX, 2 machine code) and its architecture at byte 28.
+    Reads the headers of the entries of its fat binaries: each gives the entry's kind (1
+    PTX, 2 machine code), header and payload sizes, and its architecture at byte 28.
     """
     sass: set[int] = set()
     ptx: set[int] = set()
     with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        pos = data.find(FATBIN_MAGIC)
-        while pos >= 0:
-            _, header, size = struct.unpack_from("<HHQ", data, pos + 4)
-            end = pos + header + size
-            if header != 16 or end > len(data):  # the magic's bytes by chance, not a header
-                pos = data.find(FATBIN_MAGIC, pos + 4)
-                continue
-            entry = pos + header
+        for start, end in fat_binaries(data):
+            entry = start + 16
             while entry + 32 <= end:
                 kind, _, entry_header, payload = struct.unpack_from("<HHII", data, entry)
                 arch = struct.unpack_from("<I", data, entry + 28)[0]
                 {FATBIN_SASS: sass, FATBIN_PTX: ptx}.get(kind, set()).add(arch)
                 entry += entry_header + payload
-            pos = data.find(FATBIN_MAGIC, end)
     return sass, ptx
 
 
@@ -184,11 +191,11 @@ def main() -> int:
     library = site_packages() / "mxnet" / "libmxnet.so"
     if library.exists():
         sass, ptx = kernel_archs(library)
-        unfit = sorted({cc for cc in compute_capabilities() if not runs_on(cc, sass, ptx)})
+        unfit = {cc for cc in compute_capabilities() if not runs_on(cc, sass, ptx)}
         if unfit:
             print(f"gpu-check: NOT CHECKED. {package} has GPU kernels for compute capability "
                   f"{listed(sass)} (PTX: {listed(ptx)}); this machine's GPUs are "
-                  f"{listed(set(unfit))}, which cannot load them (MXNet 1.9.1's builds "
+                  f"{listed(unfit)}, which cannot load them (MXNet 1.9.1's builds "
                   "predate CUDA's support for Hopper). Set MXNET_GPU_PACKAGE to a wheel of "
                   "MXNet built for this architecture (from source, with CUDA_ARCH including "
                   "it) to check here.")
