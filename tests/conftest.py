@@ -121,6 +121,9 @@ _HOST_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_server_hosts.py"}
 
 
+# tryfirst: pytest-xdist's own hook reads the groups from these marks, so they must be
+# there before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
@@ -130,6 +133,22 @@ def pytest_collection_modifyitems(config, items):
                 callspec is not None and any(
                     _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """In a pytest-xdist process of ``--dist loadgroup``, every test must carry its group
+    in its id: otherwise the tests of one file are spread over both processes and each
+    launches the file's shared jobs again (as with pytest 9 and pytest-xdist 3.8, whose
+    renaming pytest 9 ignores), silently doubling the suite's slowest parts."""
+    config = session.config
+    if not (hasattr(config, "workerinput") and config.getvalue("loadgroup")):
+        return
+    ungrouped = [item.nodeid for item in session.items if "@" not in item.nodeid]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup did not group {len(ungrouped)} tests (e.g. "
+            f"{ungrouped[0]}; pytest {pytest.__version__}): install the versions "
+            "constraints.txt pins (make setup does), or run with TEST_PROCESSES=1")
 
 
 _FILE_SECONDS: dict[str, float] = {}

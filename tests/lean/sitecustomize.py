@@ -1,10 +1,28 @@
 """Put first on PYTHONPATH (``conftest.WORKER_PYTHONPATH``) for the processes the tests
-start: they import MXNet without SciPy and OpenCV, as in an environment without the
-examples' extra. ``make setup`` installs gluoncv for the examples, and gluoncv brings
-both; MXNet 1.9 imports them whenever they are installed (quantization, test_utils,
-sparse, image), which costs each process about 1 s of CPU of its 3 s start on this
-machine. dist_gluon uses neither; MXNet treats both as optional. The tests that run
-gluoncv (the examples, SyncBatchNorm's gluoncv cases) keep the full environment."""
+start, to make their start cheap; what they compute is unchanged. Importing MXNet costs
+such a process most of its CPU, and the suite starts about 400 of them. Three things
+here take about 2 s of CPU off each (measured: a worker that imports MXNet and
+dist_gluon and runs a hybridized layer, 3.0 s -> 0.8 s of CPU on this machine):
+
+- **No SciPy, no OpenCV.** ``make setup`` installs gluoncv for the examples, and gluoncv
+  brings both; MXNet 1.9 imports them whenever they are installed (quantization,
+  test_utils, sparse, image), as in an environment without the examples' extra.
+  dist_gluon uses neither; MXNet treats both as optional. The tests that run gluoncv
+  (the examples, SyncBatchNorm's gluoncv cases) keep the full environment.
+- **MXNet's operator functions made on first use.** At import MXNet writes and compiles a
+  Python function for each of its ~2,300 operators, under mxnet.ndarray, mxnet.symbol
+  and their numpy namespaces, although a worker calls a few dozen. Here each name is
+  bound at import to a small function that, when first called, asks MXNet's own
+  ``make_op_func`` for the real one and then forwards to it: the same code runs, built
+  later. Until then the docstring is a one-line stand-in.
+- **requests loaded on first use** (``importlib.util.LazyLoader``): mxnet.gluon.utils
+  imports it for its downloads, which the tests never make.
+
+``DG_TESTS_EAGER_IMPORT=1`` in the test's environment keeps only the first (MXNet's
+import as users have it, e.g. to rule this out when a test fails).
+"""
+import importlib.util
+import os
 import sys
 
 _HIDDEN = ("scipy", "cv2")
@@ -20,4 +38,70 @@ class _Hidden:
         return None
 
 
+def _on_first_call(make_op_func):
+    """MXNet's ``make_op_func(handle, name, func_name)``, deferred to the first call."""
+    def make(handle, name, func_name):
+        real = None
+
+        def operator(*args, **kwargs):
+            nonlocal real
+            if real is None:
+                real = make_op_func(handle, name, func_name)
+            return real(*args, **kwargs)
+        operator.__name__ = func_name
+        operator.__doc__ = f"MXNet's operator {name} (made on first use by tests/lean)."
+        return operator
+    return make
+
+
+class _Deferred:
+    """A finder that loads requests lazily and, once mxnet.base has run, wraps its two
+    operator registrations so that they bind deferred functions."""
+
+    _NAMES = ("mxnet.base", "requests")
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self._NAMES:
+            return None
+        sys.meta_path.remove(self)      # find the real module with the other finders
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        if name == "requests":
+            spec.loader = importlib.util.LazyLoader(spec.loader)
+        else:
+            spec.loader = _PatchedBase(spec.loader)
+        return spec
+
+
+class _PatchedBase:
+    """Runs mxnet.base, then wraps ``_init_op_module`` and ``_init_np_op_module`` (the
+    modules that register operators import them from mxnet.base afterwards)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        init_op, init_np_op = module._init_op_module, module._init_np_op_module
+
+        def _init_op_module(root_namespace, module_name, make_op_func):
+            init_op(root_namespace, module_name, _on_first_call(make_op_func))
+
+        def _init_np_op_module(root_module_name, np_module_name, mx_module_name,
+                               make_op_func):
+            init_np_op(root_module_name, np_module_name, mx_module_name,
+                       _on_first_call(make_op_func))
+        module._init_op_module = _init_op_module
+        module._init_np_op_module = _init_np_op_module
+
+
 sys.meta_path.insert(0, _Hidden())
+if os.environ.get("DG_TESTS_EAGER_IMPORT") != "1":
+    sys.meta_path.insert(0, _Deferred())
