@@ -265,6 +265,33 @@ def lm_epochs(lines: list[str]) -> list[dict[str, str]]:
             for line in lines if line.startswith("epoch ") and "val_ppl=" in line]
 
 
+def test_the_language_models_corpus_is_read_once_then_comes_from_its_cache(tmp_path,
+                                                                           monkeypatch):
+    """The text is extracted from the library on the first run only; the cache gives the
+    same corpus, and a cache file cut short is read again from the library."""
+    monkeypatch.syspath_prepend(str(EXAMPLES / "language_model"))
+    import corpus
+    monkeypatch.setenv("DG_CORPUS_CACHE", str(tmp_path))
+    texts = [("topic:b", "Two words. And three more!\n\nA new paragraph"),
+             ("module:a.py", "One sentence here. Another one")]
+    reads = []
+
+    def documents():
+        reads.append(1)
+        yield from texts
+    monkeypatch.setattr(corpus, "_documents", documents)
+    first = corpus.load_corpus(val_fraction=0.3)
+    second = corpus.load_corpus(val_fraction=0.3)
+    assert len(reads) == 1
+    [cached] = tmp_path.glob("lm-corpus-*.json.gz")
+    assert first.vocab == second.vocab and np.array_equal(first.val, second.val)
+    assert [list(d) for d in first.train_documents] == \
+        [list(d) for d in second.train_documents]
+    cached.write_bytes(cached.read_bytes()[:20])
+    assert corpus.load_corpus(val_fraction=0.3).vocab == first.vocab
+    assert len(reads) == 2
+
+
 def test_language_model_perplexity_falls_on_horovod_and_resumes_exactly_on_dist_sync(
         tmp_path):
     """2 workers through the launcher train on the text shipped with Python and the

@@ -26,6 +26,13 @@ Split: the documents, sorted by name, are shuffled with seed 0; documents are mo
 the validation set, in that order, until it holds ``val_fraction`` of the words; the
 rest, in the same order, is the training set. The same on every worker.
 
+Reading: extracting the docstrings and comments parses every module (about 10 s), so the
+documents are kept in a cache file, ``lm-corpus-<python version>-<key>.json.gz`` under
+``$DG_CORPUS_CACHE`` (default ``~/.cache/dist_gluon``): later runs read them in a
+fraction of a second. The key covers this file and the Python build and library read,
+so a change to either reads the text again. Without a writable cache directory every
+run reads the text.
+
 Vocabulary: ``<unk>``, ``<eos>``, then every word seen at least ``min_count`` times in
 the training set, the most frequent first (ties alphabetically). Other words, in either
 set, become ``<unk>``.
@@ -34,12 +41,18 @@ from __future__ import annotations
 
 import ast
 import collections
+import gzip
+import hashlib
+import json
 import os
 import platform
 import re
+import sys
 import sysconfig
+import tempfile
 import tokenize
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -90,7 +103,7 @@ def load_corpus(val_fraction: float = 0.05, min_count: int = 1) -> Corpus:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     if min_count < 1:
         raise ValueError(f"min_count must be at least 1, got {min_count}")
-    documents = sorted(_documents())
+    documents = _read_documents()
     tokenised = [(name, tokenise(text)) for name, text in documents]
     tokenised = [(name, words) for name, words in tokenised if words]
     order = np.random.RandomState(0).permutation(len(tokenised))
@@ -131,6 +144,34 @@ def tokenise(text: str) -> list[str]:
             words.extend(found)
             words.append(EOS)
     return words
+
+
+def _read_documents() -> list[tuple[str, str]]:
+    """(name, text) of every document, sorted by name: from the cache file when it holds
+    this Python's, otherwise read and then written there for the next run."""
+    root = sysconfig.get_paths()["stdlib"]
+    key = hashlib.sha256(b"\0".join([Path(__file__).read_bytes(), sys.version.encode(),
+                                      root.encode()])).hexdigest()[:16]
+    cache = Path(os.environ.get("DG_CORPUS_CACHE")
+                 or Path.home() / ".cache" / "dist_gluon")
+    path = cache / f"lm-corpus-{platform.python_version()}-{key}.json.gz"
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [(name, text) for name, text in json.load(f)]
+    except (OSError, EOFError, ValueError):     # no cache yet, or one cut short
+        pass
+    documents = sorted(_documents())
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        # written aside and renamed: workers reading at the same time see all or nothing
+        with tempfile.NamedTemporaryFile(dir=cache, suffix=".tmp", delete=False) as tmp:
+            with gzip.open(tmp, "wt", encoding="utf-8") as f:
+                json.dump(documents, f)
+        os.chmod(tmp.name, 0o644)
+        os.replace(tmp.name, path)
+    except OSError:
+        pass                            # a read-only home: read the text every run
+    return documents
 
 
 def _documents():
