@@ -111,7 +111,8 @@ test-fast: setup
 # Line coverage of dist_gluon over the whole suite (PYTEST_ARGS narrows it), counting the
 # code run in every process the tests start: a .pth file in the environment starts
 # coverage in each new Python process while COVERAGE_PROCESS_START is set (and is removed
-# afterwards); the processes' data files are combined into one report. Target: 90%.
+# afterwards; the launcher passes it to other hosts and to mpirun's ranks); the processes'
+# data files, the two pytest processes' included, are combined into one report. Target: 90%.
 COVERAGE_PTH = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
 	2>/dev/null)/dist_gluon_coverage.pth
 coverage: setup
@@ -119,7 +120,7 @@ coverage: setup
 	echo 'import os; os.environ.get("COVERAGE_PROCESS_START") and __import__("coverage").process_startup()' \
 		> $(COVERAGE_PTH)
 	COVERAGE_PROCESS_START=$(CURDIR)/pyproject.toml COVERAGE_FILE=$(CURDIR)/.coverage \
-		$(PY) -m pytest -q tests $(PYTEST_ARGS); status=$$?; \
+		$(PY) -m pytest -q $(PYTEST_PARALLEL) tests $(PYTEST_ARGS); status=$$?; \
 	rm -f $(COVERAGE_PTH); \
 	$(PY) -m coverage combine -q --rcfile=pyproject.toml && \
 	$(PY) -m coverage report --rcfile=pyproject.toml; \

@@ -57,7 +57,9 @@ LOST_GRACE = 1.0        # seconds a rank's process may be gone before its exit f
 # the variables named with -x); per-node values (DG_NODE_RANK, DG_CONTROL_DIR) are set
 # by the shim.
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
-_FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PYTHON", "OMP_", "KMP_")
+# COVERAGE_: coverage.py's process start-up (COVERAGE_PROCESS_START), so that a
+# measured job is measured on every host and under mpirun too
+_FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PYTHON", "OMP_", "KMP_", "COVERAGE_")
 # Left by an enclosing horovodrun or Gloo job; they would override MPI in the ranks.
 _STALE = re.compile(r"^HOROVOD_(GLOO_|RANK$|SIZE$|LOCAL_|CROSS_|HOSTNAME$)")
 

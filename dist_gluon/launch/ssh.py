@@ -17,7 +17,9 @@ PARENT_ENV = "DG_LAUNCHED_BY"
 # What a node launcher needs from this environment on the other hosts (ssh gives a
 # bare one); the job's own settings travel too.
 _FORWARD = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
-_FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PS_", "PYTHON", "OMP_", "KMP_")
+# COVERAGE_: coverage.py's process start-up (COVERAGE_PROCESS_START), so that a
+# measured job is measured on every host too
+_FORWARD_PREFIXES = ("DG_", "MXNET_", "HOROVOD_", "PS_", "PYTHON", "OMP_", "KMP_", "COVERAGE_")
 _NOT_FORWARDED = {"DG_RANK", "DG_LOCAL_RANK", "DG_NUM_WORKERS", "DG_NODE_RANK",
                   "DG_NNODES", "DG_BACKEND", "DG_RESTART", "DG_REFORMATION",
                   "DG_CONTROL_DIR", PARENT_ENV,
