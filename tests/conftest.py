@@ -18,19 +18,21 @@ DISTRIBUTED_BACKENDS = ("horovod", "dist_sync", "p3")
 # of the trainer's exact training step (test_trainer.py), of compression, of threads and
 # of part of the fault matrix, and behaviours built on those run on these two.
 TRAINING_BACKENDS = ("horovod", "dist_sync")
-# PYTHONPATH of the processes the tests start: the checkout, after tests/lean, which
-# hides SciPy and OpenCV from them (see tests/lean/sitecustomize.py: 1 s of CPU a
-# process). FULL_PYTHONPATH keeps them, for the scripts that run gluoncv.
-FULL_PYTHONPATH = str(REPO)
-WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests" / "lean"), FULL_PYTHONPATH])
+# PYTHONPATH of the processes the tests start: the checkout, after tests/lean, whose
+# sitecustomize makes their start cheap (tests/lean/sitecustomize.py: it hides SciPy and
+# OpenCV, except from the scripts that run gluoncv, and MXNet makes its operator
+# functions on first use).
+WORKER_PYTHONPATH = os.pathsep.join([str(REPO / "tests" / "lean"), str(REPO)])
 
 
 def process_env(gluoncv: bool = False, **extra: str) -> dict[str, str]:
     """The environment of a process a test starts: this one's, OMP_NUM_THREADS=1, the
-    checkout on PYTHONPATH with SciPy and OpenCV hidden unless it runs gluoncv (which
-    needs them), and ``extra``."""
-    return dict(os.environ, OMP_NUM_THREADS="1",
-                PYTHONPATH=FULL_PYTHONPATH if gluoncv else WORKER_PYTHONPATH, **extra)
+    checkout on PYTHONPATH after tests/lean, SciPy and OpenCV hidden unless it runs
+    gluoncv (which needs them), and ``extra``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=WORKER_PYTHONPATH, **extra)
+    if gluoncv:
+        env["DG_TESTS_WITH_SCIPY"] = "1"
+    return env
 
 
 def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
@@ -121,18 +123,46 @@ _HOST_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_server_hosts.py"}
 
 
+# The groups handed out first, the longest first (the seconds per file that every run
+# prints at its end, 2026-11-26): the two processes end together when no long group is
+# left for the end. The other groups follow, those with the most tests first (what
+# pytest-xdist itself would do with them).
+_LONG_GROUPS = ("hosts", "test_examples.py", "test_compat.py", "test_faults.py",
+                "test_syncbn.py", "test_async.py", "test_threads.py")
+
+
+def _group(item) -> str:
+    name = item.path.name
+    return "hosts" if name in _HOST_FILES else name
+
+
+def pytest_configure(config):
+    # the order of the groups is the one pytest_collection_modifyitems gives the tests
+    config.option.loadscopereorder = False
+
+
 # tryfirst: pytest-xdist's own hook reads the groups from these marks, so they must be
 # there before it runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
-        item.add_marker(pytest.mark.xdist_group("hosts" if name in _HOST_FILES else name))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
         callspec = getattr(item, "callspec", None)
         if name in _SLOW_FILES or item.get_closest_marker("spawns") or (
                 callspec is not None and any(
                     _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
+
+    def rank(item):
+        group = _group(item)
+        if group in _LONG_GROUPS:
+            return (0, _LONG_GROUPS.index(group), "")
+        return (1, -sizes[group], group)
+    items.sort(key=rank)        # stable: each group's tests keep their order
 
 
 def pytest_collection_finish(session):

@@ -8,7 +8,8 @@ dist_gluon and runs a hybridized layer, 3.0 s -> 0.8 s of CPU on this machine):
   brings both; MXNet 1.9 imports them whenever they are installed (quantization,
   test_utils, sparse, image), as in an environment without the examples' extra.
   dist_gluon uses neither; MXNet treats both as optional. The tests that run gluoncv
-  (the examples, SyncBatchNorm's gluoncv cases) keep the full environment.
+  (the examples, SyncBatchNorm's gluoncv cases) keep both: ``conftest.process_env(
+  gluoncv=True)`` sets ``DG_TESTS_WITH_SCIPY=1``.
 - **MXNet's operator functions made on first use.** At import MXNet writes and compiles a
   Python function for each of its ~2,300 operators, under mxnet.ndarray, mxnet.symbol
   and their numpy namespaces, although a worker calls a few dozen. Here each name is
@@ -18,8 +19,8 @@ dist_gluon and runs a hybridized layer, 3.0 s -> 0.8 s of CPU on this machine):
 - **requests loaded on first use** (``importlib.util.LazyLoader``): mxnet.gluon.utils
   imports it for its downloads, which the tests never make.
 
-``DG_TESTS_EAGER_IMPORT=1`` in the test's environment keeps only the first (MXNet's
-import as users have it, e.g. to rule this out when a test fails).
+``DG_TESTS_EAGER_IMPORT=1`` in the test's environment leaves out the other two (MXNet's
+import as users have it, e.g. to rule them out when a test fails).
 """
 import importlib.util
 import os
@@ -102,6 +103,7 @@ class _PatchedBase:
         module._init_np_op_module = _init_np_op_module
 
 
-sys.meta_path.insert(0, _Hidden())
+if os.environ.get("DG_TESTS_WITH_SCIPY") != "1":
+    sys.meta_path.insert(0, _Hidden())
 if os.environ.get("DG_TESTS_EAGER_IMPORT") != "1":
     sys.meta_path.insert(0, _Deferred())
