@@ -6,6 +6,7 @@ over Gloo and MPI, dist_sync and p3."""
 import json
 import shutil
 import sys
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -42,7 +43,15 @@ def job(request, tmp_path_factory):
     if transport == "mpi" and (shutil.which("mpirun") is None or not _mpi_built()):
         pytest.skip("horovod over MPI needs mpirun and horovod built with MPI (make setup)")
     out = tmp_path_factory.mktemp(backend)
-    assert_ok(run(_job(backend, "dg", out, transport), out))
+    proc = run(_job(backend, "dg", out, transport), out)
+    if backend == "p3" and proc.returncode != 0 and "Segmentation fault" in proc.stderr:
+        # MXNet 1.9's P3 kvstore now and then segfaults while it creates keys, and this
+        # job builds a trainer for each of its cases (benchmarks/FINDINGS.md 12; 1 of
+        # 13 runs of 2026-11-26): one more try, said in the test's warnings
+        warnings.warn(f"MXNet's P3 kvstore segfaulted; the job runs once more:\n"
+                      f"{proc.stderr[-1500:]}", stacklevel=1)
+        proc = run(_job(backend, "dg", out, transport), out)
+    assert_ok(proc)
     return out
 
 

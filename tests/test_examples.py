@@ -142,19 +142,20 @@ def test_mnist_gluon_names_a_missing_gpu(tmp_path):
 @pytest.mark.parametrize("script,compression,backend", [
     ("train_gluon.py", "2bit", "p3"), ("train_gluon.py", "powersgd", "horovod"),
     ("train_module.py", "2bit", "dist_sync")])
-def test_mnist_learns_digits_with_gradient_compression_in_the_demos_epochs(
+def test_mnist_learns_digits_with_gradient_compression_in_half_the_demos_epochs(
         script, compression, backend, tmp_path):
-    """MXNet's 2-bit (threshold 0.5) and PowerSGD (rank 4) reach the accuracy of
-    uncompressed training in make demo's 12 epochs on 2 workers. (These runs also stand
-    for the Module script's progress and summary on dist_sync.)"""
-    lines = rank0_lines(run(f"mnist/{script}", "--compression", compression,
-                            backend=backend, cwd=tmp_path))
+    """MXNet's 2-bit (threshold 0.5) and PowerSGD (rank 4) pass 97% validation accuracy
+    in 6 epochs on 2 workers, half of make demo's 12 (0.978, 0.981 and 0.986 on
+    2026-11-26: 2-bit on p3 plateaus there, 0.978 after 8 epochs too). (These runs also
+    stand for the Module script's progress and summary on dist_sync.)"""
+    lines = rank0_lines(run(f"mnist/{script}", "--compression", compression, "--epochs",
+                            "6", backend=backend, cwd=tmp_path))
     assert any(f"compression {compression}" in line or f"compression: {compression}" in line
                for line in lines)
     assert any("bundled with scikit-learn" in line for line in lines)
-    assert len(epoch_lines(lines)) == 12
+    assert len(epoch_lines(lines)) == 6
     result = summary(lines)
-    assert result["epochs"] == "12"
+    assert result["epochs"] == "6"
     assert float(result["val_acc"]) >= 0.97, result
     assert float(result["samples/s"]) > 0
 
