@@ -112,7 +112,7 @@ def _slow_parameter(value) -> bool:
     return isinstance(value, str) and value in _SLOW_PARAMETERS
 
 
-# ``make test`` runs two pytest processes side by side (pytest-xdist, ``--dist
+# ``make test`` runs three pytest processes side by side (pytest-xdist, ``--dist
 # loadgroup``): the suite's jobs spend a third of their time waiting (for a silence
 # limit, a stall report, a rate-limited link), so one alone leaves a core idle. Each test
 # file is one group, run whole by one of them, so that a module's shared job is launched
@@ -124,7 +124,7 @@ _HOST_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
 
 
 # The groups handed out first, the longest first (the seconds per file that every run
-# prints at its end, 2026-11-26): the two processes end together when no long group is
+# prints at its end, 2026-11-26): the processes end together when no long group is
 # left for the end. The other groups follow, those with the most tests first (what
 # pytest-xdist itself would do with them).
 _LONG_GROUPS = ("hosts", "test_examples.py", "test_compat.py", "test_faults.py",
@@ -167,7 +167,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """In a pytest-xdist process of ``--dist loadgroup``, every test must carry its group
-    in its id: otherwise the tests of one file are spread over both processes and each
+    in its id: otherwise the tests of one file are spread over the processes and each
     launches the file's shared jobs again (as with pytest 9 and pytest-xdist 3.8, whose
     renaming pytest 9 ignores), silently doubling the suite's slowest parts."""
     config = session.config

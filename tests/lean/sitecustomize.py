@@ -20,7 +20,11 @@ dist_gluon and runs a hybridized layer, 3.0 s -> 0.8 s of CPU on this machine):
   imports it for its downloads, which the tests never make.
 
 ``DG_TESTS_EAGER_IMPORT=1`` in the test's environment leaves out the other two (MXNet's
-import as users have it, e.g. to rule them out when a test fails).
+import as users have it, e.g. to rule them out when a test fails). P3's workers always
+import MXNet as users do: MXNet 1.9's P3 kvstore has a race that segfaults now and then
+while keys are created (benchmarks/FINDINGS.md 12), and the other timing of the first
+steps made it more frequent (the compression cases under load, 2026-11-26: 4 crashes in
+36 runs with the operators made on first use, none in 36 without).
 """
 import importlib.util
 import os
@@ -105,5 +109,5 @@ class _PatchedBase:
 
 if os.environ.get("DG_TESTS_WITH_SCIPY") != "1":
     sys.meta_path.insert(0, _Hidden())
-if os.environ.get("DG_TESTS_EAGER_IMPORT") != "1":
+if os.environ.get("DG_TESTS_EAGER_IMPORT") != "1" and os.environ.get("DG_BACKEND") != "p3":
     sys.meta_path.insert(0, _Deferred())
