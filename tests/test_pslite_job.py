@@ -121,6 +121,9 @@ import numpy as np
 from mxnet import autograd, gluon
 
 PORT = os.environ["DMLC_PS_ROOT_PORT"]
+# other jobs may use the same port at once (the emulated hosts' tests, in their own
+# network namespaces): this one's processes also carry the test's own token
+TOKEN = os.environ["DG_TEST_JOB_TOKEN"]
 
 
 def services():
@@ -136,7 +139,8 @@ def services():
         except OSError:
             continue
         role = env.get(b"DMLC_ROLE", b"").decode()
-        if role in ("scheduler", "server") and env.get(b"DMLC_PS_ROOT_PORT") == PORT.encode():
+        if role in ("scheduler", "server") and env.get(b"DMLC_PS_ROOT_PORT") == PORT.encode() \
+                and env.get(b"DG_TEST_JOB_TOKEN") == TOKEN.encode():
             found[role] = "_multiarray_umath" in maps
     return dict(sorted(found.items()))
 
@@ -168,7 +172,8 @@ def test_the_launchers_scheduler_and_servers_load_mxnets_package_only_for_an_opt
     """The launcher's ps-lite scheduler and servers (dist_gluon.launch.pslite_service) run on
     MXNet's library alone, and a server imports MXNet's package when a plain
     gluon.Trainer sends it its optimizer, which then trains as in one process."""
-    proc = launch(SERVICES_WORKER, tmp_path, backend="dist_sync")
+    proc = launch(SERVICES_WORKER, tmp_path, backend="dist_sync",
+                  env={"DG_TEST_JOB_TOKEN": f"{os.getpid()}-{tmp_path.name}"})
     assert_ok(proc)
     # printed by ps-lite's rank 0, which the scheduler numbers in the order the workers
     # arrive (either of the launcher's ranks)
