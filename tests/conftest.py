@@ -1,6 +1,7 @@
 """Shared helpers: distributed tests run their worker script through the real launcher."""
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -153,9 +154,7 @@ def pytest_collection_modifyitems(config, items):
                 callspec is not None and any(
                     _slow_parameter(v) for v in callspec.params.values())):
             item.add_marker(pytest.mark.slow)
-    sizes: dict[str, int] = {}
-    for item in items:
-        sizes[_group(item)] = sizes.get(_group(item), 0) + 1
+    sizes = collections.Counter(_group(item) for item in items)
 
     def rank(item):
         group = _group(item)
