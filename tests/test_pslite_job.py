@@ -146,8 +146,11 @@ def services():
 
 
 kv = mx.kv.create("dist_sync")
+# neither worker sends its optimizer to the servers before rank 0 has looked
+kv._barrier()
 if kv.rank == 0:
     print("before", services(), flush=True)
+kv._barrier()
 net = gluon.nn.Dense(3, in_units=4)
 net.initialize(mx.init.Constant(0.5))
 # MXNet's defaults: the optimizer runs on the servers (update_on_kvstore)
