@@ -245,6 +245,13 @@ class Record:
             _F64.pack_into(self._map, _DEPARTED_AT, when)
 
 
+def _ends_the_process(handler) -> bool:
+    """Whether a SIGTERM handler is coverage.py's (``[run] sigterm = true``): it writes
+    the measured data and ends the process with the default action."""
+    return callable(handler) and \
+        getattr(handler, "__module__", "").split(".")[0] == "coverage"
+
+
 class Reporter:
     """The worker side: reports progress and the end of this process to its launcher."""
 
@@ -262,8 +269,13 @@ class Reporter:
         previous = signal.getsignal(signum)
         faulthandler.register(signum, file=self._stacks, all_threads=True,
                               chain=callable(previous))
+        # elastic jobs take over SIGTERM unless the script has a handler of its own; the
+        # handler of a tool that only ends the process after writing its data (coverage's
+        # sigterm option) is what ending the worker then runs
+        self._sigterm_end = signal.getsignal(signal.SIGTERM)
         if os.environ.get("DG_ELASTIC") == "1" and \
-                signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and \
+                (self._sigterm_end == signal.SIG_DFL
+                 or _ends_the_process(self._sigterm_end)) and \
                 threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self._previous_hook = sys.excepthook
@@ -294,7 +306,7 @@ class Reporter:
         process) asks the job to stop at the next step boundary, as a preemption of its
         node does; a second one, or the launcher ending the worker, ends it at once."""
         if self._record.stop_request in (SIGNALLED, TERMINATING):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, self._sigterm_end)
             os.kill(os.getpid(), signal.SIGTERM)
             return
         self._record.request_stop(SIGNALLED)

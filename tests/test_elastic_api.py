@@ -77,6 +77,48 @@ def test_one_worker_stops_at_its_records_request_and_acknowledges_it(tmp_path, e
     assert record["count"] == 0         # one worker: nothing was sent
 
 
+SIGTERM_UNDER_A_TOOL = """
+    import os
+    import signal
+    import sys
+
+    def write_data_and_end(signum, frame):       # as coverage.py's sigterm option does
+        print("tool wrote its data", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    write_data_and_end.__module__ = "coverage.control"
+    signal.signal(signal.SIGTERM, write_data_and_end)
+
+    import dist_gluon as dg
+    from dist_gluon import jobcontrol
+
+    record = jobcontrol.reporter()._record
+    os.kill(os.getpid(), signal.SIGTERM)         # preemption: stop at the step boundary
+    print("first", dg.stop_requested(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)         # the second one ends the worker
+    print("not reached", flush=True)
+"""
+
+
+@pytest.mark.spawns
+def test_sigterm_stops_an_elastic_worker_under_a_tool_whose_handler_ends_it(tmp_path):
+    """A worker measured by coverage.py (its SIGTERM handler writes the data, then ends
+    the process) still takes the first SIGTERM as a request to stop at a step boundary;
+    the second ends it through the tool's handler."""
+    control = tmp_path / "control"
+    control.mkdir()
+    jobcontrol.create_record(str(control), 0)
+    (tmp_path / "script.py").write_text(textwrap.dedent(SIGTERM_UNDER_A_TOOL))
+    env = process_env(DG_CONTROL_DIR=str(control), DG_RANK="0", DG_NUM_WORKERS="1",
+                      DG_ELASTIC="1")
+    proc = subprocess.run([sys.executable, str(tmp_path / "script.py")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == ["first True", "tool wrote its data"], proc.stdout
+    assert "stops at its next step boundary" in proc.stderr
+
+
 @pytest.mark.spawns
 def test_one_worker_without_a_request_is_not_acknowledged(tmp_path):
     script = """

@@ -311,18 +311,22 @@ def test_one_worker_job_runs(tmp_path, backend):
 
 
 # ------------------------------------------------------------------ a fast supervisor
-def test_the_launcher_imports_neither_mxnet_nor_horovod_and_answers_at_once():
+def test_the_launcher_imports_neither_mxnet_nor_horovod_and_answers_at_once(tmp_path):
     probe = ("import sys, dist_gluon.launch; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
              "('mxnet', 'horovod')))")
     proc = subprocess.run([sys.executable, "-c", probe], env=_launcher_env({}),
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
-    started = time.monotonic()
+    # --help answers where importing either would fail (a launcher host without them)
+    for name in ("mxnet", "horovod"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ImportError('{name} imported')")
+    env = _launcher_env({})
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
     proc = subprocess.run([sys.executable, "-m", "dist_gluon.launch", "--help"],
-                          env=_launcher_env({}), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and "--nnodes" in proc.stdout
-    assert time.monotonic() - started < 1.0
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--nnodes" in proc.stdout, _report(proc)
 
 
 def test_version_is_the_package_version():
