@@ -8,7 +8,9 @@ time of the call and everything it queued (``mx.nd.waitall()``), on a kvstore wh
 does nothing (one process, no network): the codec's own work per step, what it adds to
 a step's CPU time on every worker. 2-bit is quantise + pack + unpack, on the fused
 kernels and on the stock-operator fallback; PowerSGD (rank 4) is P, the orthonormal
-basis, Q and the approximation with its error; fp16 is the two casts. MXNet's 2-bit is a
+basis, Q and the approximation with its error; fp16 is the two casts; onebit is
+BytePS's (scaling, error feedback and Nesterov momentum, as its example's flags), whose
+packing and decompress-and-sum also run on fused kernels, with its fallback. MXNet's 2-bit is a
 ``device`` kvstore with ``set_gradient_compression({'type': '2bit'})``: its push
 quantises and its pull dequantises, one key per tensor, in C++. Memory copy is a
 one-thread ``NDArray.copyto`` of the largest case: bytes of gradient per second, so a
@@ -34,7 +36,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import report  # noqa: E402
 from dist_gluon import compression  # noqa: E402
-from dist_gluon.compression import _kernels, twobit  # noqa: E402
+from dist_gluon.compression import _kernels, byteps_compressors, twobit  # noqa: E402
 
 
 class NoNetwork:
@@ -74,13 +76,14 @@ def codec_seconds(spec, shapes, reps: int, fused: bool = True) -> float:
     indices = list(range(len(grads)))
     keys = [f"g.{i}" for i in indices]
     kv = NoNetwork()
-    saved = twobit.Packing.fused
+    saved = twobit.Packing.fused_for, byteps_compressors._fused
     if not fused:
-        twobit.Packing.fused = lambda self, grad: False
+        twobit.Packing.fused_for = lambda self, dtype, ctx: False
+        byteps_compressors._fused = lambda x: False
     try:
         return timed(lambda: codec.reduce(kv, indices, keys, grads, 0), reps)
     finally:
-        twobit.Packing.fused = saved
+        twobit.Packing.fused_for, byteps_compressors._fused = saved
 
 
 def mxnet_2bit_seconds(shapes, reps: int) -> float:
@@ -120,6 +123,9 @@ def main(argv=None) -> int:
     cases = {"matrix": matrix, "resnet50": [tuple(s) for s in json.loads(
         args.shapes.read_text())]}
     twobit_spec = {"type": "2bit", "threshold": 0.5}
+    # BytePS's example's flags: scaling, error feedback, Nesterov momentum
+    onebit_spec = {"type": "onebit", "scaling": True, "ef": "vanilla",
+                   "momentum": "nesterov", "momentum_mu": 0.9}
     impls = {
         "2bit": lambda shapes: codec_seconds(twobit_spec, shapes, reps),
         "2bit operators": lambda shapes: codec_seconds(twobit_spec, shapes, reps,
@@ -127,6 +133,9 @@ def main(argv=None) -> int:
         "powersgd": lambda shapes: codec_seconds({"type": "powersgd", "rank": 4}, shapes,
                                                  reps),
         "fp16": lambda shapes: codec_seconds("fp16", shapes, reps),
+        "onebit": lambda shapes: codec_seconds(onebit_spec, shapes, reps),
+        "onebit operators": lambda shapes: codec_seconds(onebit_spec, shapes, reps,
+                                                         fused=False),
         "mxnet 2bit": lambda shapes: mxnet_2bit_seconds(shapes, reps),
         "memory copy": lambda shapes: copy_seconds(shapes, reps),
     }

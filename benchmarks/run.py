@@ -16,7 +16,8 @@
 4. SyncBatchNorm: the training step of ResNet-18 with dg.SyncBatchNorm against
    nn.BatchNorm, 2 workers (bench_syncbn.py).
 5. Codecs: GB/s of gradient that each compression codec processes on one core (2-bit
-   fused and on stock operators, PowerSGD, fp16) on a 4096 x 25088 matrix and on
+   fused and on stock operators, PowerSGD, fp16, BytePS's onebit fused and on stock
+   operators) on a 4096 x 25088 matrix and on
    ResNet-50's gradients, beside MXNet's own C++ 2-bit and a memory copy
    (bench_codecs.py, one process).
 
@@ -373,7 +374,8 @@ def run_syncbn(cfg, timeout: float) -> dict:
 
 
 # --------------------------------------------------------------------------- part 5
-CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "fp16", "mxnet 2bit", "memory copy")
+CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "fp16", "onebit", "onebit operators",
+              "mxnet 2bit", "memory copy")
 
 
 def run_codecs(cfg, workdir: Path, timeout: float) -> dict:
@@ -799,7 +801,10 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             + ("" if codecs.get("fused_kernels", True) else
                " -- **which did not load on this machine, so it ran on stock operators**")
             + "; *2bit operators* is its fallback on MXNet's stock operators; *powersgd* "
-            "is rank 4; *mxnet 2bit* is MXNet's own C++ 2-bit: a `device` kvstore with "
+            "is rank 4; *onebit* is BytePS's with its example's flags (scaling, error "
+            "feedback, Nesterov momentum), its packing and decompress-and-sum on the "
+            "fused kernels, and *onebit operators* its fallback; "
+            "*mxnet 2bit* is MXNet's own C++ 2-bit: a `device` kvstore with "
             "`set_gradient_compression`, push (quantise) and pull (dequantise) per "
             "tensor; *memory copy* is a one-thread `NDArray.copyto` of the same tensors "
             "(each byte read and written once). Median of 3 timed repetitions (2 with "

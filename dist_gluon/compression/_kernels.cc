@@ -7,6 +7,13 @@
 // dg_twobit_dequantize(words) -> values          (size elements)
 //     value[j * words + w] = (((word[w] >> (width * j)) & mask) - workers) * t
 //
+// dg_onebit_compress(p) -> (message, sent)
+//     BytePS's onebit: negative = p < 0; scale = float32(sum |p| in double / size) with
+//     scaling=1, else 1; message = words of 24 sign bits (element i is bit i % 24 of
+//     float32 word i / 24) followed by the scale; sent = negative ? -scale : scale
+// dg_onebit_decompress_sum(rows) -> total         (rows: every worker's message)
+//     total[i] = sum over rows r, in order, of (bit_r(i) ? -scale_r : scale_r)
+//
 // One pass over memory each, where the stock operators need about ten. The arithmetic
 // is exactly the operator path's (and MXNet's own kernel's), in the gradient's dtype:
 // compile without -ffast-math.
@@ -196,6 +203,152 @@ MXReturnValue dequantize_shape(const Attrs& attrs,
   return MX_SUCCESS;
 }
 
+
+// ------------------------------------------------------------------ onebit
+const int kSignBits = 24;     // exact integers of a float32 word
+
+template <typename T>
+MXReturnValue onebit_compress_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                 std::vector<MXTensor>* outputs) {
+  MXTensor& p = (*inputs)[0];
+  const T* x = p.data<T>();
+  const int64_t size = p.size();
+  float* message = (*outputs)[0].data<float>();
+  T* sent = (*outputs)[1].data<T>();
+  float scale = 1.0f;
+  if (attr_int(attrs, "scaling")) {
+    // four running sums: the additions overlap (the float32 scale is the same but for
+    // the last bit of a double, as with any order)
+    double part[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t i = 0;
+    for (; i + 4 <= size; i += 4) {
+      for (int k = 0; k < 4; ++k) part[k] += std::fabs(static_cast<double>(x[i + k]));
+    }
+    for (; i < size; ++i) part[0] += std::fabs(static_cast<double>(x[i]));
+    const double total = (part[0] + part[1]) + (part[2] + part[3]);
+    scale = static_cast<float>(total / static_cast<double>(size));
+  }
+  const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
+  for (int64_t i = 0; i < size; ++i) sent[i] = x[i] < 0 ? down : up;
+  const int64_t n_words = (size + kSignBits - 1) / kSignBits, full = size / kSignBits;
+  for (int64_t w = 0; w < full; ++w) {
+    const T* b = x + w * kSignBits;
+    uint32_t bits = 0;
+    for (int j = 0; j < kSignBits; ++j) bits |= static_cast<uint32_t>(b[j] < 0) << j;
+    message[w] = static_cast<float>(bits);
+  }
+  if (full < n_words) {
+    uint32_t bits = 0;
+    for (int64_t i = full * kSignBits; i < size; ++i) {
+      bits |= static_cast<uint32_t>(x[i] < 0) << (i - full * kSignBits);
+    }
+    message[full] = static_cast<float>(bits);
+  }
+  message[n_words] = scale;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_compress_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                      std::vector<MXTensor>* outputs,
+                                      const OpResource& res) {
+  if ((*inputs)[0].dtype == kFloat64) return onebit_compress_as<double>(attrs, inputs, outputs);
+  return onebit_compress_as<float>(attrs, inputs, outputs);
+}
+
+MXReturnValue onebit_compress_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = 1;
+  *num_out = 2;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_compress_type(const Attrs& attrs, std::vector<int>* in_types,
+                                   std::vector<int>* out_types) {
+  if (!value_ok((*in_types)[0])) {
+    MX_ERROR_MSG << "dg_onebit_compress: the tensor must be float32 or float64";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  (*out_types)[1] = (*in_types)[0];
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_compress_shape(const Attrs& attrs,
+                                    std::vector<std::vector<unsigned int>>* in_shapes,
+                                    std::vector<std::vector<unsigned int>>* out_shapes) {
+  int64_t size = 1;
+  for (unsigned int d : (*in_shapes)[0]) size *= d;
+  if (size == 0) {
+    MX_ERROR_MSG << "dg_onebit_compress: the tensor is empty";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {static_cast<unsigned int>((size + kSignBits - 1) / kSignBits + 1)};
+  (*out_shapes)[1] = {static_cast<unsigned int>(size)};
+  return MX_SUCCESS;
+}
+
+template <typename T>
+MXReturnValue onebit_sum_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                            std::vector<MXTensor>* outputs) {
+  MXTensor& rows = (*inputs)[0];
+  const float* message = rows.data<float>();
+  const int64_t n_rows = rows.shape[0], width = rows.shape[1], n_words = width - 1;
+  T* out = (*outputs)[0].data<T>();
+  const int64_t size = (*outputs)[0].size();
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* row = message + r * width;
+    const float scale = row[n_words];
+    const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
+    for (int64_t w = 0; w < n_words; ++w) {
+      const uint32_t bits = static_cast<uint32_t>(row[w]);
+      const int64_t lo = w * kSignBits, hi = std::min(size, lo + kSignBits);
+      T* o = out + lo;
+      if (r == 0) {
+        for (int64_t i = 0; i < hi - lo; ++i) o[i] = (bits >> i) & 1u ? down : up;
+      } else {
+        for (int64_t i = 0; i < hi - lo; ++i) o[i] = o[i] + ((bits >> i) & 1u ? down : up);
+      }
+    }
+  }
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_sum_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                 std::vector<MXTensor>* outputs, const OpResource& res) {
+  if ((*outputs)[0].dtype == kFloat64) return onebit_sum_as<double>(attrs, inputs, outputs);
+  return onebit_sum_as<float>(attrs, inputs, outputs);
+}
+
+MXReturnValue onebit_sum_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = 1;
+  *num_out = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_sum_type(const Attrs& attrs, std::vector<int>* in_types,
+                              std::vector<int>* out_types) {
+  if ((*in_types)[0] != kFloat32) {
+    MX_ERROR_MSG << "dg_onebit_decompress_sum: the messages must be float32";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = attrs.at("dtype") == "float64" ? kFloat64 : kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_sum_shape(const Attrs& attrs,
+                               std::vector<std::vector<unsigned int>>* in_shapes,
+                               std::vector<std::vector<unsigned int>>* out_shapes) {
+  const std::vector<unsigned int>& rows = (*in_shapes)[0];
+  const int64_t size = attr_int(attrs, "size");
+  if (rows.size() != 2 || rows[0] < 1 ||
+      static_cast<int64_t>(rows[1]) != (size + kSignBits - 1) / kSignBits + 1) {
+    MX_ERROR_MSG << "dg_onebit_decompress_sum: rows must be (workers, words + 1) for "
+                 << size << " elements";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {static_cast<unsigned int>(size)};
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 REGISTER_OP(dg_twobit_quantize)
@@ -210,6 +363,18 @@ REGISTER_OP(dg_twobit_dequantize)
 .setParseAttrs(dequantize_parse)
 .setInferType(dequantize_type)
 .setInferShape(dequantize_shape);
+
+REGISTER_OP(dg_onebit_compress)
+.setForward(onebit_compress_forward, "cpu")
+.setParseAttrs(onebit_compress_parse)
+.setInferType(onebit_compress_type)
+.setInferShape(onebit_compress_shape);
+
+REGISTER_OP(dg_onebit_decompress_sum)
+.setForward(onebit_sum_forward, "cpu")
+.setParseAttrs(onebit_sum_parse)
+.setInferType(onebit_sum_type)
+.setInferShape(onebit_sum_shape);
 
 MXReturnValue initialize(int version) {
   return version >= 10700 ? MX_SUCCESS : MX_FAIL;

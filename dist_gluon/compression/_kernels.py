@@ -23,7 +23,8 @@ from pathlib import Path
 import mxnet as mx
 
 _SOURCE = Path(__file__).with_name("_kernels.cc")
-_OPS = ("dg_twobit_quantize", "dg_twobit_dequantize")
+_OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_compress",
+        "dg_onebit_decompress_sum")
 # No -ffast-math: the arithmetic must be the operator path's, bit for bit
 # (-fno-trapping-math only lets the compiler compute both sides of a select).
 # -Bsymbolic: horovod's MXNet library exports lib_api.h's classes too, and ours must
@@ -49,7 +50,7 @@ def _load() -> bool:
     try:
         library = build()
     except (OSError, subprocess.SubprocessError, RuntimeError) as err:
-        warnings.warn(f"dist_gluon: the fused 2-bit kernels could not be built ({err}); "
+        warnings.warn(f"dist_gluon: the fused codec kernels could not be built ({err}); "
                       "compression runs on MXNet's stock operators (same results, slower)",
                       stacklevel=3)
         return False
@@ -81,9 +82,12 @@ def build() -> Path:
             return library
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             target = Path(tmp) / library.name
-            subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE), str(lib_api),
-                            "-o", str(target)],
-                           check=True, capture_output=True, timeout=600)
+            done = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE),
+                                   str(lib_api), "-o", str(target)],
+                                  capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: "
+                                   f"{done.stderr.strip()[-2000:]}")
             os.replace(target, library)
     return library
 

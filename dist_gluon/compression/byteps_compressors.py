@@ -56,6 +56,9 @@ On the wire (through the backend's sum, the collective every backend has):
   ``bit_length(2 * levels)`` bits (dithering: a signed level), plus the scale; every
   worker writes its row of a zero (workers x words) buffer and the sum is every
   worker's row: an allgather. Per element: N/24 float32 words for onebit, against 1.
+  On the CPU, onebit's packing and its decompress-and-sum are the fused kernels of
+  :mod:`._kernels` (one pass each, where the stock operators need about ten; the same
+  words and values, so workers with and without them work together).
 * topk and randomk: the ``k`` (index, value) pairs of every worker, gathered the same
   way: 2 N k numbers against the tensor's size. The server's sum needs each worker's
   pairs decompressed separately (duplicate indices of randomk are one value, not a
@@ -76,6 +79,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
+from . import _kernels
 from .base import Codec, check_number, plain_sum
 
 # bits of a float32 word that a sum of zeros and one integer keeps exactly
@@ -147,6 +151,13 @@ def uniforms(count: int, stream: int, step: int, ctx) -> mx.nd.NDArray:
 
 # ------------------------------------------------------------------ packing
 _POWERS: dict = {}
+
+
+def _fused(x: mx.nd.NDArray) -> bool:
+    """Whether ``x`` goes through the fused kernels (:mod:`._kernels`): float32 or
+    float64 on the CPU, where they could be built."""
+    return (x.context.device_type == "cpu"
+            and np.dtype(x.dtype) in (np.float32, np.float64) and _kernels.available())
 
 
 def _powers(width: int, ctx) -> mx.nd.NDArray:
@@ -323,8 +334,7 @@ class BytePSCompressor(Codec):
             state.error = p - sent
         # 4: every worker's message, decompressed and summed as the server does
         rows = self._gather(kv, key, message, priority)
-        dense = self._decompress_rows(rows, g)
-        total = mx.nd.add_n(*[dense[i] for i in range(dense.shape[0])])
+        total = self._decompress_sum(rows, g)
         # 5: the server compresses the sum for the reply
         q = total
         if self.ef and state.server_error is not None:
@@ -351,6 +361,11 @@ class BytePSCompressor(Codec):
 
     def _decompress_rows(self, rows: tuple, like: mx.nd.NDArray) -> mx.nd.NDArray:
         raise NotImplementedError
+
+    def _decompress_sum(self, rows: tuple, like: mx.nd.NDArray) -> mx.nd.NDArray:
+        """The sum of every worker's decompressed message, in rank order."""
+        dense = self._decompress_rows(rows, like)
+        return mx.nd.add_n(*[dense[i] for i in range(dense.shape[0])])
 
     def _gather(self, kv, key: str, message: tuple, priority: int) -> tuple:
         return tuple(_allgather(kv, f"{key}.{self.name}{i}", part, priority)
@@ -426,6 +441,9 @@ class OneBit(BytePSCompressor):
         self.params = {"scaling": self.scaling, **self.params}
 
     def _compress(self, p, stream, step, pack=True):
+        if _fused(p):
+            message, sent = mx.nd.dg_onebit_compress(p, scaling=int(self.scaling))
+            return (message if pack else None), sent
         negative = (p < 0).astype("float32")
         if self.scaling:
             scale = (_sum64(mx.nd.abs(p)) / p.size).astype("float32")
@@ -433,19 +451,24 @@ class OneBit(BytePSCompressor):
             scale = mx.nd.ones((1,), ctx=p.context, dtype="float32")
         # what the receiver unpacks, computed from the signs directly
         sent = mx.nd.broadcast_mul(1.0 - 2.0 * negative, scale.reshape((1,)))
-        message = (_pack(negative, 1), scale.reshape((1,))) if pack else None
+        message = mx.nd.concat(_pack(negative, 1), scale.reshape((1,)), dim=0) \
+            if pack else None
         return message, sent.astype(p.dtype, copy=False)
 
     def _decompress_rows(self, rows, like):
-        words, scales = rows
-        bits = _unpack(words, 1, like.size)
-        values = mx.nd.broadcast_mul(1.0 - 2.0 * bits, scales.reshape((-1, 1)))
+        bits = _unpack(rows[:, :-1], 1, like.size)
+        values = mx.nd.broadcast_mul(1.0 - 2.0 * bits, rows[:, -1].reshape((-1, 1)))
         return values.astype(like.dtype, copy=False)
 
+    def _decompress_sum(self, rows, like):
+        if _fused(like):
+            return mx.nd.dg_onebit_decompress_sum(rows, size=like.size,
+                                                  dtype=np.dtype(like.dtype).name)
+        return super()._decompress_sum(rows, like)
+
     def _gather(self, kv, key, message, priority):
-        words, scale = message
-        rows = _allgather(kv, f"{key}.onebit", mx.nd.concat(words, scale, dim=0), priority)
-        return rows[:, :-1], rows[:, -1]
+        # the signs' words, then the scale: one message, one collective
+        return _allgather(kv, f"{key}.onebit", message, priority)
 
 
 class _Sparse(BytePSCompressor):
