@@ -375,6 +375,40 @@ def test_float64_and_int64_sums_are_exact_to_the_last_bit(api_run, dtype):
         np.testing.assert_array_equal(_array(found[check]["out"]), expected)
 
 
+@pytest.mark.parametrize("workers, rank", [(1, 0), (2, 1), (3, 0)])
+def test_pslites_float64_pieces_from_the_fused_kernels_are_the_operators(workers, rank):
+    """ps-lite's exact float64 sum on the CPU splits and adds its float32 pieces with
+    the fused kernels: the pieces and the rank-ordered sum of the stock operators'
+    arithmetic (hi = float(x), mid = float(x - hi), lo = float(x - hi - mid)), to the
+    bit, over float32's whole range."""
+    from dist_gluon.compression import _kernels
+    if not _kernels.available():
+        pytest.skip("the fused kernels could not be built here (no g++?)")
+    rng = np.random.RandomState(workers)
+    x = rng.randn(1001) * 10.0 ** rng.randint(-20, 30, 1001)
+    x[:3] = [0.0, -0.0, 1 / 3]
+    wire = mx.nd.full((workers, 3, x.size), 7.0)
+    mx.nd.dg_float64_split(mx.nd.array(x, dtype="float64"), workers=workers, rank=rank,
+                           out=wire)
+    hi = x.astype(np.float32)
+    rest = x - hi.astype(np.float64)
+    mid = rest.astype(np.float32)
+    lo = (rest - mid.astype(np.float64)).astype(np.float32)
+    expected = np.zeros((workers, 3, x.size), np.float32)
+    expected[rank] = [hi, mid, lo]
+    np.testing.assert_array_equal(wire.asnumpy(), expected)
+    assert np.array_equal((hi.astype(np.float64) + mid) + lo, x)       # exact
+    pieces = rng.randn(workers, 3, x.size).astype(np.float32)
+    total = mx.nd.zeros((x.size,), dtype="float64")
+    mx.nd.dg_float64_combine(mx.nd.array(pieces), out=total)
+    wide = pieces.astype(np.float64)
+    rows = (wide[:, 0] + wide[:, 1]) + wide[:, 2]
+    expected_total = rows[0].copy()
+    for row in rows[1:]:
+        expected_total = expected_total + row
+    np.testing.assert_array_equal(total.asnumpy(), expected_total)
+
+
 def test_pushpull_into_out_leaves_the_value_untouched(api_run):
     _, (rank0, rank1) = api_run
     expected = _array(rank0["pushpull out"]["sent"]) + _array(rank1["pushpull out"]["sent"])

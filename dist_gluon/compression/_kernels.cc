@@ -13,6 +13,11 @@
 //     float32 word i / 24) followed by the scale; sent = negative ? -scale : scale
 // dg_onebit_decompress_sum(rows) -> total         (rows: every worker's message)
 //     total[i] = sum over rows r, in order, of (bit_r(i) ? -scale_r : scale_r)
+// dg_float64_split(x) -> wire                     (attrs workers, rank)
+//     ps-lite's exact float64 sum: wire (workers, 3, size) float32, zero but for this
+//     rank's row: hi = float(x), mid = float(x - hi), lo = float(x - hi - mid)
+// dg_float64_combine(wire) -> total               (float64)
+//     total[i] = sum over rows r, in order, of (hi_r + mid_r) + lo_r, in double
 //
 // One pass over memory each, where the stock operators need about ten. The arithmetic
 // is exactly the operator path's (and MXNet's own kernel's), in the gradient's dtype:
@@ -349,6 +354,112 @@ MXReturnValue onebit_sum_shape(const Attrs& attrs,
   return MX_SUCCESS;
 }
 
+
+// ------------------------------------------------------------------ exact float64 sums
+MXReturnValue split_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                            std::vector<MXTensor>* outputs, const OpResource& res) {
+  MXTensor& x = (*inputs)[0];
+  const double* in = x.data<double>();
+  const int64_t size = x.size();
+  const int64_t workers = attr_int(attrs, "workers"), rank = attr_int(attrs, "rank");
+  float* wire = (*outputs)[0].data<float>();
+  for (int64_t r = 0; r < workers; ++r) {
+    if (r == rank) continue;
+    std::fill(wire + r * 3 * size, wire + (r + 1) * 3 * size, 0.0f);
+  }
+  float* hi = wire + rank * 3 * size;
+  float* mid = hi + size;
+  float* lo = mid + size;
+  for (int64_t i = 0; i < size; ++i) {
+    const double v = in[i];
+    const float h = static_cast<float>(v);
+    const double rest = v - static_cast<double>(h);
+    const float m = static_cast<float>(rest);
+    hi[i] = h;
+    mid[i] = m;
+    lo[i] = static_cast<float>(rest - static_cast<double>(m));
+  }
+  return MX_SUCCESS;
+}
+
+MXReturnValue split_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = 1;
+  *num_out = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue split_type(const Attrs& attrs, std::vector<int>* in_types,
+                         std::vector<int>* out_types) {
+  if ((*in_types)[0] != kFloat64) {
+    MX_ERROR_MSG << "dg_float64_split: the array must be float64";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+MXReturnValue split_shape(const Attrs& attrs,
+                          std::vector<std::vector<unsigned int>>* in_shapes,
+                          std::vector<std::vector<unsigned int>>* out_shapes) {
+  int64_t size = 1;
+  for (unsigned int d : (*in_shapes)[0]) size *= d;
+  const int64_t workers = attr_int(attrs, "workers"), rank = attr_int(attrs, "rank");
+  if (workers < 1 || rank < 0 || rank >= workers) {
+    MX_ERROR_MSG << "dg_float64_split: rank " << rank << " of " << workers << " workers";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {static_cast<unsigned int>(workers), 3u,
+                      static_cast<unsigned int>(size)};
+  return MX_SUCCESS;
+}
+
+MXReturnValue combine_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                              std::vector<MXTensor>* outputs, const OpResource& res) {
+  MXTensor& wire = (*inputs)[0];
+  const float* w = wire.data<float>();
+  const int64_t workers = wire.shape[0], size = wire.shape[2];
+  double* out = (*outputs)[0].data<double>();
+  for (int64_t r = 0; r < workers; ++r) {
+    const float* hi = w + r * 3 * size;
+    const float* mid = hi + size;
+    const float* lo = mid + size;
+    if (r == 0) {
+      for (int64_t i = 0; i < size; ++i) {
+        out[i] = (static_cast<double>(hi[i]) + static_cast<double>(mid[i]))
+                 + static_cast<double>(lo[i]);
+      }
+    } else {
+      for (int64_t i = 0; i < size; ++i) {
+        out[i] = out[i] + ((static_cast<double>(hi[i]) + static_cast<double>(mid[i]))
+                           + static_cast<double>(lo[i]));
+      }
+    }
+  }
+  return MX_SUCCESS;
+}
+
+MXReturnValue combine_type(const Attrs& attrs, std::vector<int>* in_types,
+                           std::vector<int>* out_types) {
+  if ((*in_types)[0] != kFloat32) {
+    MX_ERROR_MSG << "dg_float64_combine: the wire must be float32";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat64;
+  return MX_SUCCESS;
+}
+
+MXReturnValue combine_shape(const Attrs& attrs,
+                            std::vector<std::vector<unsigned int>>* in_shapes,
+                            std::vector<std::vector<unsigned int>>* out_shapes) {
+  const std::vector<unsigned int>& wire = (*in_shapes)[0];
+  if (wire.size() != 3 || wire[1] != 3u || wire[0] < 1) {
+    MX_ERROR_MSG << "dg_float64_combine: the wire must be (workers, 3, size)";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {wire[2]};
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 REGISTER_OP(dg_twobit_quantize)
@@ -375,6 +486,18 @@ REGISTER_OP(dg_onebit_decompress_sum)
 .setParseAttrs(onebit_sum_parse)
 .setInferType(onebit_sum_type)
 .setInferShape(onebit_sum_shape);
+
+REGISTER_OP(dg_float64_split)
+.setForward(split_forward, "cpu")
+.setParseAttrs(split_parse)
+.setInferType(split_type)
+.setInferShape(split_shape);
+
+REGISTER_OP(dg_float64_combine)
+.setForward(combine_forward, "cpu")
+.setParseAttrs(split_parse)
+.setInferType(combine_type)
+.setInferShape(combine_shape);
 
 MXReturnValue initialize(int version) {
   return version >= 10700 ? MX_SUCCESS : MX_FAIL;

@@ -1,7 +1,8 @@
 """The fused codec kernels (_kernels.cc), compiled once per machine with the system C++
 compiler and loaded with ``mx.library.load``; None where they cannot be (no compiler,
 no ``lib_api.h`` in the MXNet wheel, ``DG_COMPRESSION_KERNELS=0``), and the codecs then
-run on MXNet's stock operators, with the same results.
+run on MXNet's stock operators, with the same results. ps-lite's exact float64 sum
+(backends/pslite.py) splits and adds its float32 pieces with two of them as well.
 
 The library is built under ``$DG_KERNEL_CACHE`` (default ``~/.cache/dist_gluon``), in a
 folder named after a hash of the source and of MXNet's version, under a file lock, so
@@ -24,7 +25,7 @@ import mxnet as mx
 
 _SOURCE = Path(__file__).with_name("_kernels.cc")
 _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_compress",
-        "dg_onebit_decompress_sum")
+        "dg_onebit_decompress_sum", "dg_float64_split", "dg_float64_combine")
 # No -ffast-math: the arithmetic must be the operator path's, bit for bit
 # (-fno-trapping-math only lets the compiler compute both sides of a select).
 # -Bsymbolic: horovod's MXNet library exports lib_api.h's classes too, and ours must
