@@ -296,42 +296,41 @@ def test_the_language_models_corpus_is_read_once_then_comes_from_its_cache(tmp_p
 def test_language_model_perplexity_falls_on_horovod_and_resumes_exactly_on_dist_sync(
         tmp_path):
     """2 workers through the launcher train on the text shipped with Python and the
-    validation perplexity falls; resumed from the checkpoint of epoch 2 on another
-    backend, epoch 3 comes out as in the uninterrupted run, dropout included (at rate 20
-    on 3% of the text epoch 3's perplexity may rise: that is not what is checked)."""
+    validation perplexity falls; resumed from the checkpoint of epoch 1 on another
+    backend, epoch 2 comes out as in the uninterrupted run, dropout included."""
     plot, checkpoints = tmp_path / "runs" / "lm.png", tmp_path / "ckpt"
     lines = rank0_lines(run("language_model/train_lm.py", *LM_SMALL, "--train-fraction",
-                            "0.03", "--epochs", "3",
+                            "0.03", "--epochs", "2",
                             "--plot", str(plot), "--checkpoint-dir", str(checkpoints),
                             backend="horovod", cwd=tmp_path))
     assert any("nothing is downloaded" in line and "PSF License" in line for line in lines)
     assert any("row_sparse gradients" in line for line in lines)
-    assert any(line.startswith("epoch 1/3 [   5/") for line in lines)  # progress
+    assert any(line.startswith("epoch 1/2 [   5/") for line in lines)  # progress
     epochs = lm_epochs(lines)
-    assert len(epochs) == 3
+    assert len(epochs) == 2
     result = summary(lines)
     assert int(result["vocab"]) >= 10000
     ppl = [float(e["val_ppl"]) for e in epochs]
     assert ppl[1] < ppl[0] < int(result["vocab"]), ppl   # learning, better than uniform
-    assert float(result["val_ppl"]) == ppl[2]
-    assert (result["backend"], result["workers"], result["epochs"]) == ("horovod", "2", "3")
+    assert float(result["val_ppl"]) == ppl[1]
+    assert (result["backend"], result["workers"], result["epochs"]) == ("horovod", "2", "2")
     assert float(result["words/s"]) > 0
     assert plot.read_bytes().startswith(PNG_SIGNATURE)
 
-    shutil.rmtree(sorted(checkpoints.iterdir())[-1])     # back to the end of epoch 2
+    shutil.rmtree(sorted(checkpoints.iterdir())[-1])     # back to the end of epoch 1
     resumed = rank0_lines(run("language_model/train_lm.py", *LM_SMALL, "--train-fraction",
-                              "0.03", "--epochs", "3", "--checkpoint-dir",
+                              "0.03", "--epochs", "2", "--checkpoint-dir",
                               str(checkpoints), "--resume",
                               backend="dist_sync", cwd=tmp_path))
-    assert any(line.startswith("resume: continuing after epoch 2") for line in resumed)
+    assert any(line.startswith("resume: continuing after epoch 1") for line in resumed)
     again = lm_epochs(resumed)
     assert [line.split(":")[0] for line in resumed
-            if line.startswith("epoch ") and "val_ppl=" in line] == ["epoch 3/3"]
+            if line.startswith("epoch ") and "val_ppl=" in line] == ["epoch 2/2"]
     for field in ("train_ppl", "val_ppl", "lr"):
-        assert float(again[0][field]) == pytest.approx(float(epochs[2][field]), rel=1e-4), \
-            (field, again[0], epochs[2])
+        assert float(again[0][field]) == pytest.approx(float(epochs[1][field]), rel=1e-4), \
+            (field, again[0], epochs[1])
     result = summary(resumed)
-    assert (result["backend"], result["epochs"]) == ("dist_sync", "3")
+    assert (result["backend"], result["epochs"]) == ("dist_sync", "2")
 
 
 def test_language_model_on_two_workers_equals_one_process_on_all_their_columns(tmp_path):
