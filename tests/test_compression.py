@@ -361,55 +361,70 @@ def test_compressing_an_integer_gradient_fails_on_one_process_too():
         trainer.step(1, ignore_stale_grad=True)
 
 
-class _TwoWorkers:
+class _OnebitPeer:
     """Rank 0's view of a 2-worker backend whose rank 1 sends ``other`` (its onebit
-    message) in its row of every allgather; other collectives double the tensor."""
+    message) in its row of every allgather, keeping what rank 0 sent; other collectives
+    double the tensor."""
 
     num_workers, rank = 2, 0
 
     def __init__(self, other: mx.nd.NDArray):
         self.other = other
+        self.sent: list[np.ndarray] = []
 
     def pushpull(self, key, value, out=None, priority=0):
         if value.ndim == 2 and value.shape[1:] == self.other.shape:
+            self.sent.append(value[0].asnumpy())
             value[1] += self.other
         else:
             value *= 2
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("size", [1, 23, 24, 25, 100001])
-@pytest.mark.parametrize("scaling", [True, False], ids=["scaling", "signs"])
-def test_onebits_fused_kernels_give_the_operators_words_and_values(dtype, size, scaling,
+@pytest.mark.parametrize("size", [1, 23, 24, 25, 1001])
+@pytest.mark.parametrize("flags", [
+    {"scaling": True, "ef": "vanilla", "momentum": "nesterov", "momentum_mu": 0.9},
+    {"scaling": False, "ef": "vanilla"}, {"scaling": True}],
+    ids=["scaling-ef-nesterov", "ef", "scaling"])
+def test_onebits_fused_kernels_give_the_operators_words_and_values(dtype, size, flags,
                                                                   monkeypatch):
-    """BytePS's onebit (error feedback, Nesterov momentum) through the fused kernels and
-    through MXNet's stock operators: the same message on the wire, the same summed
-    gradient, error and server error, step after step."""
+    """BytePS's onebit through the fused kernels and through MXNet's stock operators:
+    the same messages on the wire, the same summed gradient and the same state, step
+    after step (with a learning rate that changes: error feedback's ratio)."""
     from dist_gluon.compression import _kernels, byteps_compressors as bc
     if not _kernels.available():
         pytest.skip("the fused kernels could not be built here (no g++?)")
     rng = np.random.RandomState(size)
-    grad = rng.randn(size).astype(dtype)
-    grad[::7] = 0
+    grads = rng.randn(4, size).astype(dtype)
+    grads[:, ::7] = 0
     other = rng.randn(size).astype(dtype)
     results = []
     for fused in (True, False):
         monkeypatch.setattr(_kernels, "_loaded", False)    # rank 1's: stock operators
-        codec = bc.OneBit(scaling=scaling, ef="vanilla", momentum="nesterov",
-                          momentum_mu=0.9, min_compress_bytes=0)
+        codec = bc.OneBit(min_compress_bytes=0, **flags)
         message, _ = codec._compress(mx.nd.array(other, dtype=dtype), 0, 0)
         monkeypatch.setattr(_kernels, "_loaded", fused)
-        mine, _ = codec._compress(mx.nd.array(grad, dtype=dtype), 0, 0)
-        g = mx.nd.array(grad, dtype=dtype)
-        for _ in range(3):
-            codec.reduce(_TwoWorkers(message), [0], ["w"], [g], 0)
+        kv = _OnebitPeer(message)
+        sums = []
+        for step, lr in enumerate([0.1, 0.1, 0.05, 0.05]):
+            codec.set_learning_rate(lr)
+            g = mx.nd.array(grads[step], dtype=dtype)
+            codec.reduce(kv, [0], ["w"], [g], 0)
+            sums.append(g.asnumpy())
         state = codec._states[0]
-        results.append([mine, g, state.error, state.server_error])
-    for a, b in zip(*results):
-        assert a.dtype == b.dtype and np.array_equal(a.asnumpy(), b.asnumpy())
-    words = results[0][0].asnumpy()
+        kept = [getattr(state, f).asnumpy() for f in ("momentum", "error", "server_error")
+                if getattr(state, f) is not None]
+        results.append((kv.sent, sums, kept, state.steps))
+    (sent, sums, kept, steps), stock = results
+    assert steps == stock[3] == 4 and len(kept) == len(stock[2])
+    for a, b in zip(sent + sums + kept, stock[0] + stock[1] + stock[2]):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    words = sent[0]
     assert words.dtype == np.float32 and words.size == -(-size // 24) + 1
     bits = [(int(words[i // 24]) >> (i % 24)) & 1 for i in range(size)]
-    assert bits == (grad < 0).astype(int).tolist()
-    expected_scale = np.abs(grad.astype(np.float64)).mean() if scaling else 1.0
-    assert words[-1] == np.float32(expected_scale)
+    p = grads[0].astype(dtype)
+    if "momentum" in flags:
+        p = p + np.asarray(0.9, dtype) * p
+    assert bits == (p < 0).astype(int).tolist()
+    scale = np.abs(p.astype(np.float64)).mean() if flags["scaling"] else 1.0
+    assert words[-1] == np.float32(scale)

@@ -7,12 +7,13 @@
 // dg_twobit_dequantize(words) -> values          (size elements)
 //     value[j * words + w] = (((word[w] >> (width * j)) & mask) - workers) * t
 //
-// dg_onebit_compress(p) -> (message, sent)
-//     BytePS's onebit: negative = p < 0; scale = float32(sum |p| in double / size) with
-//     scaling=1, else 1; message = words of 24 sign bits (element i is bit i % 24 of
-//     float32 word i / 24) followed by the scale; sent = negative ? -scale : scale
-// dg_onebit_decompress_sum(rows) -> total         (rows: every worker's message)
-//     total[i] = sum over rows r, in order, of (bit_r(i) ? -scale_r : scale_r)
+// dg_onebit_worker(g, momentum, error) -> message    (momentum and error updated)
+//     BytePS's onebit on a worker: Nesterov momentum and error feedback as the operator
+//     path computes them; message = words of 24 sign bits (element i is bit i % 24 of
+//     float32 word i / 24) then the scale, float32(mean |p| in double) or 1
+// dg_onebit_server(rows, error) -> result              (the server's error updated)
+//     every worker's message decompressed and added in rank order, the server's error
+//     feedback, its reply compressed and decompressed
 // dg_float64_split(x) -> wire                     (attrs workers, rank)
 //     ps-lite's exact float64 sum: wire (workers, 3, size) float32, zero but for this
 //     rank's row: hi = float(x), mid = float(x - hi), lo = float(x - hi - mid)
@@ -212,29 +213,25 @@ MXReturnValue dequantize_shape(const Attrs& attrs,
 // ------------------------------------------------------------------ onebit
 const int kSignBits = 24;     // exact integers of a float32 word
 
+// mean(|x|) in double, as a float32 (1 without scaling): four running sums, so the
+// additions overlap (the float32 scale is the same but for the last bit of a double,
+// as with any order)
 template <typename T>
-MXReturnValue onebit_compress_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
-                                 std::vector<MXTensor>* outputs) {
-  MXTensor& p = (*inputs)[0];
-  const T* x = p.data<T>();
-  const int64_t size = p.size();
-  float* message = (*outputs)[0].data<float>();
-  T* sent = (*outputs)[1].data<T>();
-  float scale = 1.0f;
-  if (attr_int(attrs, "scaling")) {
-    // four running sums: the additions overlap (the float32 scale is the same but for
-    // the last bit of a double, as with any order)
-    double part[4] = {0.0, 0.0, 0.0, 0.0};
-    int64_t i = 0;
-    for (; i + 4 <= size; i += 4) {
-      for (int k = 0; k < 4; ++k) part[k] += std::fabs(static_cast<double>(x[i + k]));
-    }
-    for (; i < size; ++i) part[0] += std::fabs(static_cast<double>(x[i]));
-    const double total = (part[0] + part[1]) + (part[2] + part[3]);
-    scale = static_cast<float>(total / static_cast<double>(size));
+float onebit_scale(const T* x, int64_t size, bool scaling) {
+  if (!scaling) return 1.0f;
+  double part[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= size; i += 4) {
+    for (int k = 0; k < 4; ++k) part[k] += std::fabs(static_cast<double>(x[i + k]));
   }
-  const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
-  for (int64_t i = 0; i < size; ++i) sent[i] = x[i] < 0 ? down : up;
+  for (; i < size; ++i) part[0] += std::fabs(static_cast<double>(x[i]));
+  const double total = (part[0] + part[1]) + (part[2] + part[3]);
+  return static_cast<float>(total / static_cast<double>(size));
+}
+
+// element i's sign (x < 0) as bit i % 24 of float32 word i / 24, then the scale
+template <typename T>
+void onebit_pack(const T* x, int64_t size, float scale, float* message) {
   const int64_t n_words = (size + kSignBits - 1) / kSignBits, full = size / kSignBits;
   for (int64_t w = 0; w < full; ++w) {
     const T* b = x + w * kSignBits;
@@ -250,110 +247,182 @@ MXReturnValue onebit_compress_as(const Attrs& attrs, std::vector<MXTensor>* inpu
     message[full] = static_cast<float>(bits);
   }
   message[n_words] = scale;
-  return MX_SUCCESS;
 }
 
-MXReturnValue onebit_compress_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
-                                      std::vector<MXTensor>* outputs,
-                                      const OpResource& res) {
-  if ((*inputs)[0].dtype == kFloat64) return onebit_compress_as<double>(attrs, inputs, outputs);
-  return onebit_compress_as<float>(attrs, inputs, outputs);
-}
-
-MXReturnValue onebit_compress_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 1;
-  *num_out = 2;
-  return MX_SUCCESS;
-}
-
-MXReturnValue onebit_compress_type(const Attrs& attrs, std::vector<int>* in_types,
-                                   std::vector<int>* out_types) {
-  if (!value_ok((*in_types)[0])) {
-    MX_ERROR_MSG << "dg_onebit_compress: the tensor must be float32 or float64";
-    return MX_FAIL;
-  }
-  (*out_types)[0] = kFloat32;
-  (*out_types)[1] = (*in_types)[0];
-  return MX_SUCCESS;
-}
-
-MXReturnValue onebit_compress_shape(const Attrs& attrs,
-                                    std::vector<std::vector<unsigned int>>* in_shapes,
-                                    std::vector<std::vector<unsigned int>>* out_shapes) {
-  int64_t size = 1;
-  for (unsigned int d : (*in_shapes)[0]) size *= d;
-  if (size == 0) {
-    MX_ERROR_MSG << "dg_onebit_compress: the tensor is empty";
-    return MX_FAIL;
-  }
-  (*out_shapes)[0] = {static_cast<unsigned int>((size + kSignBits - 1) / kSignBits + 1)};
-  (*out_shapes)[1] = {static_cast<unsigned int>(size)};
-  return MX_SUCCESS;
-}
-
+// A worker's turn: momentum, the kept error, the message, the new error. The operator
+// path's float arithmetic in the tensor's dtype, element by element:
+//     m = g + mu * m;  p = g + mu * m            (momentum=1)
+//     p = p + e  (ratio 1)  or  p + ratio * e    (ef=1)
+//     message = signs of p, scale;  e = p - (p < 0 ? -scale : scale)   (ef=1)
+// ``work`` holds e (ef=1) or is scratch for p.
 template <typename T>
-MXReturnValue onebit_sum_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
-                            std::vector<MXTensor>* outputs) {
-  MXTensor& rows = (*inputs)[0];
-  const float* message = rows.data<float>();
-  const int64_t n_rows = rows.shape[0], width = rows.shape[1], n_words = width - 1;
-  T* out = (*outputs)[0].data<T>();
-  const int64_t size = (*outputs)[0].size();
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const float* row = message + r * width;
-    const float scale = row[n_words];
-    const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
-    for (int64_t w = 0; w < n_words; ++w) {
-      const uint32_t bits = static_cast<uint32_t>(row[w]);
-      const int64_t lo = w * kSignBits, hi = std::min(size, lo + kSignBits);
-      T* o = out + lo;
-      if (r == 0) {
-        for (int64_t i = 0; i < hi - lo; ++i) o[i] = (bits >> i) & 1u ? down : up;
-      } else {
-        for (int64_t i = 0; i < hi - lo; ++i) o[i] = o[i] + ((bits >> i) & 1u ? down : up);
-      }
+MXReturnValue onebit_worker_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                               std::vector<MXTensor>* outputs) {
+  const T* g = (*inputs)[0].data<T>();
+  T* m = (*inputs)[1].data<T>();
+  T* work = (*inputs)[2].data<T>();
+  const int64_t size = (*inputs)[0].size();
+  const bool momentum = attr_int(attrs, "momentum"), ef = attr_int(attrs, "ef");
+  const T mu = static_cast<T>(attr_float(attrs, "mu"));
+  const double ratio_d = attr_float(attrs, "ratio");
+  const T ratio = static_cast<T>(ratio_d);
+  for (int64_t i = 0; i < size; ++i) {
+    T p = g[i];
+    if (momentum) {
+      const T next = g[i] + mu * m[i];
+      m[i] = next;
+      p = g[i] + mu * next;
     }
+    if (ef) p = ratio_d == 1.0 ? p + work[i] : p + ratio * work[i];
+    work[i] = p;
+  }
+  const float scale = onebit_scale(work, size, attr_int(attrs, "scaling"));
+  onebit_pack(work, size, scale, (*outputs)[0].data<float>());
+  if (ef) {
+    const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
+    for (int64_t i = 0; i < size; ++i) work[i] = work[i] - (work[i] < 0 ? down : up);
   }
   return MX_SUCCESS;
 }
 
-MXReturnValue onebit_sum_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
-                                 std::vector<MXTensor>* outputs, const OpResource& res) {
-  if ((*outputs)[0].dtype == kFloat64) return onebit_sum_as<double>(attrs, inputs, outputs);
-  return onebit_sum_as<float>(attrs, inputs, outputs);
+MXReturnValue onebit_worker_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                    std::vector<MXTensor>* outputs, const OpResource& res) {
+  if ((*inputs)[0].dtype == kFloat64) return onebit_worker_as<double>(attrs, inputs, outputs);
+  return onebit_worker_as<float>(attrs, inputs, outputs);
 }
 
-MXReturnValue onebit_sum_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 1;
+MXReturnValue onebit_worker_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = 3;
   *num_out = 1;
   return MX_SUCCESS;
 }
 
-MXReturnValue onebit_sum_type(const Attrs& attrs, std::vector<int>* in_types,
-                              std::vector<int>* out_types) {
-  if ((*in_types)[0] != kFloat32) {
-    MX_ERROR_MSG << "dg_onebit_decompress_sum: the messages must be float32";
+MXReturnValue onebit_worker_type(const Attrs& attrs, std::vector<int>* in_types,
+                                 std::vector<int>* out_types) {
+  const int dtype = (*in_types)[0];
+  if (!value_ok(dtype) || (*in_types)[1] != dtype || (*in_types)[2] != dtype) {
+    MX_ERROR_MSG << "dg_onebit_worker: the gradient, momentum and error must all be "
+                    "float32 or all float64";
     return MX_FAIL;
   }
-  (*out_types)[0] = attrs.at("dtype") == "float64" ? kFloat64 : kFloat32;
+  (*out_types)[0] = kFloat32;
   return MX_SUCCESS;
 }
 
-MXReturnValue onebit_sum_shape(const Attrs& attrs,
-                               std::vector<std::vector<unsigned int>>* in_shapes,
-                               std::vector<std::vector<unsigned int>>* out_shapes) {
+int64_t elements(const std::vector<unsigned int>& shape) {
+  int64_t size = 1;
+  for (unsigned int d : shape) size *= d;
+  return size;
+}
+
+MXReturnValue onebit_worker_shape(const Attrs& attrs,
+                                  std::vector<std::vector<unsigned int>>* in_shapes,
+                                  std::vector<std::vector<unsigned int>>* out_shapes) {
+  const int64_t size = elements((*in_shapes)[0]);
+  if (size == 0 || elements((*in_shapes)[1]) != size || elements((*in_shapes)[2]) != size) {
+    MX_ERROR_MSG << "dg_onebit_worker: the gradient, momentum and error must have the same "
+                    "(non-zero) size";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {static_cast<unsigned int>((size + kSignBits - 1) / kSignBits + 1)};
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_worker_mutates(const Attrs& attrs, std::vector<int>* input_indices) {
+  input_indices->push_back(1);   // momentum
+  input_indices->push_back(2);   // error
+  return MX_SUCCESS;
+}
+
+// The server's turn on every worker: the messages decompressed and added in rank order,
+// the server's error, its reply compressed and decompressed:
+//     q = sum_r (bit_r ? -scale_r : scale_r) [+ e or + ratio * e];
+//     result = q < 0 ? -scale(q) : scale(q);  e = q - result
+template <typename T>
+MXReturnValue onebit_server_as(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                               std::vector<MXTensor>* outputs) {
+  MXTensor& rows = (*inputs)[0];
+  const float* message = rows.data<float>();
+  T* e = (*inputs)[1].data<T>();
+  T* out = (*outputs)[0].data<T>();
+  const int64_t n_rows = rows.shape[0], width = rows.shape[1], n_words = width - 1;
+  const int64_t size = (*outputs)[0].size();
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const float* row = message + r * width;
+    const T up = static_cast<T>(row[n_words]), down = static_cast<T>(-row[n_words]);
+    for (int64_t w = 0; w < n_words; ++w) {
+      const uint32_t bits = static_cast<uint32_t>(row[w]);
+      const int64_t lo = w * kSignBits, len = std::min<int64_t>(size - lo, kSignBits);
+      T* o = out + lo;
+      if (r == 0) {
+        for (int64_t i = 0; i < len; ++i) o[i] = (bits >> i) & 1u ? down : up;
+      } else {
+        for (int64_t i = 0; i < len; ++i) o[i] = o[i] + ((bits >> i) & 1u ? down : up);
+      }
+    }
+  }
+  const bool ef = attr_int(attrs, "ef");
+  const double ratio_d = attr_float(attrs, "ratio");
+  const T ratio = static_cast<T>(ratio_d);
+  if (ef) {
+    for (int64_t i = 0; i < size; ++i) {
+      out[i] = ratio_d == 1.0 ? out[i] + e[i] : out[i] + ratio * e[i];
+    }
+  }
+  const float scale = onebit_scale(out, size, attr_int(attrs, "scaling"));
+  const T up = static_cast<T>(scale), down = static_cast<T>(-scale);
+  for (int64_t i = 0; i < size; ++i) {
+    const T q = out[i], result = q < 0 ? down : up;
+    if (ef) e[i] = q - result;
+    out[i] = result;
+  }
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_server_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                    std::vector<MXTensor>* outputs, const OpResource& res) {
+  if ((*outputs)[0].dtype == kFloat64) return onebit_server_as<double>(attrs, inputs, outputs);
+  return onebit_server_as<float>(attrs, inputs, outputs);
+}
+
+MXReturnValue onebit_server_parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = 2;
+  *num_out = 1;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_server_type(const Attrs& attrs, std::vector<int>* in_types,
+                                 std::vector<int>* out_types) {
+  const int dtype = attrs.at("dtype") == "float64" ? kFloat64 : kFloat32;
+  if ((*in_types)[0] != kFloat32 || (*in_types)[1] != dtype) {
+    MX_ERROR_MSG << "dg_onebit_server: the messages must be float32 and the server's "
+                    "error of the gradient's dtype";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = dtype;
+  return MX_SUCCESS;
+}
+
+MXReturnValue onebit_server_shape(const Attrs& attrs,
+                                  std::vector<std::vector<unsigned int>>* in_shapes,
+                                  std::vector<std::vector<unsigned int>>* out_shapes) {
   const std::vector<unsigned int>& rows = (*in_shapes)[0];
   const int64_t size = attr_int(attrs, "size");
   if (rows.size() != 2 || rows[0] < 1 ||
-      static_cast<int64_t>(rows[1]) != (size + kSignBits - 1) / kSignBits + 1) {
-    MX_ERROR_MSG << "dg_onebit_decompress_sum: rows must be (workers, words + 1) for "
-                 << size << " elements";
+      static_cast<int64_t>(rows[1]) != (size + kSignBits - 1) / kSignBits + 1 ||
+      elements((*in_shapes)[1]) != size) {
+    MX_ERROR_MSG << "dg_onebit_server: rows must be (workers, words + 1) and the server's "
+                 << "error " << size << " elements";
     return MX_FAIL;
   }
   (*out_shapes)[0] = {static_cast<unsigned int>(size)};
   return MX_SUCCESS;
 }
 
+MXReturnValue onebit_server_mutates(const Attrs& attrs, std::vector<int>* input_indices) {
+  input_indices->push_back(1);   // the server's error
+  return MX_SUCCESS;
+}
 
 // ------------------------------------------------------------------ exact float64 sums
 MXReturnValue split_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
@@ -475,17 +544,19 @@ REGISTER_OP(dg_twobit_dequantize)
 .setInferType(dequantize_type)
 .setInferShape(dequantize_shape);
 
-REGISTER_OP(dg_onebit_compress)
-.setForward(onebit_compress_forward, "cpu")
-.setParseAttrs(onebit_compress_parse)
-.setInferType(onebit_compress_type)
-.setInferShape(onebit_compress_shape);
+REGISTER_OP(dg_onebit_worker)
+.setForward(onebit_worker_forward, "cpu")
+.setParseAttrs(onebit_worker_parse)
+.setInferType(onebit_worker_type)
+.setInferShape(onebit_worker_shape)
+.setMutateInputs(onebit_worker_mutates);
 
-REGISTER_OP(dg_onebit_decompress_sum)
-.setForward(onebit_sum_forward, "cpu")
-.setParseAttrs(onebit_sum_parse)
-.setInferType(onebit_sum_type)
-.setInferShape(onebit_sum_shape);
+REGISTER_OP(dg_onebit_server)
+.setForward(onebit_server_forward, "cpu")
+.setParseAttrs(onebit_server_parse)
+.setInferType(onebit_server_type)
+.setInferShape(onebit_server_shape)
+.setMutateInputs(onebit_server_mutates);
 
 REGISTER_OP(dg_float64_split)
 .setForward(split_forward, "cpu")

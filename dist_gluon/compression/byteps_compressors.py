@@ -56,9 +56,10 @@ On the wire (through the backend's sum, the collective every backend has):
   ``bit_length(2 * levels)`` bits (dithering: a signed level), plus the scale; every
   worker writes its row of a zero (workers x words) buffer and the sum is every
   worker's row: an allgather. Per element: N/24 float32 words for onebit, against 1.
-  On the CPU, onebit's packing and its decompress-and-sum are the fused kernels of
-  :mod:`._kernels` (one pass each, where the stock operators need about ten; the same
-  words and values, so workers with and without them work together).
+  On the CPU, onebit's step (momentum, error feedback, packing; the server's
+  decompress-and-sum, error feedback and reply) is two fused kernels of
+  :mod:`._kernels`, where the stock operators need about thirty passes over memory:
+  the same words and values, so workers with and without them work together.
 * topk and randomk: the ``k`` (index, value) pairs of every worker, gathered the same
   way: 2 N k numbers against the tensor's size. The server's sum needs each worker's
   pairs decompressed separately (duplicate indices of randomk are one value, not a
@@ -439,11 +440,43 @@ class OneBit(BytePSCompressor):
             scaling = scaling.lower() in ("true", "1")
         self.scaling = bool(scaling)
         self.params = {"scaling": self.scaling, **self.params}
+        self._buffers: dict = {}
+
+    def _reduce_compressed(self, kv, index, key, grad, priority) -> None:
+        if not _fused(grad):
+            super()._reduce_compressed(kv, index, key, grad, priority)
+            return
+        # the same step in two fused kernels (._kernels), state kept from zeros
+        state = self._state(index).on(grad.context)
+        g = grad.reshape((-1,))
+        ratio = self._ratio(state) if self.ef else 1.0
+        if self.momentum and state.momentum is None:
+            state.momentum = mx.nd.zeros_like(g)
+        if self.ef and state.error is None:
+            state.error = mx.nd.zeros_like(g)
+        if self.ef and state.server_error is None:
+            state.server_error = mx.nd.zeros_like(g)
+        flags = {"ef": int(bool(self.ef)), "ratio": ratio, "scaling": int(self.scaling)}
+        message = mx.nd.dg_onebit_worker(
+            g, state.momentum if self.momentum else self._scratch(g, "momentum"),
+            state.error if self.ef else self._scratch(g, "p"),
+            momentum=int(bool(self.momentum)), mu=self.momentum_mu or 0.0, **flags)
+        rows = self._gather(kv, key, message, priority)
+        mx.nd.dg_onebit_server(
+            rows, state.server_error if self.ef else self._scratch(g, "server"),
+            size=g.size, dtype=np.dtype(g.dtype).name, out=g, **flags)
+        state.steps += 1
+
+    def _scratch(self, like: mx.nd.NDArray, role: str) -> mx.nd.NDArray:
+        """A buffer of ``like``'s size for a kernel's unused state (no momentum or no
+        error feedback), one per role, size, dtype and device."""
+        key = (role, like.size, np.dtype(like.dtype).name, like.context)
+        if key not in self._buffers:
+            self._buffers[key] = mx.nd.zeros((like.size,), ctx=like.context,
+                                             dtype=like.dtype)
+        return self._buffers[key]
 
     def _compress(self, p, stream, step, pack=True):
-        if _fused(p):
-            message, sent = mx.nd.dg_onebit_compress(p, scaling=int(self.scaling))
-            return (message if pack else None), sent
         negative = (p < 0).astype("float32")
         if self.scaling:
             scale = (_sum64(mx.nd.abs(p)) / p.size).astype("float32")
@@ -459,12 +492,6 @@ class OneBit(BytePSCompressor):
         bits = _unpack(rows[:, :-1], 1, like.size)
         values = mx.nd.broadcast_mul(1.0 - 2.0 * bits, rows[:, -1].reshape((-1, 1)))
         return values.astype(like.dtype, copy=False)
-
-    def _decompress_sum(self, rows, like):
-        if _fused(like):
-            return mx.nd.dg_onebit_decompress_sum(rows, size=like.size,
-                                                  dtype=np.dtype(like.dtype).name)
-        return super()._decompress_sum(rows, like)
 
     def _gather(self, kv, key, message, priority):
         # the signs' words, then the scale: one message, one collective
