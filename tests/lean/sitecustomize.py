@@ -16,8 +16,10 @@ dist_gluon and runs a hybridized layer, 3.0 s -> 0.8 s of CPU on this machine):
   bound at import to a small function that, when first called, asks MXNet's own
   ``make_op_func`` for the real one and then forwards to it: the same code runs, built
   later. Until then the docstring is a one-line stand-in.
-- **requests loaded on first use** (``importlib.util.LazyLoader``): mxnet.gluon.utils
-  imports it for its downloads, which the tests never make.
+- **distutils from the standard library**, not setuptools' copy (see below).
+- **requests loaded on first use** (a stand-in module that runs the real one when one
+  of its names is first looked up): mxnet.gluon.utils and mxnet.test_utils import it
+  for their downloads, which the tests never make.
 
 ``DG_TESTS_EAGER_IMPORT=1`` in the test's environment leaves out the other two (MXNet's
 import as users have it, e.g. to rule them out when a test fails). P3's workers always
@@ -26,9 +28,11 @@ while keys are created (benchmarks/FINDINGS.md 12), and the other timing of the 
 steps made it more frequent (the compression cases under load, 2026-11-26: 4 crashes in
 36 runs with the operators made on first use, none in 36 without).
 """
+import importlib.machinery
 import importlib.util
 import os
 import sys
+import types
 
 _HIDDEN = ("scipy", "cv2")
 
@@ -76,10 +80,40 @@ class _Deferred:
         if spec is None or spec.loader is None:
             return spec
         if name == "requests":
-            spec.loader = importlib.util.LazyLoader(spec.loader)
-        else:
-            spec.loader = _PatchedBase(spec.loader)
+            return importlib.machinery.ModuleSpec(name, _StubLoader(spec), origin=spec.origin,
+                                                  is_package=True)
+        spec.loader = _PatchedBase(spec.loader)
         return spec
+
+
+class _Stub(types.ModuleType):
+    """A module that runs the real one when a name other than a module's own dunders
+    is first looked up in it (``importlib.util.LazyLoader`` runs it on any lookup, and
+    an ``import requests`` of a module already imported looks up ``__spec__``, so
+    MXNet's second import of requests loaded it after all)."""
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        real_spec = self.__dict__["_dg_real_spec"]
+        real = importlib.util.module_from_spec(real_spec)
+        sys.modules[real_spec.name] = real
+        real_spec.loader.exec_module(real)
+        self.__dict__.update(real.__dict__)      # for those who hold the stub
+        return getattr(real, name)
+
+
+class _StubLoader:
+    def __init__(self, real_spec):
+        self.real_spec = real_spec
+
+    def create_module(self, spec):
+        module = _Stub(spec.name)
+        module.__dict__["_dg_real_spec"] = self.real_spec
+        return module
+
+    def exec_module(self, module):
+        pass
 
 
 class _PatchedBase:
@@ -107,6 +141,11 @@ class _PatchedBase:
         module._init_np_op_module = _init_np_op_module
 
 
+# MXNet imports distutils (numpy_dispatch_protocol's LooseVersion); setuptools' shim
+# would hand it setuptools' copy, importing setuptools (0.15 s of CPU): the standard
+# library's, as without setuptools (setuptools itself puts its own back when imported)
+if "_distutils_hack" in sys.modules:
+    sys.modules["_distutils_hack"].remove_shim()
 if os.environ.get("DG_TESTS_WITH_SCIPY") != "1":
     sys.meta_path.insert(0, _Hidden())
 if os.environ.get("DG_TESTS_EAGER_IMPORT") != "1" and os.environ.get("DG_BACKEND") != "p3":
