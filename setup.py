@@ -16,8 +16,8 @@ setup(
                 "ps-lite (dist_sync) and P3 with one training script.",
     packages=find_packages(include=["dist_gluon", "dist_gluon.*"]),
     # the fused codec kernels' source, compiled on the user's machine at first use (or by
-    # `python -m dist_gluon.compression._kernels`)
-    package_data={"dist_gluon.compression": ["_kernels.cc"]},
+    # `python -m dist_gluon._kernels`)
+    package_data={"dist_gluon": ["_kernels.cc"]},
     # 3.10: zip(strict=True). Below 3.12: MXNet 1.9 needs numpy<1.24, which has no
     # wheels for Python 3.12 or later (and does not build there).
     python_requires=">=3.10,<3.12",

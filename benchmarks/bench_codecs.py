@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import report  # noqa: E402
 from dist_gluon import compression  # noqa: E402
-from dist_gluon.compression import _kernels, byteps_compressors, twobit  # noqa: E402
+from dist_gluon import _kernels  # noqa: E402
+from dist_gluon.compression import byteps_compressors, twobit  # noqa: E402
 
 
 class NoNetwork:

@@ -796,7 +796,7 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             "GB/s of float32 gradient (10^9 bytes) that a codec's `reduce` processes, "
             "and the milliseconds it takes, on a kvstore whose sum does nothing (one "
             "process, OMP_NUM_THREADS=1): the codec's own CPU time per step on each "
-            "worker. *2bit* runs on the fused kernels (dist_gluon/compression/"
+            "worker. *2bit* runs on the fused kernels (dist_gluon/"
             "_kernels.cc, loaded with `mx.library.load`)"
             + ("" if codecs.get("fused_kernels", True) else
                " -- **which did not load on this machine, so it ran on stock operators**")

@@ -381,7 +381,7 @@ def test_pslites_float64_pieces_from_the_fused_kernels_are_the_operators(workers
     the fused kernels: the pieces and the rank-ordered sum of the stock operators'
     arithmetic (hi = float(x), mid = float(x - hi), lo = float(x - hi - mid)), to the
     bit, over float32's whole range."""
-    from dist_gluon.compression import _kernels
+    from dist_gluon import _kernels
     if not _kernels.available():
         pytest.skip("the fused kernels could not be built here (no g++?)")
     rng = np.random.RandomState(workers)

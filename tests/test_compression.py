@@ -391,7 +391,8 @@ def test_onebits_fused_kernels_give_the_operators_words_and_values(dtype, size, 
     """BytePS's onebit through the fused kernels and through MXNet's stock operators:
     the same messages on the wire, the same summed gradient and the same state, step
     after step (with a learning rate that changes: error feedback's ratio)."""
-    from dist_gluon.compression import _kernels, byteps_compressors as bc
+    from dist_gluon import _kernels
+    from dist_gluon.compression import byteps_compressors as bc
     if not _kernels.available():
         pytest.skip("the fused kernels could not be built here (no g++?)")
     rng = np.random.RandomState(size)

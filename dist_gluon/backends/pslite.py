@@ -24,7 +24,7 @@ import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import jobcontrol
-from ..compression import _kernels
+from .. import _kernels
 from ..async_updates import ServerOptimizer, collective_key, model_key, refuse_script_optimizer
 from .base import Backend, report_connect
 
@@ -331,7 +331,7 @@ class DistSync(Backend):
             wire = self._exact_buffer(name, arr)
             wires.append(wire)
             if fused and arr.context.device_type == "cpu":
-                # the same pieces in one pass (compression/_kernels.cc)
+                # the same pieces in one pass (dist_gluon/_kernels.cc)
                 mx.nd.dg_float64_split(flat, workers=self._num_workers, rank=self.rank,
                                        out=wire)
                 continue

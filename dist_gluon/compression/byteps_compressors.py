@@ -58,7 +58,7 @@ On the wire (through the backend's sum, the collective every backend has):
   worker's row: an allgather. Per element: N/24 float32 words for onebit, against 1.
   On the CPU, onebit's step (momentum, error feedback, packing; the server's
   decompress-and-sum, error feedback and reply) is two fused kernels of
-  :mod:`._kernels`, where the stock operators need about thirty passes over memory:
+  :mod:`dist_gluon._kernels`, where the stock operators need about thirty passes over memory:
   the same words and values, so workers with and without them work together.
 * topk and randomk: the ``k`` (index, value) pairs of every worker, gathered the same
   way: 2 N k numbers against the tensor's size. The server's sum needs each worker's
@@ -80,7 +80,7 @@ from typing import Any
 import mxnet as mx
 import numpy as np
 
-from . import _kernels
+from .. import _kernels
 from .base import Codec, check_number, plain_sum
 
 # bits of a float32 word that a sum of zeros and one integer keeps exactly
@@ -155,7 +155,7 @@ _POWERS: dict = {}
 
 
 def _fused(x: mx.nd.NDArray) -> bool:
-    """Whether ``x`` goes through the fused kernels (:mod:`._kernels`): float32 or
+    """Whether ``x`` goes through the fused kernels (:mod:`dist_gluon._kernels`): float32 or
     float64 on the CPU, where they could be built."""
     return (x.context.device_type == "cpu"
             and np.dtype(x.dtype) in (np.float32, np.float64) and _kernels.available())
@@ -446,7 +446,7 @@ class OneBit(BytePSCompressor):
         if not _fused(grad):
             super()._reduce_compressed(kv, index, key, grad, priority)
             return
-        # the same step in two fused kernels (._kernels), state kept from zeros
+        # the same step in two fused kernels (dist_gluon._kernels), state kept from zeros
         state = self._state(index).on(grad.context)
         g = grad.reshape((-1,))
         ratio = self._ratio(state) if self.ef else 1.0

@@ -42,7 +42,7 @@ import math
 import mxnet as mx
 import numpy as np
 
-from . import _kernels
+from .. import _kernels
 from .base import Codec, check_number, exact_integers, plain_sum
 
 # the largest integer float32 holds exactly is 2**24: a packed chunk stays below it
@@ -220,7 +220,7 @@ class Packing:
         return -(-size // self.per_word)
 
     def fused(self, grad: mx.nd.NDArray) -> bool:
-        """Whether ``grad`` goes through the fused kernels (:mod:`._kernels`)."""
+        """Whether ``grad`` goes through the fused kernels (:mod:`dist_gluon._kernels`)."""
         return self.fused_for(grad.dtype, grad.context)
 
     def fused_for(self, dtype, ctx) -> bool:

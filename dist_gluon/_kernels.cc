@@ -1,4 +1,5 @@
-// Fused 2-bit kernels for dist_gluon's compression, loaded with mx.library.load
+// Fused kernels of dist_gluon's per-step path (2-bit and onebit codecs, ps-lite's exact
+// float64 sum), loaded with mx.library.load
 // (MXNet's custom-operator library API, lib_api.h of the installed wheel).
 //
 // dg_twobit_quantize(grad, residual) -> words   (residual updated in place)

@@ -1,13 +1,14 @@
-"""The fused codec kernels (_kernels.cc), compiled once per machine with the system C++
-compiler and loaded with ``mx.library.load``; None where they cannot be (no compiler,
-no ``lib_api.h`` in the MXNet wheel, ``DG_COMPRESSION_KERNELS=0``), and the codecs then
-run on MXNet's stock operators, with the same results. ps-lite's exact float64 sum
-(backends/pslite.py) splits and adds its float32 pieces with two of them as well.
+"""The fused kernels (_kernels.cc) of the per-step path: the 2-bit and onebit codecs
+(compression/) and ps-lite's exact float64 sum (backends/pslite.py). Compiled once per
+machine with the system C++ compiler and loaded with ``mx.library.load``; where they
+cannot be (no compiler, no ``lib_api.h`` in the MXNet wheel,
+``DG_COMPRESSION_KERNELS=0``), those run on MXNet's stock operators, with the same
+results.
 
 The library is built under ``$DG_KERNEL_CACHE`` (default ``~/.cache/dist_gluon``), in a
 folder named after a hash of the source and of MXNet's version, under a file lock, so
-the workers of a job build it once between them; ``python -m
-dist_gluon.compression._kernels`` builds it ahead (as ``make setup`` can).
+the workers of a job build it once between them; ``python -m dist_gluon._kernels``
+builds it ahead (as ``make setup`` does).
 """
 from __future__ import annotations
 
