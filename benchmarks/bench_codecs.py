@@ -35,9 +35,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import report  # noqa: E402
-from dist_gluon import compression  # noqa: E402
-from dist_gluon import _kernels  # noqa: E402
-from dist_gluon.compression import byteps_compressors, twobit  # noqa: E402
+from dist_gluon import _kernels, compression  # noqa: E402
 
 
 class NoNetwork:
@@ -77,14 +75,13 @@ def codec_seconds(spec, shapes, reps: int, fused: bool = True) -> float:
     indices = list(range(len(grads)))
     keys = [f"g.{i}" for i in indices]
     kv = NoNetwork()
-    saved = twobit.Packing.fused_for, byteps_compressors._fused
+    saved = _kernels.serves
     if not fused:
-        twobit.Packing.fused_for = lambda self, dtype, ctx: False
-        byteps_compressors._fused = lambda x: False
+        _kernels.serves = lambda dtype, ctx: False
     try:
         return timed(lambda: codec.reduce(kv, indices, keys, grads, 0), reps)
     finally:
-        twobit.Packing.fused_for, byteps_compressors._fused = saved
+        _kernels.serves = saved
 
 
 def mxnet_2bit_seconds(shapes, reps: int) -> float:

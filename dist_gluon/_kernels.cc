@@ -47,6 +47,20 @@ double attr_float(const Attrs& attrs, const char* name) {
   return std::stod(attrs.at(name));
 }
 
+int64_t elements(const std::vector<unsigned int>& shape) {
+  int64_t size = 1;
+  for (unsigned int d : shape) size *= d;
+  return size;
+}
+
+// every operator's parseAttrs: its numbers of inputs and outputs
+template <int In, int Out>
+MXReturnValue parse(const Attrs& attrs, int* num_in, int* num_out) {
+  *num_in = In;
+  *num_out = Out;
+  return MX_SUCCESS;
+}
+
 const int64_t kBlock = 256;   // words packed at once: their fields stay in L1
 
 template <typename T, typename W>
@@ -142,12 +156,6 @@ MXReturnValue quantize_forward(const Attrs& attrs, std::vector<MXTensor>* inputs
   return quantize_as<float>(attrs, inputs, outputs);
 }
 
-MXReturnValue quantize_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 2;
-  *num_out = 1;
-  return MX_SUCCESS;
-}
-
 MXReturnValue quantize_type(const Attrs& attrs, std::vector<int>* in_types,
                             std::vector<int>* out_types) {
   const int carrier = attrs.at("carrier") == "int32" ? kInt32 : kFloat32;
@@ -162,11 +170,8 @@ MXReturnValue quantize_type(const Attrs& attrs, std::vector<int>* in_types,
 MXReturnValue quantize_shape(const Attrs& attrs,
                              std::vector<std::vector<unsigned int>>* in_shapes,
                              std::vector<std::vector<unsigned int>>* out_shapes) {
-  int64_t size = 1;
-  for (unsigned int d : (*in_shapes)[0]) size *= d;
-  int64_t residual = 1;
-  for (unsigned int d : (*in_shapes)[1]) residual *= d;
-  if (residual != size) {
+  const int64_t size = elements((*in_shapes)[0]);
+  if (elements((*in_shapes)[1]) != size) {
     MX_ERROR_MSG << "dg_twobit_quantize: the residual must have the gradient's size";
     return MX_FAIL;
   }
@@ -185,12 +190,6 @@ MXReturnValue dequantize_forward(const Attrs& attrs, std::vector<MXTensor>* inpu
                                  std::vector<MXTensor>* outputs, const OpResource& res) {
   if ((*outputs)[0].dtype == kFloat64) return dequantize_as<double>(attrs, inputs, outputs);
   return dequantize_as<float>(attrs, inputs, outputs);
-}
-
-MXReturnValue dequantize_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 1;
-  *num_out = 1;
-  return MX_SUCCESS;
 }
 
 MXReturnValue dequantize_type(const Attrs& attrs, std::vector<int>* in_types,
@@ -292,12 +291,6 @@ MXReturnValue onebit_worker_forward(const Attrs& attrs, std::vector<MXTensor>* i
   return onebit_worker_as<float>(attrs, inputs, outputs);
 }
 
-MXReturnValue onebit_worker_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 3;
-  *num_out = 1;
-  return MX_SUCCESS;
-}
-
 MXReturnValue onebit_worker_type(const Attrs& attrs, std::vector<int>* in_types,
                                  std::vector<int>* out_types) {
   const int dtype = (*in_types)[0];
@@ -308,12 +301,6 @@ MXReturnValue onebit_worker_type(const Attrs& attrs, std::vector<int>* in_types,
   }
   (*out_types)[0] = kFloat32;
   return MX_SUCCESS;
-}
-
-int64_t elements(const std::vector<unsigned int>& shape) {
-  int64_t size = 1;
-  for (unsigned int d : shape) size *= d;
-  return size;
 }
 
 MXReturnValue onebit_worker_shape(const Attrs& attrs,
@@ -386,12 +373,6 @@ MXReturnValue onebit_server_forward(const Attrs& attrs, std::vector<MXTensor>* i
   return onebit_server_as<float>(attrs, inputs, outputs);
 }
 
-MXReturnValue onebit_server_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 2;
-  *num_out = 1;
-  return MX_SUCCESS;
-}
-
 MXReturnValue onebit_server_type(const Attrs& attrs, std::vector<int>* in_types,
                                  std::vector<int>* out_types) {
   const int dtype = attrs.at("dtype") == "float64" ? kFloat64 : kFloat32;
@@ -452,12 +433,6 @@ MXReturnValue split_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
   return MX_SUCCESS;
 }
 
-MXReturnValue split_parse(const Attrs& attrs, int* num_in, int* num_out) {
-  *num_in = 1;
-  *num_out = 1;
-  return MX_SUCCESS;
-}
-
 MXReturnValue split_type(const Attrs& attrs, std::vector<int>* in_types,
                          std::vector<int>* out_types) {
   if ((*in_types)[0] != kFloat64) {
@@ -471,8 +446,7 @@ MXReturnValue split_type(const Attrs& attrs, std::vector<int>* in_types,
 MXReturnValue split_shape(const Attrs& attrs,
                           std::vector<std::vector<unsigned int>>* in_shapes,
                           std::vector<std::vector<unsigned int>>* out_shapes) {
-  int64_t size = 1;
-  for (unsigned int d : (*in_shapes)[0]) size *= d;
+  const int64_t size = elements((*in_shapes)[0]);
   const int64_t workers = attr_int(attrs, "workers"), rank = attr_int(attrs, "rank");
   if (workers < 1 || rank < 0 || rank >= workers) {
     MX_ERROR_MSG << "dg_float64_split: rank " << rank << " of " << workers << " workers";
@@ -534,40 +508,40 @@ MXReturnValue combine_shape(const Attrs& attrs,
 
 REGISTER_OP(dg_twobit_quantize)
 .setForward(quantize_forward, "cpu")
-.setParseAttrs(quantize_parse)
+.setParseAttrs(parse<2, 1>)
 .setInferType(quantize_type)
 .setInferShape(quantize_shape)
 .setMutateInputs(quantize_mutates);
 
 REGISTER_OP(dg_twobit_dequantize)
 .setForward(dequantize_forward, "cpu")
-.setParseAttrs(dequantize_parse)
+.setParseAttrs(parse<1, 1>)
 .setInferType(dequantize_type)
 .setInferShape(dequantize_shape);
 
 REGISTER_OP(dg_onebit_worker)
 .setForward(onebit_worker_forward, "cpu")
-.setParseAttrs(onebit_worker_parse)
+.setParseAttrs(parse<3, 1>)
 .setInferType(onebit_worker_type)
 .setInferShape(onebit_worker_shape)
 .setMutateInputs(onebit_worker_mutates);
 
 REGISTER_OP(dg_onebit_server)
 .setForward(onebit_server_forward, "cpu")
-.setParseAttrs(onebit_server_parse)
+.setParseAttrs(parse<2, 1>)
 .setInferType(onebit_server_type)
 .setInferShape(onebit_server_shape)
 .setMutateInputs(onebit_server_mutates);
 
 REGISTER_OP(dg_float64_split)
 .setForward(split_forward, "cpu")
-.setParseAttrs(split_parse)
+.setParseAttrs(parse<1, 1>)
 .setInferType(split_type)
 .setInferShape(split_shape);
 
 REGISTER_OP(dg_float64_combine)
 .setForward(combine_forward, "cpu")
-.setParseAttrs(split_parse)
+.setParseAttrs(parse<1, 1>)
 .setInferType(combine_type)
 .setInferShape(combine_shape);
 

@@ -23,6 +23,7 @@ import warnings
 from pathlib import Path
 
 import mxnet as mx
+import numpy as np
 
 _SOURCE = Path(__file__).with_name("_kernels.cc")
 _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_worker",
@@ -44,6 +45,13 @@ def available() -> bool:
         if os.environ.get("DG_COMPRESSION_KERNELS", "1") != "0":
             _loaded = _load()
     return _loaded
+
+
+def serves(dtype, ctx) -> bool:
+    """Whether an array of ``dtype`` on ``ctx`` goes through the kernels: float32 or
+    float64 on the CPU, where they could be built (loading them on first use)."""
+    return (ctx.device_type == "cpu" and np.dtype(dtype) in (np.float32, np.float64)
+            and available())
 
 
 def _load() -> bool:

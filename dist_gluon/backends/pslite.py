@@ -23,8 +23,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
-from .. import jobcontrol
-from .. import _kernels
+from .. import _kernels, jobcontrol
 from ..async_updates import ServerOptimizer, collective_key, model_key, refuse_script_optimizer
 from .base import Backend, report_connect
 
@@ -325,12 +324,11 @@ class DistSync(Backend):
         a smaller value falls below float32's smallest normal; infinities come back as
         NaN). 12 bytes per element and worker instead of 8, and no copy to the host."""
         wires = []
-        fused = _kernels.available()
         for name, arr in zip(names, arrays):
             flat = arr.reshape((-1,))
             wire = self._exact_buffer(name, arr)
             wires.append(wire)
-            if fused and arr.context.device_type == "cpu":
+            if _kernels.serves(arr.dtype, arr.context):
                 # the same pieces in one pass (dist_gluon/_kernels.cc)
                 mx.nd.dg_float64_split(flat, workers=self._num_workers, rank=self.rank,
                                        out=wire)
@@ -343,7 +341,7 @@ class DistSync(Backend):
                                 mx.nd.stack(hi, mid, lo).expand_dims(0), out=wire)
         self._allreduce_([f"{name}.exact" for name in names], wires, priority)
         for arr, wire in zip(arrays, wires):
-            if fused and arr.context.device_type == "cpu":
+            if _kernels.serves(arr.dtype, arr.context):
                 mx.nd.dg_float64_combine(wire, out=arr.reshape((-1,)))
                 continue
             wide = wire.astype("float64")              # (workers, 3, size)

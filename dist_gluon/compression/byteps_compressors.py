@@ -154,13 +154,6 @@ def uniforms(count: int, stream: int, step: int, ctx) -> mx.nd.NDArray:
 _POWERS: dict = {}
 
 
-def _fused(x: mx.nd.NDArray) -> bool:
-    """Whether ``x`` goes through the fused kernels (:mod:`dist_gluon._kernels`): float32 or
-    float64 on the CPU, where they could be built."""
-    return (x.context.device_type == "cpu"
-            and np.dtype(x.dtype) in (np.float32, np.float64) and _kernels.available())
-
-
 def _powers(width: int, ctx) -> mx.nd.NDArray:
     """2**(width * j) for the fields j of a word, float32 (made once per width and
     device)."""
@@ -335,7 +328,8 @@ class BytePSCompressor(Codec):
             state.error = p - sent
         # 4: every worker's message, decompressed and summed as the server does
         rows = self._gather(kv, key, message, priority)
-        total = self._decompress_sum(rows, g)
+        dense = self._decompress_rows(rows, g)
+        total = mx.nd.add_n(*[dense[i] for i in range(dense.shape[0])])
         # 5: the server compresses the sum for the reply
         q = total
         if self.ef and state.server_error is not None:
@@ -362,11 +356,6 @@ class BytePSCompressor(Codec):
 
     def _decompress_rows(self, rows: tuple, like: mx.nd.NDArray) -> mx.nd.NDArray:
         raise NotImplementedError
-
-    def _decompress_sum(self, rows: tuple, like: mx.nd.NDArray) -> mx.nd.NDArray:
-        """The sum of every worker's decompressed message, in rank order."""
-        dense = self._decompress_rows(rows, like)
-        return mx.nd.add_n(*[dense[i] for i in range(dense.shape[0])])
 
     def _gather(self, kv, key: str, message: tuple, priority: int) -> tuple:
         return tuple(_allgather(kv, f"{key}.{self.name}{i}", part, priority)
@@ -443,7 +432,7 @@ class OneBit(BytePSCompressor):
         self._buffers: dict = {}
 
     def _reduce_compressed(self, kv, index, key, grad, priority) -> None:
-        if not _fused(grad):
+        if not _kernels.serves(grad.dtype, grad.context):
             super()._reduce_compressed(kv, index, key, grad, priority)
             return
         # the same step in two fused kernels (dist_gluon._kernels), state kept from zeros

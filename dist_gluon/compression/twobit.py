@@ -224,8 +224,7 @@ class Packing:
         return self.fused_for(grad.dtype, grad.context)
 
     def fused_for(self, dtype, ctx) -> bool:
-        return (self.use_kernels and ctx.device_type == "cpu"
-                and np.dtype(dtype) in (np.float32, np.float64) and _kernels.available())
+        return self.use_kernels and _kernels.serves(dtype, ctx)
 
     def encode(self, grad: mx.nd.NDArray, residual: mx.nd.NDArray, threshold: float,
                wire: mx.nd.NDArray, scratch: Scratch, fused: bool | None = None) -> None:
