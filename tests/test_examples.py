@@ -27,8 +27,15 @@ def run(script: str, *args: str, backend: str | None, cwd, timeout: float = 240)
                    backend, "--", *command]
     # the ImageNet example runs gluoncv, which needs SciPy and OpenCV (conftest.py)
     env = process_env(gluoncv=script.startswith("imagenet/"))
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        # what the job printed before it was killed: where it hung
+        out, errs = (text.decode(errors="replace") if isinstance(text, bytes) else text or ""
+                     for text in (err.stdout, err.stderr))
+        pytest.fail(f"{script} did not end within {timeout} s\n--- stdout\n{out[-4000:]}"
+                    f"\n--- stderr\n{errs[-4000:]}")
 
 
 def rank0_lines(proc, distributed: bool = True) -> list[str]:
