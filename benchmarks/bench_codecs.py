@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     cases = {"matrix": matrix, "resnet50": [tuple(s) for s in json.loads(
         args.shapes.read_text())]}
     twobit_spec = {"type": "2bit", "threshold": 0.5}
+    powersgd_spec = {"type": "powersgd", "rank": 4}
     # BytePS's example's flags: scaling, error feedback, Nesterov momentum
     onebit_spec = {"type": "onebit", "scaling": True, "ef": "vanilla",
                    "momentum": "nesterov", "momentum_mu": 0.9}
@@ -128,8 +129,9 @@ def main(argv=None) -> int:
         "2bit": lambda shapes: codec_seconds(twobit_spec, shapes, reps),
         "2bit operators": lambda shapes: codec_seconds(twobit_spec, shapes, reps,
                                                        fused=False),
-        "powersgd": lambda shapes: codec_seconds({"type": "powersgd", "rank": 4}, shapes,
-                                                 reps),
+        "powersgd": lambda shapes: codec_seconds(powersgd_spec, shapes, reps),
+        "powersgd operators": lambda shapes: codec_seconds(powersgd_spec, shapes, reps,
+                                                           fused=False),
         "fp16": lambda shapes: codec_seconds("fp16", shapes, reps),
         "onebit": lambda shapes: codec_seconds(onebit_spec, shapes, reps),
         "onebit operators": lambda shapes: codec_seconds(onebit_spec, shapes, reps,

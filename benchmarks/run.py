@@ -15,9 +15,9 @@
 3. Scaling: samples/s of examples/mnist/train_gluon.py with 1 and 2 workers.
 4. SyncBatchNorm: the training step of ResNet-18 with dg.SyncBatchNorm against
    nn.BatchNorm, 2 workers (bench_syncbn.py).
-5. Codecs: GB/s of gradient that each compression codec processes on one core (2-bit
-   fused and on stock operators, PowerSGD, fp16, BytePS's onebit fused and on stock
-   operators) on a 4096 x 25088 matrix and on
+5. Codecs: GB/s of gradient that each compression codec processes on one core (2-bit,
+   PowerSGD and BytePS's onebit fused and on stock operators, fp16) on a 4096 x 25088
+   matrix and on
    ResNet-50's gradients, beside MXNet's own C++ 2-bit and a memory copy
    (bench_codecs.py, one process).
 
@@ -374,8 +374,8 @@ def run_syncbn(cfg, timeout: float) -> dict:
 
 
 # --------------------------------------------------------------------------- part 5
-CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "fp16", "onebit", "onebit operators",
-              "mxnet 2bit", "memory copy")
+CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "powersgd operators", "fp16", "onebit",
+              "onebit operators", "mxnet 2bit", "memory copy")
 
 
 def run_codecs(cfg, workdir: Path, timeout: float) -> dict:
@@ -801,8 +801,9 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             + ("" if codecs.get("fused_kernels", True) else
                " -- **which did not load on this machine, so it ran on stock operators**")
             + "; *2bit operators* is its fallback on MXNet's stock operators; *powersgd* "
-            "is rank 4; *onebit* is BytePS's with its example's flags (scaling, error "
-            "feedback, Nesterov momentum), its packing and decompress-and-sum on the "
+            "is rank 4, its two passes over the matrix that touch the error on the fused "
+            "kernels, and *powersgd operators* its fallback; *onebit* is BytePS's with "
+            "its example's flags (scaling, error feedback, Nesterov momentum), its packing and decompress-and-sum on the "
             "fused kernels, and *onebit operators* its fallback; "
             "*mxnet 2bit* is MXNet's own C++ 2-bit: a `device` kvstore with "
             "`set_gradient_compression`, push (quantise) and pull (dequantise) per "

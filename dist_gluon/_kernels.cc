@@ -20,13 +20,20 @@
 //     rank's row: hi = float(x), mid = float(x - hi), lo = float(x - hi - mid)
 // dg_float64_combine(wire) -> total               (float64)
 //     total[i] = sum over rows r, in order, of (hi_r + mid_r) + lo_r, in double
+// dg_powersgd_project(grad, error, qt) -> pt        (float32; error updated)
+//     e += g;  pt[k][i] = sum_j e[i][j] qt[k][j]       (P^T = Q^T M^T, M = e)
+// dg_powersgd_approximate(basis, qt, error) -> approx   (attr workers; error updated)
+//     approx[i][j] = sum_k basis[k][i] qt[k][j];  e[i][j] += -1/workers * approx[i][j]
 //
-// One pass over memory each, where the stock operators need about ten. The arithmetic
-// is exactly the operator path's (and MXNet's own kernel's), in the gradient's dtype:
-// compile without -ffast-math.
+// One pass over memory each, where the stock operators need about ten (PowerSGD: two,
+// where the operators need five). The codecs' arithmetic is exactly the operator
+// path's (and MXNet's own kernel's), in the gradient's dtype: compile without
+// -ffast-math. PowerSGD's sums are float32 in another order than BLAS's, so its results
+// agree with the operators' within float32 rounding, not to the bit.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -504,6 +511,200 @@ MXReturnValue combine_shape(const Attrs& attrs,
   return MX_SUCCESS;
 }
 
+// ------------------------------------------------------------------ PowerSGD
+// Rank by rank sums need independent running sums to vectorise without -ffast-math:
+// two 4-float vectors per rank (GCC's vector extension, SSE2 everywhere), added up at
+// the end of a row.
+typedef float Floats __attribute__((vector_size(16)));
+const int kLanes = 4;
+const int kRanks = 8;    // ranks per pass over a row (more: the row again, from cache)
+
+inline Floats load(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+
+// pt[k * n] for the R ranks of qt; Add: the row is e + g first (and stored)
+template <int R, bool Add>
+void project_row(const float* __restrict__ g, float* __restrict__ e,
+                 const float* __restrict__ qt, int64_t m, float* pt, int64_t n) {
+  Floats acc[R][2];
+  for (int k = 0; k < R; ++k) acc[k][0] = acc[k][1] = Floats{0.0f, 0.0f, 0.0f, 0.0f};
+  const int64_t body = m - m % (2 * kLanes);
+  for (int64_t j = 0; j < body; j += 2 * kLanes) {
+    Floats v0 = load(e + j), v1 = load(e + j + kLanes);
+    if (Add) {
+      v0 += load(g + j);
+      v1 += load(g + j + kLanes);
+      store(e + j, v0);
+      store(e + j + kLanes, v1);
+    }
+    for (int k = 0; k < R; ++k) {
+      acc[k][0] += v0 * load(qt + k * m + j);
+      acc[k][1] += v1 * load(qt + k * m + j + kLanes);
+    }
+  }
+  float total[R];
+  for (int k = 0; k < R; ++k) {
+    const Floats s = acc[k][0] + acc[k][1];
+    total[k] = (s[0] + s[1]) + (s[2] + s[3]);
+  }
+  for (int64_t j = body; j < m; ++j) {
+    const float v = Add ? e[j] + g[j] : e[j];
+    if (Add) e[j] = v;
+    for (int k = 0; k < R; ++k) total[k] += v * qt[k * m + j];
+  }
+  for (int k = 0; k < R; ++k) pt[k * n] = total[k];
+}
+
+template <bool Add>
+void project_ranks(int ranks, const float* g, float* e, const float* qt, int64_t m,
+                   float* pt, int64_t n) {
+  switch (ranks) {
+    case 1: return project_row<1, Add>(g, e, qt, m, pt, n);
+    case 2: return project_row<2, Add>(g, e, qt, m, pt, n);
+    case 3: return project_row<3, Add>(g, e, qt, m, pt, n);
+    case 4: return project_row<4, Add>(g, e, qt, m, pt, n);
+    case 5: return project_row<5, Add>(g, e, qt, m, pt, n);
+    case 6: return project_row<6, Add>(g, e, qt, m, pt, n);
+    case 7: return project_row<7, Add>(g, e, qt, m, pt, n);
+    default: return project_row<kRanks, Add>(g, e, qt, m, pt, n);
+  }
+}
+
+MXReturnValue project_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                              std::vector<MXTensor>* outputs, const OpResource& res) {
+  const float* g = (*inputs)[0].data<float>();
+  float* e = (*inputs)[1].data<float>();
+  MXTensor& qt = (*inputs)[2];
+  const int64_t n = (*inputs)[1].shape[0], m = (*inputs)[1].shape[1], r = qt.shape[0];
+  float* pt = (*outputs)[0].data<float>();
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k0 = 0; k0 < r; k0 += kRanks) {
+      const int ranks = static_cast<int>(std::min<int64_t>(kRanks, r - k0));
+      const float* q = qt.data<float>() + k0 * m;
+      if (k0 == 0) {
+        project_ranks<true>(ranks, g + i * m, e + i * m, q, m, pt + k0 * n + i, n);
+      } else {
+        project_ranks<false>(ranks, g + i * m, e + i * m, q, m, pt + k0 * n + i, n);
+      }
+    }
+  }
+  return MX_SUCCESS;
+}
+
+// row i of approx = sum_k b[k] qt[k], then e_i += minus_share * approx_i
+template <int R>
+void approximate_row(const float* b, const float* __restrict__ qt, int64_t m,
+                     float* __restrict__ out, float* __restrict__ e, float minus_share) {
+  for (int64_t j = 0; j < m; ++j) {
+    float a = b[0] * qt[j];
+    for (int k = 1; k < R; ++k) a += b[k] * qt[k * m + j];
+    out[j] = a;
+    e[j] += minus_share * a;
+  }
+}
+
+MXReturnValue approximate_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                  std::vector<MXTensor>* outputs, const OpResource& res) {
+  MXTensor& basis = (*inputs)[0];
+  const float* qt = (*inputs)[1].data<float>();
+  float* e = (*inputs)[2].data<float>();
+  float* out = (*outputs)[0].data<float>();
+  const int64_t r = basis.shape[0], n = basis.shape[1], m = (*inputs)[1].shape[1];
+  const float minus_share = static_cast<float>(-1.0 / attr_float(attrs, "workers"));
+  std::vector<float> b(r);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t k = 0; k < r; ++k) b[k] = basis.data<float>()[k * n + i];
+    float* o = out + i * m;
+    float* er = e + i * m;
+    switch (r) {
+      case 1: approximate_row<1>(b.data(), qt, m, o, er, minus_share); break;
+      case 2: approximate_row<2>(b.data(), qt, m, o, er, minus_share); break;
+      case 3: approximate_row<3>(b.data(), qt, m, o, er, minus_share); break;
+      case 4: approximate_row<4>(b.data(), qt, m, o, er, minus_share); break;
+      case 5: approximate_row<5>(b.data(), qt, m, o, er, minus_share); break;
+      case 6: approximate_row<6>(b.data(), qt, m, o, er, minus_share); break;
+      case 7: approximate_row<7>(b.data(), qt, m, o, er, minus_share); break;
+      case 8: approximate_row<8>(b.data(), qt, m, o, er, minus_share); break;
+      default:     // higher ranks: the row again per rank, from cache
+        for (int64_t j = 0; j < m; ++j) o[j] = b[0] * qt[j];
+        for (int64_t k = 1; k < r; ++k) {
+          const float* q = qt + k * m;
+          for (int64_t j = 0; j < m; ++j) o[j] += b[k] * q[j];
+        }
+        for (int64_t j = 0; j < m; ++j) er[j] += minus_share * o[j];
+    }
+  }
+  return MX_SUCCESS;
+}
+
+bool all_float32(const std::vector<int>& types) {
+  for (int t : types) {
+    if (t != kFloat32) return false;
+  }
+  return true;
+}
+
+MXReturnValue powersgd_type(const Attrs& attrs, std::vector<int>* in_types,
+                            std::vector<int>* out_types) {
+  if (!all_float32(*in_types)) {
+    MX_ERROR_MSG << "dg_powersgd_project/approximate: every array must be float32";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = kFloat32;
+  return MX_SUCCESS;
+}
+
+bool is_matrix(const std::vector<unsigned int>& shape) {
+  return shape.size() == 2 && shape[0] > 0 && shape[1] > 0;
+}
+
+// grad (n, m), error (n, m), qt (r, m) -> pt (r, n)
+MXReturnValue project_shape(const Attrs& attrs,
+                            std::vector<std::vector<unsigned int>>* in_shapes,
+                            std::vector<std::vector<unsigned int>>* out_shapes) {
+  const std::vector<unsigned int>& g = (*in_shapes)[0];
+  const std::vector<unsigned int>& e = (*in_shapes)[1];
+  const std::vector<unsigned int>& qt = (*in_shapes)[2];
+  if (!is_matrix(e) || g != e || !is_matrix(qt) || qt[1] != e[1]) {
+    MX_ERROR_MSG << "dg_powersgd_project: grad and error must be (n, m) and qt (r, m)";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = {qt[0], e[0]};
+  return MX_SUCCESS;
+}
+
+MXReturnValue project_mutates(const Attrs& attrs, std::vector<int>* input_indices) {
+  input_indices->push_back(1);   // the error
+  return MX_SUCCESS;
+}
+
+// basis (r, n), qt (r, m), error (n, m) -> approx (n, m)
+MXReturnValue approximate_shape(const Attrs& attrs,
+                                std::vector<std::vector<unsigned int>>* in_shapes,
+                                std::vector<std::vector<unsigned int>>* out_shapes) {
+  const std::vector<unsigned int>& basis = (*in_shapes)[0];
+  const std::vector<unsigned int>& qt = (*in_shapes)[1];
+  const std::vector<unsigned int>& e = (*in_shapes)[2];
+  if (!is_matrix(basis) || !is_matrix(qt) || !is_matrix(e) || qt[0] != basis[0] ||
+      e[0] != basis[1] || e[1] != qt[1]) {
+    MX_ERROR_MSG << "dg_powersgd_approximate: basis must be (r, n), qt (r, m) and the "
+                    "error (n, m)";
+    return MX_FAIL;
+  }
+  (*out_shapes)[0] = e;
+  return MX_SUCCESS;
+}
+
+MXReturnValue approximate_mutates(const Attrs& attrs, std::vector<int>* input_indices) {
+  input_indices->push_back(2);   // the error
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 REGISTER_OP(dg_twobit_quantize)
@@ -544,6 +745,20 @@ REGISTER_OP(dg_float64_combine)
 .setParseAttrs(parse<1, 1>)
 .setInferType(combine_type)
 .setInferShape(combine_shape);
+
+REGISTER_OP(dg_powersgd_project)
+.setForward(project_forward, "cpu")
+.setParseAttrs(parse<3, 1>)
+.setInferType(powersgd_type)
+.setInferShape(project_shape)
+.setMutateInputs(project_mutates);
+
+REGISTER_OP(dg_powersgd_approximate)
+.setForward(approximate_forward, "cpu")
+.setParseAttrs(parse<3, 1>)
+.setInferType(powersgd_type)
+.setInferShape(approximate_shape)
+.setMutateInputs(approximate_mutates);
 
 MXReturnValue initialize(int version) {
   return version >= 10700 ? MX_SUCCESS : MX_FAIL;

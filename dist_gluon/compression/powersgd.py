@@ -18,8 +18,11 @@ gain), and its Q matrices in a second, so the last layers' sums start while the 
 pass of the first ones still runs. P is orthonormalised by a Householder LQ
 factorisation of P^T in float64 (``linalg.gelqf``, batched over same-shape matrices;
 numerically stable where Gram-Schmidt or Cholesky-QR in float32 is not), on the summed
-P, which is the same on every worker. Everything runs in MXNet operators (``dot``,
-``linalg.gemm``, ``gelqf``) on the gradient's context, queued on the engine; E and Q stay
+P, which is the same on every worker. Everything runs in MXNet operators on the
+gradient's context, queued on the engine: on the CPU the two passes over M that touch E
+(``E += grad`` with ``P^T = Q^T M^T``, and ``grad = P Q^T`` with ``E -= P Q^T / N``) are
+one fused kernel each (:mod:`dist_gluon._kernels`), elsewhere ``elemwise_add``, ``dot``
+and ``linalg.gemm``; ``Q^T = P^T M`` is a ``dot`` and the basis ``gelqf``. E and Q stay
 there, and become NumPy arrays only when Checkpointer asks for the state.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ import math
 import mxnet as mx
 import numpy as np
 
+from .. import _kernels
 from .base import Codec, check_number, plain_sum
 
 # gradient elements per bucket (PyTorch DDP's 25 MB of float32): a bucket's P and Q
@@ -131,13 +135,12 @@ class PowerSGD(Codec):
         grads = [grad for _, _, grad, _ in entries]
         for position, view in layout.riders:
             grads[position].reshape((-1,)).copyto(view)
+        fused = _kernels.serves(np.float32, ctx)
         matrices = []
         for item in layout.matrices:
-            m = self._matrix(item, grads[item.position])
             qt = self._initial_qt(item.index, item.m, item.r, ctx)
-            # P^T = Q^T M^T, straight into the sum's buffer
-            mx.nd.dot(qt, m, transpose_b=True, out=item.p)
-            matrices.append(m)
+            # M = grad + E (held in E); P^T = Q^T M^T, straight into the sum's buffer
+            matrices.append(self._project(item, grads[item.position], qt, fused))
         kv.pushpull(f"{key}.psgd.P.{layout.p.size}", layout.p, priority=priority)
         for position, view in layout.riders:
             view.reshape(grads[position].shape).copyto(grads[position])
@@ -149,10 +152,11 @@ class PowerSGD(Codec):
         for item, m, basis in zip(layout.matrices, matrices, bases):
             qt = self._qt[item.index]
             item.qt.copyto(qt)
-            self._approximate(item, grads[item.position], m, basis, qt, workers)
+            self._approximate(item, grads[item.position], m, basis, qt, workers, fused)
 
-    def _matrix(self, item, grad) -> mx.nd.NDArray:
-        """M = grad + E, held in this worker's error array (n x m, float32)."""
+    def _project(self, item, grad, qt, fused: bool) -> mx.nd.NDArray:
+        """M = grad + E, held in this worker's error array (n x m, float32), and P^T =
+        Q^T M^T into the bucket's P buffer: one pass over M on the fused kernel."""
         error = self._errors.get(item.index)
         if isinstance(error, np.ndarray) and error.shape == (item.n, item.m):
             error = mx.nd.array(error, ctx=grad.context, dtype="float32")
@@ -163,17 +167,25 @@ class PowerSGD(Codec):
         g = grad.reshape((item.n, item.m))
         if grad.dtype != np.float32:
             g = mx.nd.Cast(g, dtype="float32")
-        mx.nd.elemwise_add(error, g, out=error)
+        if fused:
+            mx.nd.dg_powersgd_project(g, error, qt, out=item.p)
+        else:
+            mx.nd.elemwise_add(error, g, out=error)
+            mx.nd.dot(qt, error, transpose_b=True, out=item.p)
         return error
 
     @staticmethod
-    def _approximate(item, grad, m, basis, qt, workers: int) -> None:
-        """grad = P Q^T; E = M - P Q^T / N (M is held in E), in one gemm."""
+    def _approximate(item, grad, m, basis, qt, workers: int, fused: bool) -> None:
+        """grad = P Q^T; E = M - P Q^T / N (M is held in E): one pass on the fused
+        kernel, one gemm on the operators."""
         target = grad.reshape((item.n, item.m))
-        approx = mx.nd.dot(basis, qt, transpose_a=True,
-                           out=target if grad.dtype == np.float32 else None)
-        mx.nd.linalg.gemm(basis, qt, m, transpose_a=True, alpha=-1.0 / workers, beta=1.0,
-                          out=m)
+        out = target if grad.dtype == np.float32 else None
+        if fused:
+            approx = mx.nd.dg_powersgd_approximate(basis, qt, m, workers=workers, out=out)
+        else:
+            approx = mx.nd.dot(basis, qt, transpose_a=True, out=out)
+            mx.nd.linalg.gemm(basis, qt, m, transpose_a=True, alpha=-1.0 / workers,
+                              beta=1.0, out=m)
         if grad.dtype != np.float32:
             mx.nd.Cast(approx, dtype=grad.dtype, out=target)
 
