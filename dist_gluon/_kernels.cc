@@ -24,6 +24,9 @@
 //     e += g;  pt[k][i] = sum_j e[i][j] qt[k][j]       (P^T = Q^T M^T, M = e)
 // dg_powersgd_approximate(basis, qt, error) -> approx   (attr workers; error updated)
 //     approx[i][j] = sum_k basis[k][i] qt[k][j];  e[i][j] += -1/workers * approx[i][j]
+// dg_fp16_pack(x) -> wire,  dg_fp16_unpack(wire) -> x      (float32 <-> float16)
+//     IEEE round to nearest even, as MXNet's Cast: the F16C instructions where the CPU
+//     has them, else (or with attr portable=1) the same rounding in integer arithmetic
 //
 // One pass over memory each, where the stock operators need about ten (PowerSGD: two,
 // where the operators need five). The codecs' arithmetic is exactly the operator
@@ -34,6 +37,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DG_X86 1
+#endif
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -705,6 +712,119 @@ MXReturnValue approximate_mutates(const Attrs& attrs, std::vector<int>* input_in
   return MX_SUCCESS;
 }
 
+// ------------------------------------------------------------------ float16
+// float32 -> float16, round to nearest even (NaN stays NaN, quiet, its payload's top
+// bits kept; beyond float16's range: infinity), as F16C's vcvtps2ph does
+uint16_t half_of(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a >= 0x7f800000u) {
+    return sign | (a > 0x7f800000u ? 0x7e00u | ((a >> 13) & 0x3ffu) : 0x7c00u);
+  }
+  if (a >= 0x477ff000u) return sign | 0x7c00u;            // rounds past 65504
+  if (a < 0x38800000u) {                                  // below 2^-14: subnormal
+    float v;
+    std::memcpy(&v, &a, sizeof v);
+    return sign | static_cast<uint16_t>(std::nearbyint(v * 16777216.0f));   // exact *2^24
+  }
+  const uint32_t rebased = a - 0x38000000u;               // exponent 127 -> 15
+  return sign | static_cast<uint16_t>((rebased + 0xfffu + ((rebased >> 13) & 1u)) >> 13);
+}
+
+float float_of(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  uint32_t x;
+  if (exponent == 0x1fu) {
+    x = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    x = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else {                                                // zero or subnormal: exact
+    const float v = static_cast<float>(mantissa) * (1.0f / 16777216.0f);
+    std::memcpy(&x, &v, sizeof x);
+    x |= sign;
+  }
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+
+#ifdef DG_X86
+__attribute__((target("avx,f16c")))
+int64_t pack_f16c(const float* x, uint16_t* h, int64_t size) {
+  int64_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    const __m128i v = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), v);
+  }
+  return i;
+}
+
+__attribute__((target("avx,f16c")))
+int64_t unpack_f16c(const uint16_t* h, float* x, int64_t size) {
+  int64_t i = 0;
+  for (; i + 8 <= size; i += 8) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i));
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(v));
+  }
+  return i;
+}
+
+bool has_f16c() {
+  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return yes;
+}
+#endif
+
+bool portable(const Attrs& attrs) {
+  return attrs.count("portable") && attr_int(attrs, "portable") != 0;
+}
+
+MXReturnValue fp16_pack_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                std::vector<MXTensor>* outputs, const OpResource& res) {
+  const float* x = (*inputs)[0].data<float>();
+  uint16_t* h = (*outputs)[0].data<uint16_t>();
+  const int64_t size = (*inputs)[0].size();
+  int64_t i = 0;
+#ifdef DG_X86
+  if (!portable(attrs) && has_f16c()) i = pack_f16c(x, h, size);
+#endif
+  for (; i < size; ++i) h[i] = half_of(x[i]);
+  return MX_SUCCESS;
+}
+
+MXReturnValue fp16_unpack_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
+                                  std::vector<MXTensor>* outputs, const OpResource& res) {
+  const uint16_t* h = (*inputs)[0].data<uint16_t>();
+  float* x = (*outputs)[0].data<float>();
+  const int64_t size = (*inputs)[0].size();
+  int64_t i = 0;
+#ifdef DG_X86
+  if (!portable(attrs) && has_f16c()) i = unpack_f16c(h, x, size);
+#endif
+  for (; i < size; ++i) x[i] = float_of(h[i]);
+  return MX_SUCCESS;
+}
+
+template <int From, int To>
+MXReturnValue convert_type(const Attrs& attrs, std::vector<int>* in_types,
+                           std::vector<int>* out_types) {
+  if ((*in_types)[0] != From) {
+    MX_ERROR_MSG << "dg_fp16_pack takes float32 and dg_fp16_unpack float16";
+    return MX_FAIL;
+  }
+  (*out_types)[0] = To;
+  return MX_SUCCESS;
+}
+
+MXReturnValue same_shape(const Attrs& attrs,
+                         std::vector<std::vector<unsigned int>>* in_shapes,
+                         std::vector<std::vector<unsigned int>>* out_shapes) {
+  (*out_shapes)[0] = (*in_shapes)[0];
+  return MX_SUCCESS;
+}
+
 }  // namespace
 
 REGISTER_OP(dg_twobit_quantize)
@@ -759,6 +879,18 @@ REGISTER_OP(dg_powersgd_approximate)
 .setInferType(powersgd_type)
 .setInferShape(approximate_shape)
 .setMutateInputs(approximate_mutates);
+
+REGISTER_OP(dg_fp16_pack)
+.setForward(fp16_pack_forward, "cpu")
+.setParseAttrs(parse<1, 1>)
+.setInferType(convert_type<kFloat32, kFloat16>)
+.setInferShape(same_shape);
+
+REGISTER_OP(dg_fp16_unpack)
+.setForward(fp16_unpack_forward, "cpu")
+.setParseAttrs(parse<1, 1>)
+.setInferType(convert_type<kFloat16, kFloat32>)
+.setInferShape(same_shape);
 
 MXReturnValue initialize(int version) {
   return version >= 10700 ? MX_SUCCESS : MX_FAIL;

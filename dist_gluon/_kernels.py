@@ -28,7 +28,7 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("_kernels.cc")
 _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_worker",
         "dg_onebit_server", "dg_float64_split", "dg_float64_combine",
-        "dg_powersgd_project", "dg_powersgd_approximate")
+        "dg_powersgd_project", "dg_powersgd_approximate", "dg_fp16_pack", "dg_fp16_unpack")
 # No -ffast-math: the arithmetic must be the operator path's, bit for bit
 # (-fno-trapping-math only lets the compiler compute both sides of a select).
 # -Bsymbolic: horovod's MXNet library exports lib_api.h's classes too, and ours must

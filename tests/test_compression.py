@@ -437,7 +437,8 @@ class _Doubling:
     num_workers, rank = 2, 0
 
     def pushpull(self, key, value, out=None, priority=0):
-        value *= 2
+        for array in value if isinstance(value, list) else [value]:
+            array *= 2
 
 
 @pytest.mark.parametrize("rank", [1, 4, 11])
@@ -476,3 +477,49 @@ def test_powersgds_fused_kernels_give_the_operators_results(rank, dtype, monkeyp
     for index in errors:
         np.testing.assert_allclose(errors[index], stock_errors[index], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(q[index], stock_q[index], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("portable", [0, 1], ids=["f16c", "portable"])
+def test_fp16_kernels_round_as_mxnets_cast(portable):
+    """float32 -> float16 -> float32 on the fused kernels (F16C, or the integer rounding
+    where a CPU lacks it): MXNet's Cast to the bit for every float16 and for float32
+    values across the whole range (ties, subnormals, overflow, infinities); NaN stays
+    NaN (its quiet bit may differ, as between CPUs)."""
+    from dist_gluon import _kernels
+    if not _kernels.available():
+        pytest.skip("the fused kernels could not be built here (no g++?)")
+    rng = np.random.RandomState(0)
+    bits = rng.randint(0, 2 ** 32, 400_000, dtype=np.uint64).astype(np.uint32)
+    halves = np.arange(2 ** 16, dtype=np.uint16).view(np.float16)
+    ties = (halves[np.isfinite(halves)].astype(np.float64)[:-1]
+            + np.diff(halves[np.isfinite(halves)].astype(np.float64)) / 2)
+    x = np.concatenate([bits.view(np.float32), halves.astype(np.float32),
+                        ties.astype(np.float32), np.float32([65504, 65519.996, 65520, 1e9,
+                                                             2 ** -25, 2 ** -26, 0, -0.0])])
+    wire = mx.nd.dg_fp16_pack(mx.nd.array(x), portable=portable).asnumpy()
+    reference = mx.nd.Cast(mx.nd.array(x), dtype="float16").asnumpy()
+    nan = np.isnan(x)
+    assert np.isnan(wire[nan]).all()
+    assert np.array_equal(wire[~nan].view(np.uint16), reference[~nan].view(np.uint16))
+    back = mx.nd.dg_fp16_unpack(mx.nd.array(halves, dtype="float16"), portable=portable)
+    expected = halves.astype(np.float32)
+    nan = np.isnan(expected)
+    assert np.isnan(back.asnumpy()[nan]).all()
+    assert np.array_equal(back.asnumpy()[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+def test_fp16_codec_sums_the_same_on_the_kernels_and_on_cast(monkeypatch):
+    from dist_gluon import _kernels
+    if not _kernels.available():
+        pytest.skip("the fused kernels could not be built here (no g++?)")
+    rng = np.random.RandomState(1)
+    grads = [rng.randn(*s).astype("float32") * 1e-3 for s in [(33, 7), (5,), (1000,)]]
+    sums = []
+    for fused in (True, False):
+        monkeypatch.setattr(_kernels, "_loaded", fused)
+        arrays = [mx.nd.array(g) for g in grads]
+        compression.FP16().reduce(_Doubling(), [0, 1, 2], list("abc"), arrays, 0)
+        sums.append([a.asnumpy() for a in arrays])
+    for a, b, g in zip(*sums, grads):
+        assert np.array_equal(a, b)
+        np.testing.assert_allclose(a, 2 * g, rtol=1e-3, atol=1e-6)   # float16 steps
