@@ -825,7 +825,179 @@ MXReturnValue same_shape(const Attrs& attrs,
   return MX_SUCCESS;
 }
 
+// ------------------------------------------------------------------ engine tasks
+// The same kernels pushed straight onto MXNet's engine (MXEnginePushSyncND), reading and
+// writing exactly the arrays given. A library operator also takes MXNet's temporary-
+// space and parallel-random resources, and the CPU has one parallel-random copy
+// (MXNET_CPU_PARALLEL_RAND_COPY): every library operator then waits for the one pushed
+// before it, so a codec's decode, waiting for its sum, held back the next tensor's
+// encode and its sum, one collective per cycle.
+struct OpEntry {
+  MXReturnValue (*forward)(const Attrs&, std::vector<MXTensor>*, std::vector<MXTensor>*,
+                           const OpResource&);
+  MXReturnValue (*parse)(const Attrs&, int*, int*);
+  MXReturnValue (*type)(const Attrs&, std::vector<int>*, std::vector<int>*);
+  MXReturnValue (*shape)(const Attrs&, std::vector<std::vector<unsigned int>>*,
+                         std::vector<std::vector<unsigned int>>*);
+  MXReturnValue (*mutates)(const Attrs&, std::vector<int>*);
+};
+
+const OpEntry* find_op(const std::string& name) {
+  static const std::unordered_map<std::string, OpEntry> table = {
+      {"dg_twobit_quantize", {quantize_forward, parse<2, 1>, quantize_type, quantize_shape,
+                              quantize_mutates}},
+      {"dg_twobit_dequantize", {dequantize_forward, parse<1, 1>, dequantize_type,
+                                dequantize_shape, nullptr}},
+      {"dg_onebit_worker", {onebit_worker_forward, parse<3, 1>, onebit_worker_type,
+                            onebit_worker_shape, onebit_worker_mutates}},
+      {"dg_onebit_server", {onebit_server_forward, parse<2, 1>, onebit_server_type,
+                            onebit_server_shape, onebit_server_mutates}},
+      {"dg_float64_split", {split_forward, parse<1, 1>, split_type, split_shape, nullptr}},
+      {"dg_float64_combine", {combine_forward, parse<1, 1>, combine_type, combine_shape,
+                              nullptr}},
+      {"dg_powersgd_project", {project_forward, parse<3, 1>, powersgd_type, project_shape,
+                               project_mutates}},
+      {"dg_powersgd_approximate", {approximate_forward, parse<3, 1>, powersgd_type,
+                                   approximate_shape, approximate_mutates}},
+      {"dg_fp16_pack", {fp16_pack_forward, parse<1, 1>, convert_type<kFloat32, kFloat16>,
+                        same_shape, nullptr}},
+      {"dg_fp16_unpack", {fp16_unpack_forward, parse<1, 1>, convert_type<kFloat16, kFloat32>,
+                          same_shape, nullptr}},
+  };
+  auto found = table.find(name);
+  return found == table.end() ? nullptr : &found->second;
+}
+
+typedef int (*GetData)(void* handle, void** data);   // MXNDArrayGetData
+typedef int (*FreeHandle)(void* handle);             // MXNDArrayFree
+
+// The arrays are the task's own handles (MXShallowCopyNDArray: the same memory, kept
+// alive); their addresses are read when the task runs, after the engine ran every
+// operation it depends on (an array MXNet allocates lazily is allocated by then).
+struct Task {
+  const OpEntry* op;
+  Attrs attrs;
+  std::vector<MXTensor> inputs, outputs;
+  std::vector<void*> in_handles, out_handles;
+  GetData get_data;
+  FreeHandle free_handle;
+};
+
+thread_local std::string task_error;
+
 }  // namespace
+
+extern "C" {
+
+const char* dg_task_error() { return task_error.c_str(); }
+
+// Which inputs ``name`` writes (they go to the engine as mutable); -1 if no such op.
+int dg_task_mutates(const char* name, int* indices, int capacity) {
+  const OpEntry* op = find_op(name);
+  if (op == nullptr) return -1;
+  std::vector<int> mutated;
+  if (op->mutates != nullptr) op->mutates(Attrs(), &mutated);
+  for (size_t i = 0; i < mutated.size() && static_cast<int>(i) < capacity; ++i) {
+    indices[i] = mutated[i];
+  }
+  return static_cast<int>(mutated.size());
+}
+
+// A task of operator ``name`` on the given CPU arrays, checked as the operator's type
+// and shape functions check it (an output must have the inferred dtype and size); NULL
+// with dg_task_error() set when it does not fit.
+void* dg_task_new(const char* name, int n_attrs, const char** keys, const char** values,
+                  int n_in, void** in_handles, const int* in_dtypes, const int* in_ndims,
+                  const int64_t* in_dims, int n_out, void** out_handles,
+                  const int* out_dtypes, const int64_t* out_sizes, GetData get_data,
+                  FreeHandle free_handle) {
+  const OpEntry* op = find_op(name);
+  if (op == nullptr) {
+    task_error = std::string("no fused kernel named ") + name;
+    return nullptr;
+  }
+  Task* task = new Task();
+  task->op = op;
+  task->get_data = get_data;
+  task->free_handle = free_handle;
+  for (int i = 0; i < n_attrs; ++i) task->attrs[keys[i]] = values[i];
+  try {
+    int want_in = 0, want_out = 0;
+    op->parse(task->attrs, &want_in, &want_out);
+    if (want_in != n_in || want_out != n_out) {
+      throw std::string(name) + " takes " + std::to_string(want_in) + " inputs and " +
+          std::to_string(want_out) + " outputs";
+    }
+    std::vector<int> types(in_dtypes, in_dtypes + n_in), out_types(n_out, -1);
+    std::vector<std::vector<unsigned int>> shapes(n_in), out_shapes(n_out);
+    for (int i = 0, offset = 0; i < n_in; offset += in_ndims[i], ++i) {
+      shapes[i].assign(in_dims + offset, in_dims + offset + in_ndims[i]);
+    }
+    const int before = MXerrorMsgs::get()->size();
+    if (op->type(task->attrs, &types, &out_types) != MX_SUCCESS ||
+        op->shape(task->attrs, &shapes, &out_shapes) != MX_SUCCESS) {
+      // the type and shape functions' own message (MX_ERROR_MSG)
+      const int after = MXerrorMsgs::get()->size();
+      throw after > before ? *MXerrorMsgs::get()->get(after - 1)
+                           : std::string(name) + ": the arrays do not fit";
+    }
+    for (int i = 0, offset = 0; i < n_in; offset += in_ndims[i], ++i) {
+      std::vector<int64_t> dims(in_dims + offset, in_dims + offset + in_ndims[i]);
+      task->inputs.emplace_back(nullptr, dims, static_cast<MXDType>(in_dtypes[i]), 0,
+                                MXContext::CPU(0));
+    }
+    for (int i = 0; i < n_out; ++i) {
+      std::vector<int64_t> dims(out_shapes[i].begin(), out_shapes[i].end());
+      int64_t size = 1;
+      for (int64_t d : dims) size *= d;
+      if (out_types[i] != out_dtypes[i] || size != out_sizes[i]) {
+        throw std::string(name) + ": output " + std::to_string(i) + " must have dtype " +
+            std::to_string(out_types[i]) + " and " + std::to_string(size) +
+            " elements, not dtype " + std::to_string(out_dtypes[i]) + " and " +
+            std::to_string(out_sizes[i]);
+      }
+      task->outputs.emplace_back(nullptr, dims, static_cast<MXDType>(out_dtypes[i]), 0,
+                                 MXContext::CPU(0));
+    }
+    // only now: on failure the caller still owns the handles
+    task->in_handles.assign(in_handles, in_handles + n_in);
+    task->out_handles.assign(out_handles, out_handles + n_out);
+  } catch (const std::string& message) {
+    task_error = message;
+    delete task;
+    return nullptr;
+  } catch (const std::exception& err) {
+    task_error = std::string(name) + ": " + err.what();
+    delete task;
+    return nullptr;
+  }
+  return task;
+}
+
+// EngineSyncFunc: runs the task on the engine's thread
+void dg_task_run(void* run_context, void* param) {
+  Task* task = static_cast<Task*>(param);
+  for (size_t i = 0; i < task->inputs.size(); ++i) {
+    task->get_data(task->in_handles[i], &task->inputs[i].data_ptr);
+  }
+  for (size_t i = 0; i < task->outputs.size(); ++i) {
+    task->get_data(task->out_handles[i], &task->outputs[i].data_ptr);
+  }
+  OpResource none(nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+                  nullptr);
+  task->op->forward(task->attrs, &task->inputs, &task->outputs, none);
+}
+
+// EngineFuncParamDeleter: after the task ran (or was dropped)
+void dg_task_free(void* param) {
+  Task* task = static_cast<Task*>(param);
+  for (void* handle : task->in_handles) task->free_handle(handle);
+  for (void* handle : task->out_handles) task->free_handle(handle);
+  delete task;
+}
+
+}  // extern "C"
+
 
 REGISTER_OP(dg_twobit_quantize)
 .setForward(quantize_forward, "cpu")

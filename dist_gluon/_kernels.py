@@ -12,6 +12,7 @@ builds it ahead (as ``make setup`` does).
 """
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import os
@@ -36,6 +37,16 @@ _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_worker",
 _FLAGS = ["-shared", "-fPIC", "-std=c++11", "-O3", "-ffp-contract=off",
           "-fno-trapping-math", "-Wl,-Bsymbolic"]
 _loaded: bool | None = None
+_library: ctypes.CDLL | None = None      # the same library, for push()
+_mutated: dict = {}                       # operator -> indices of the inputs it writes
+# MXNet's dtype codes (mshadow's type flags, lib_api.h's MXDType)
+_DTYPE_CODES = {np.dtype(t): code for code, t in enumerate(
+    ["float32", "float64", "float16", "uint8", "int32", "int8", "int64"])}
+
+
+class _Context(ctypes.Structure):
+    """mxnet::Context, as MXEnginePushSyncND reads it."""
+    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
 
 
 def available() -> bool:
@@ -67,6 +78,76 @@ def _load() -> bool:
         return False
     mx.library.load(str(library), verbose=False)
     return all(hasattr(mx.nd, op) for op in _OPS)
+
+
+def _tasks() -> ctypes.CDLL:
+    """The library's engine-task entry points (it is loaded already: the same handle)."""
+    global _library
+    if _library is None:
+        lib = ctypes.CDLL(str(build()))
+        lib.dg_task_new.restype = ctypes.c_void_p
+        lib.dg_task_error.restype = ctypes.c_char_p
+        _library = lib
+    return _library
+
+
+def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> list:
+    """Queue kernel ``name`` on MXNet's engine, reading ``inputs`` and writing
+    ``outputs`` (NDArrays, or ``(shape, dtype)`` for new arrays on the first input's
+    context) and the inputs the kernel updates; returns the outputs. The same kernels
+    as ``mx.nd.<name>``, pushed with exactly these arrays as dependencies: a library
+    operator also takes one of MXNet's few parallel-random resources, which chains
+    every such operator to the one before it (a decode waiting for its sum held back
+    the next tensor's encode). Call only where :func:`serves` is true."""
+    lib = _tasks()
+    ctx = inputs[0].context
+    outputs = [o if isinstance(o, mx.nd.NDArray)
+               else mx.nd.empty(o[0], ctx=ctx, dtype=o[1]) for o in outputs]
+    mutated = _mutated.get(name)
+    if mutated is None:
+        found = (ctypes.c_int * 8)()
+        count = lib.dg_task_mutates(name.encode(), found, 8)
+        if count < 0:
+            raise ValueError(f"no fused kernel named {name!r}")
+        mutated = _mutated[name] = frozenset(found[:count])
+    keys = [k.encode() for k in attrs]
+    values = [str(int(v) if isinstance(v, bool) else v).encode() for v in attrs.values()]
+    dims = [d for a in inputs for d in a.shape]
+    own_in, own_out = [_own_handle(a) for a in inputs], [_own_handle(a) for a in outputs]
+    task = lib.dg_task_new(
+        name.encode(), len(keys), (ctypes.c_char_p * len(keys))(*keys),
+        (ctypes.c_char_p * len(values))(*values), len(inputs),
+        (ctypes.c_void_p * len(inputs))(*own_in),
+        (ctypes.c_int * len(inputs))(*[_DTYPE_CODES[np.dtype(a.dtype)] for a in inputs]),
+        (ctypes.c_int * len(inputs))(*[a.ndim for a in inputs]),
+        (ctypes.c_int64 * len(dims))(*dims), len(outputs),
+        (ctypes.c_void_p * len(outputs))(*own_out),
+        (ctypes.c_int * len(outputs))(*[_DTYPE_CODES[np.dtype(a.dtype)] for a in outputs]),
+        (ctypes.c_int64 * len(outputs))(*[a.size for a in outputs]),
+        ctypes.cast(mx.base._LIB.MXNDArrayGetData, ctypes.c_void_p),
+        ctypes.cast(mx.base._LIB.MXNDArrayFree, ctypes.c_void_p))
+    if not task:
+        for handle in own_in + own_out:
+            mx.base._LIB.MXNDArrayFree(ctypes.c_void_p(handle))
+        raise ValueError(lib.dg_task_error().decode())
+    const = [a.handle for i, a in enumerate(inputs) if i not in mutated]
+    mutable = [a.handle for a in outputs] + [inputs[i].handle for i in sorted(mutated)]
+    context = _Context(ctx.device_typeid, ctx.device_id)
+    mx.base.check_call(mx.base._LIB.MXEnginePushSyncND(
+        ctypes.cast(lib.dg_task_run, ctypes.c_void_p),
+        ctypes.c_void_p(task), ctypes.cast(lib.dg_task_free, ctypes.c_void_p),
+        ctypes.byref(context), (mx.base.NDArrayHandle * len(const))(*const), len(const),
+        (mx.base.NDArrayHandle * len(mutable))(*mutable), len(mutable), None,
+        ctypes.c_int(priority), name.encode()))
+    return outputs
+
+
+def _own_handle(array: mx.nd.NDArray) -> int:
+    """A handle of the task's own on ``array``'s memory (a view keeps its offset and
+    shape), which keeps it alive until the task has run; the task frees it."""
+    handle = mx.base.NDArrayHandle()
+    mx.base.check_call(mx.base._LIB.MXShallowCopyNDArray(array.handle, ctypes.byref(handle)))
+    return handle.value
 
 
 def build() -> Path:

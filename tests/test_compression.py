@@ -6,6 +6,7 @@ over Gloo and MPI, dist_sync and p3."""
 import json
 import shutil
 import sys
+import threading
 import warnings
 
 import mxnet as mx
@@ -523,3 +524,57 @@ def test_fp16_codec_sums_the_same_on_the_kernels_and_on_cast(monkeypatch):
     for a, b, g in zip(*sums, grads):
         assert np.array_equal(a, b)
         np.testing.assert_allclose(a, 2 * g, rtol=1e-3, atol=1e-6)   # float16 steps
+
+
+_GATE = threading.Event()
+
+
+class _Gate(mx.operator.CustomOp):
+    """Copies its input once _GATE opens: an operation the engine cannot finish yet,
+    like a sum waiting for the other workers."""
+
+    def forward(self, is_train, req, in_data, out_data, aux):
+        _GATE.wait(60)
+        self.assign(out_data[0], req[0], in_data[0])
+
+
+@mx.operator.register("dg_test_gate")
+class _GateProp(mx.operator.CustomOpProp):
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Gate()
+
+
+def _pack_later(x, push):
+    wire = mx.nd.empty(x.shape, dtype="float16")
+    if push:
+        from dist_gluon import _kernels
+        _kernels.push("dg_fp16_pack", [x], [wire])
+    else:
+        mx.nd.dg_fp16_pack(x, out=wire)
+    return wire
+
+
+@pytest.mark.parametrize("push", [True, False], ids=["pushed", "library-operator"])
+def test_a_fused_kernel_waiting_for_its_input_does_not_hold_back_the_next(push):
+    """A codec's decode waits for its sum; the next tensor's encode must not wait for
+    that decode. MXNet's library operators all take its one CPU parallel-random
+    resource, which chains each to the one before it (one collective per horovod cycle,
+    3-4x the step); the codecs push the kernels with their arrays as the only
+    dependencies (_kernels.push)."""
+    from dist_gluon import _kernels
+    if not _kernels.available():
+        pytest.skip("the fused kernels could not be built here (no g++?)")
+    _GATE.clear()
+    try:
+        blocked = _pack_later(mx.nd.Custom(mx.nd.ones((8,)), op_type="dg_test_gate"), push)
+        free = _pack_later(mx.nd.ones((8,)), push)
+        waiter = threading.Thread(target=free.wait_to_read, daemon=True)
+        waiter.start()
+        # long enough for a loaded machine where it must end; where it must not, 2 s
+        waiter.join(timeout=20 if push else 2)
+        held_back = waiter.is_alive()
+    finally:
+        _GATE.set()
+    mx.nd.waitall()
+    assert blocked.asnumpy().tolist() == [1.0] * 8
+    assert held_back == (not push)

@@ -330,8 +330,8 @@ class DistSync(Backend):
             wires.append(wire)
             if _kernels.serves(arr.dtype, arr.context):
                 # the same pieces in one pass (dist_gluon/_kernels.cc)
-                mx.nd.dg_float64_split(flat, workers=self._num_workers, rank=self.rank,
-                                       out=wire)
+                _kernels.push("dg_float64_split", [flat], [wire], priority,
+                              workers=self._num_workers, rank=self.rank)
                 continue
             hi = flat.astype("float32")
             rest = flat - hi.astype("float64")
@@ -342,7 +342,7 @@ class DistSync(Backend):
         self._allreduce_([f"{name}.exact" for name in names], wires, priority)
         for arr, wire in zip(arrays, wires):
             if _kernels.serves(arr.dtype, arr.context):
-                mx.nd.dg_float64_combine(wire, out=arr.reshape((-1,)))
+                _kernels.push("dg_float64_combine", [wire], [arr.reshape((-1,))], priority)
                 continue
             wide = wire.astype("float64")              # (workers, 3, size)
             rows = (wide[:, 0] + wide[:, 1]) + wide[:, 2]

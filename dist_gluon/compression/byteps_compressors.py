@@ -446,14 +446,17 @@ class OneBit(BytePSCompressor):
         if self.ef and state.server_error is None:
             state.server_error = mx.nd.zeros_like(g)
         flags = {"ef": int(bool(self.ef)), "ratio": ratio, "scaling": int(self.scaling)}
-        message = mx.nd.dg_onebit_worker(
-            g, state.momentum if self.momentum else self._scratch(g, "momentum"),
-            state.error if self.ef else self._scratch(g, "p"),
+        message, = _kernels.push(
+            "dg_onebit_worker",
+            [g, state.momentum if self.momentum else self._scratch(g, "momentum"),
+             state.error if self.ef else self._scratch(g, "p")],
+            [((-(-g.size // _WORD_BITS) + 1,), "float32")], priority,
             momentum=int(bool(self.momentum)), mu=self.momentum_mu or 0.0, **flags)
         rows = self._gather(kv, key, message, priority)
-        mx.nd.dg_onebit_server(
-            rows, state.server_error if self.ef else self._scratch(g, "server"),
-            size=g.size, dtype=np.dtype(g.dtype).name, out=g, **flags)
+        _kernels.push(
+            "dg_onebit_server",
+            [rows, state.server_error if self.ef else self._scratch(g, "server")], [g],
+            priority, size=g.size, dtype=np.dtype(g.dtype).name, **flags)
         state.steps += 1
 
     def _scratch(self, like: mx.nd.NDArray, role: str) -> mx.nd.NDArray:

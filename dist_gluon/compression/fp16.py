@@ -33,7 +33,7 @@ class FP16(Codec):
                  for g, w in zip(grads, wires)]
         for g, w, f in zip(grads, wires, fused):
             if f:
-                mx.nd.dg_fp16_pack(g, out=w)
+                _kernels.push("dg_fp16_pack", [g], [w], priority)
             elif w is not g:
                 mx.nd.Cast(g, dtype="float16", out=w)
         if len(keys) == 1:
@@ -42,7 +42,7 @@ class FP16(Codec):
             kv.pushpull(keys, wires, priority=priority)
         for g, w, f in zip(grads, wires, fused):
             if f:
-                mx.nd.dg_fp16_unpack(w, out=g)
+                _kernels.push("dg_fp16_unpack", [w], [g], priority)
             elif w is not g:
                 mx.nd.Cast(w, dtype=g.dtype, out=g)
 

@@ -140,7 +140,7 @@ class PowerSGD(Codec):
         for item in layout.matrices:
             qt = self._initial_qt(item.index, item.m, item.r, ctx)
             # M = grad + E (held in E); P^T = Q^T M^T, straight into the sum's buffer
-            matrices.append(self._project(item, grads[item.position], qt, fused))
+            matrices.append(self._project(item, grads[item.position], qt, fused, priority))
         kv.pushpull(f"{key}.psgd.P.{layout.p.size}", layout.p, priority=priority)
         for position, view in layout.riders:
             view.reshape(grads[position].shape).copyto(grads[position])
@@ -152,9 +152,10 @@ class PowerSGD(Codec):
         for item, m, basis in zip(layout.matrices, matrices, bases):
             qt = self._qt[item.index]
             item.qt.copyto(qt)
-            self._approximate(item, grads[item.position], m, basis, qt, workers, fused)
+            self._approximate(item, grads[item.position], m, basis, qt, workers, fused,
+                              priority)
 
-    def _project(self, item, grad, qt, fused: bool) -> mx.nd.NDArray:
+    def _project(self, item, grad, qt, fused: bool, priority: int) -> mx.nd.NDArray:
         """M = grad + E, held in this worker's error array (n x m, float32), and P^T =
         Q^T M^T into the bucket's P buffer: one pass over M on the fused kernel."""
         error = self._errors.get(item.index)
@@ -168,20 +169,23 @@ class PowerSGD(Codec):
         if grad.dtype != np.float32:
             g = mx.nd.Cast(g, dtype="float32")
         if fused:
-            mx.nd.dg_powersgd_project(g, error, qt, out=item.p)
+            _kernels.push("dg_powersgd_project", [g, error, qt], [item.p], priority)
         else:
             mx.nd.elemwise_add(error, g, out=error)
             mx.nd.dot(qt, error, transpose_b=True, out=item.p)
         return error
 
     @staticmethod
-    def _approximate(item, grad, m, basis, qt, workers: int, fused: bool) -> None:
+    def _approximate(item, grad, m, basis, qt, workers: int, fused: bool,
+                     priority: int) -> None:
         """grad = P Q^T; E = M - P Q^T / N (M is held in E): one pass on the fused
         kernel, one gemm on the operators."""
         target = grad.reshape((item.n, item.m))
         out = target if grad.dtype == np.float32 else None
         if fused:
-            approx = mx.nd.dg_powersgd_approximate(basis, qt, m, workers=workers, out=out)
+            approx, = _kernels.push("dg_powersgd_approximate", [basis, qt, m],
+                                    [out if out is not None else (m.shape, "float32")],
+                                    priority, workers=workers)
         else:
             approx = mx.nd.dot(basis, qt, transpose_a=True, out=out)
             mx.nd.linalg.gemm(basis, qt, m, transpose_a=True, alpha=-1.0 / workers,

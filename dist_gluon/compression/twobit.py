@@ -95,12 +95,12 @@ class TwoBit(Codec):
             residual = self._residuals.get(index)
             if fresh or not isinstance(residual, mx.nd.NDArray):
                 residual = self._residual(index, grad)
+            urgency = -index if isinstance(index, int) else priority
             packing.encode(grad, residual, self.threshold, tensor.wire, self._scratch,
-                           tensor.fused)
-            kv.pushpull(f"{key}.2bit", tensor.wire,
-                        priority=-index if isinstance(index, int) else priority)
+                           tensor.fused, urgency)
+            kv.pushpull(f"{key}.2bit", tensor.wire, priority=urgency)
             packing.decode(tensor.wire, grad, self.threshold, self._scratch, tensor.fused,
-                           tensor.size)
+                           tensor.size, urgency)
         plain_sum(kv, plain_keys[::-1], plain[::-1], priority)
 
     def _residual(self, index, grad) -> mx.nd.NDArray:
@@ -227,27 +227,28 @@ class Packing:
         return self.use_kernels and _kernels.serves(dtype, ctx)
 
     def encode(self, grad: mx.nd.NDArray, residual: mx.nd.NDArray, threshold: float,
-               wire: mx.nd.NDArray, scratch: Scratch, fused: bool | None = None) -> None:
+               wire: mx.nd.NDArray, scratch: Scratch, fused: bool | None = None,
+               priority: int = 0) -> None:
         """Quantise ``grad`` plus ``residual`` (updated) and pack the codes into
         ``wire``; ``fused``: :meth:`fused` of ``grad``, if the caller knows it."""
         if self.fused(grad) if fused is None else fused:
-            mx.nd.dg_twobit_quantize(grad, residual, threshold=threshold, width=self.width,
-                                     per_word=self.per_word, carrier=self.carrier, out=wire)
+            _kernels.push("dg_twobit_quantize", [grad, residual], [wire], priority,
+                          threshold=threshold, width=self.width, per_word=self.per_word,
+                          carrier=self.carrier)
             return
         codes = scratch.get("codes", grad.context, "float32", wire.size * self.per_word)
         _quantize(grad, residual, threshold, codes, scratch)
         self.pack(codes, wire)
 
     def decode(self, wire: mx.nd.NDArray, grad: mx.nd.NDArray, threshold: float,
-               scratch: Scratch, fused: bool | None = None, size: int | None = None
-               ) -> None:
+               scratch: Scratch, fused: bool | None = None, size: int | None = None,
+               priority: int = 0) -> None:
         """Unpack the summed ``wire`` into ``grad``: ``threshold * (field - workers)``."""
         if self.fused(grad) if fused is None else fused:
             size = grad.size if size is None else size
-            mx.nd.dg_twobit_dequantize(wire, threshold=threshold, width=self.width,
-                                       per_word=self.per_word, workers=self.workers,
-                                       size=size, dtype=np.dtype(grad.dtype).name,
-                                       out=grad.reshape((size,)))
+            _kernels.push("dg_twobit_dequantize", [wire], [grad.reshape((size,))], priority,
+                          threshold=threshold, width=self.width, per_word=self.per_word,
+                          workers=self.workers, size=size, dtype=np.dtype(grad.dtype).name)
             return
         self.unpack(wire, grad, threshold, scratch)
 
