@@ -62,14 +62,14 @@ $(STAMP): setup.py constraints.txt | system-packages
 	$(PY) -c 'import mxnet, numpy, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
 	@touch $(STAMP)
 
-# The fused kernels (dist_gluon/_kernels.cc: 2-bit, onebit, ps-lite's exact
-# float64 sum), compiled once per machine with the system g++ into ~/.cache/dist_gluon;
+# The fused kernels (dist_gluon/_kernels.cc: 2-bit, onebit, PowerSGD, fp16, ps-lite's
+# exact float64 sum), compiled once per machine with the system g++ into ~/.cache/dist_gluon;
 # without a compiler those run on MXNet's stock operators (same results, slower) and
 # this says so.
 setup: kernels
 kernels: $(STAMP)
 	@$(PY) -c 'from dist_gluon import _kernels as k; print("==> fused kernels:", k.build())' || \
-		echo "==> the fused kernels could not be built: 2-bit, onebit and ps-lite's float64 sum use MXNet's operators"
+		echo "==> the fused kernels could not be built: the codecs and ps-lite's float64 sum use MXNet's operators"
 
 # horovod 0.28.1 with MXNet, Gloo and, when `mpicc` is found, MPI. Quick when the
 # installed build already has what it can have (hvd.mpi_built()); an environment built

@@ -1,6 +1,8 @@
-// Fused kernels of dist_gluon's per-step path (2-bit and onebit codecs, ps-lite's exact
-// float64 sum), loaded with mx.library.load
-// (MXNet's custom-operator library API, lib_api.h of the installed wheel).
+// Fused kernels of dist_gluon's per-step path (the 2-bit, onebit, PowerSGD and fp16
+// codecs, ps-lite's exact float64 sum): pushed onto MXNet's engine as tasks
+// (dg_task_new / dg_task_run, see "engine tasks"), and registered as operators of a
+// library loaded with mx.library.load (MXNet's custom-operator library API, lib_api.h
+// of the installed wheel).
 //
 // dg_twobit_quantize(grad, residual) -> words   (residual updated in place)
 //     r += g; code = +1 if r >= t, -1 if r <= -t, else 0; r -= code * t
@@ -842,7 +844,8 @@ struct OpEntry {
   MXReturnValue (*mutates)(const Attrs&, std::vector<int>*);
 };
 
-const OpEntry* find_op(const std::string& name) {
+// Every kernel, by its operator name
+const std::unordered_map<std::string, OpEntry>& kernels() {
   static const std::unordered_map<std::string, OpEntry> table = {
       {"dg_twobit_quantize", {quantize_forward, parse<2, 1>, quantize_type, quantize_shape,
                               quantize_mutates}},
@@ -864,9 +867,26 @@ const OpEntry* find_op(const std::string& name) {
       {"dg_fp16_unpack", {fp16_unpack_forward, parse<1, 1>, convert_type<kFloat16, kFloat32>,
                           same_shape, nullptr}},
   };
-  auto found = table.find(name);
-  return found == table.end() ? nullptr : &found->second;
+  return table;
 }
+
+const OpEntry* find_op(const std::string& name) {
+  auto found = kernels().find(name);
+  return found == kernels().end() ? nullptr : &found->second;
+}
+
+// Each kernel also as an MXNet library operator, mx.nd.<name> (what the tests and the
+// stock-operator comparisons call), from the same table as the engine tasks
+__attribute__((used)) const bool registered = [] {
+  for (const auto& kernel : kernels()) {
+    const OpEntry& op = kernel.second;
+    CustomOp& entry = Registry<CustomOp>::get()->add(kernel.first.c_str());
+    entry.setForward(op.forward, "cpu").setParseAttrs(op.parse).setInferType(op.type)
+        .setInferShape(op.shape);
+    if (op.mutates != nullptr) entry.setMutateInputs(op.mutates);
+  }
+  return true;
+}();
 
 typedef int (*GetData)(void* handle, void** data);   // MXNDArrayGetData
 typedef int (*FreeHandle)(void* handle);             // MXNDArrayFree
@@ -997,72 +1017,6 @@ void dg_task_free(void* param) {
 }
 
 }  // extern "C"
-
-
-REGISTER_OP(dg_twobit_quantize)
-.setForward(quantize_forward, "cpu")
-.setParseAttrs(parse<2, 1>)
-.setInferType(quantize_type)
-.setInferShape(quantize_shape)
-.setMutateInputs(quantize_mutates);
-
-REGISTER_OP(dg_twobit_dequantize)
-.setForward(dequantize_forward, "cpu")
-.setParseAttrs(parse<1, 1>)
-.setInferType(dequantize_type)
-.setInferShape(dequantize_shape);
-
-REGISTER_OP(dg_onebit_worker)
-.setForward(onebit_worker_forward, "cpu")
-.setParseAttrs(parse<3, 1>)
-.setInferType(onebit_worker_type)
-.setInferShape(onebit_worker_shape)
-.setMutateInputs(onebit_worker_mutates);
-
-REGISTER_OP(dg_onebit_server)
-.setForward(onebit_server_forward, "cpu")
-.setParseAttrs(parse<2, 1>)
-.setInferType(onebit_server_type)
-.setInferShape(onebit_server_shape)
-.setMutateInputs(onebit_server_mutates);
-
-REGISTER_OP(dg_float64_split)
-.setForward(split_forward, "cpu")
-.setParseAttrs(parse<1, 1>)
-.setInferType(split_type)
-.setInferShape(split_shape);
-
-REGISTER_OP(dg_float64_combine)
-.setForward(combine_forward, "cpu")
-.setParseAttrs(parse<1, 1>)
-.setInferType(combine_type)
-.setInferShape(combine_shape);
-
-REGISTER_OP(dg_powersgd_project)
-.setForward(project_forward, "cpu")
-.setParseAttrs(parse<3, 1>)
-.setInferType(powersgd_type)
-.setInferShape(project_shape)
-.setMutateInputs(project_mutates);
-
-REGISTER_OP(dg_powersgd_approximate)
-.setForward(approximate_forward, "cpu")
-.setParseAttrs(parse<3, 1>)
-.setInferType(powersgd_type)
-.setInferShape(approximate_shape)
-.setMutateInputs(approximate_mutates);
-
-REGISTER_OP(dg_fp16_pack)
-.setForward(fp16_pack_forward, "cpu")
-.setParseAttrs(parse<1, 1>)
-.setInferType(convert_type<kFloat32, kFloat16>)
-.setInferShape(same_shape);
-
-REGISTER_OP(dg_fp16_unpack)
-.setForward(fp16_unpack_forward, "cpu")
-.setParseAttrs(parse<1, 1>)
-.setInferType(convert_type<kFloat16, kFloat32>)
-.setInferShape(same_shape);
 
 MXReturnValue initialize(int version) {
   return version >= 10700 ? MX_SUCCESS : MX_FAIL;

@@ -87,6 +87,12 @@ def _tasks() -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build()))
         lib.dg_task_new.restype = ctypes.c_void_p
         lib.dg_task_error.restype = ctypes.c_char_p
+        # the function pointers every push passes, made once
+        lib.run, lib.free = (ctypes.cast(f, ctypes.c_void_p)
+                             for f in (lib.dg_task_run, lib.dg_task_free))
+        lib.get_data, lib.free_handle = (
+            ctypes.cast(f, ctypes.c_void_p)
+            for f in (mx.base._LIB.MXNDArrayGetData, mx.base._LIB.MXNDArrayFree))
         _library = lib
     return _library
 
@@ -124,8 +130,7 @@ def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> 
         (ctypes.c_void_p * len(outputs))(*own_out),
         (ctypes.c_int * len(outputs))(*[_DTYPE_CODES[np.dtype(a.dtype)] for a in outputs]),
         (ctypes.c_int64 * len(outputs))(*[a.size for a in outputs]),
-        ctypes.cast(mx.base._LIB.MXNDArrayGetData, ctypes.c_void_p),
-        ctypes.cast(mx.base._LIB.MXNDArrayFree, ctypes.c_void_p))
+        lib.get_data, lib.free_handle)
     if not task:
         for handle in own_in + own_out:
             mx.base._LIB.MXNDArrayFree(ctypes.c_void_p(handle))
@@ -134,8 +139,7 @@ def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> 
     mutable = [a.handle for a in outputs] + [inputs[i].handle for i in sorted(mutated)]
     context = _Context(ctx.device_typeid, ctx.device_id)
     mx.base.check_call(mx.base._LIB.MXEnginePushSyncND(
-        ctypes.cast(lib.dg_task_run, ctypes.c_void_p),
-        ctypes.c_void_p(task), ctypes.cast(lib.dg_task_free, ctypes.c_void_p),
+        lib.run, ctypes.c_void_p(task), lib.free,
         ctypes.byref(context), (mx.base.NDArrayHandle * len(const))(*const), len(const),
         (mx.base.NDArrayHandle * len(mutable))(*mutable), len(mutable), None,
         ctypes.c_int(priority), name.encode()))
