@@ -71,8 +71,8 @@ def verdict(ok) -> str:
     return "–" if ok is None else ("met" if ok else "**not met**")
 
 
-def _median(slot, impl):
-    entry = slot.get("times", {}).get(impl) if slot else None
+def _median(slot, impl, what="times"):
+    entry = slot.get(what, {}).get(impl) if slot else None
     return entry["median"] if entry else None
 
 
@@ -253,26 +253,32 @@ COMPRESS_ROWS = (("DistributedTrainer", "dist_gluon"), ("compression='fp16'", "d
 def compress_table(s: dict, model: str) -> list[str]:
     per = s.get("compress", {}).get(model, {})
     lines = ["| trainer | backend | step ms | compute-only ms | scaling efficiency | "
-             "codec ms | wire MiB per step | link bound ms | time / uncompressed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "codec ms | worker CPU ms (compute-only) | machine busy | wire MiB per step | "
+             "link bound ms | time / uncompressed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for variant, slot in per.items():
         plain = _median(slot, "dist_gluon")
         for name, impl in COMPRESS_ROWS:
             step = _median(slot, impl)
             if step is None:
                 continue
-            compute = _median(slot, f"compute_{impl}_job" if impl.startswith("gluon")
-                              else "compute")
+            compute_impl = f"compute_{impl}_job" if impl.startswith("gluon") else "compute"
+            compute = _median(slot, compute_impl)
+            cpu, cpu_compute = (_median(slot, i, "cpu_seconds") for i in (impl, compute_impl))
+            busy = _median(slot, impl, "machine_busy")
             wire = slot.get("wire_bytes", {}).get(impl)
             bound = link_bound(wire, s["hosts"], s["rate_bits"]) if wire else None
             codec = slot.get("codec_seconds", {}).get(impl)
             lines.append(f"| {name} | {variant} | {ms(step)} | {ms(compute)} | "
                          f"{pct(compute / step if compute else None)} | "
                          f"{ms(codec) if codec is not None else ''} | "
+                         f"{'' if cpu is None else f'{ms(cpu)} ({ms(cpu_compute)})'} | "
+                         f"{'' if busy is None else pct(busy)} | "
                          f"{'' if wire is None else f'{wire / MIB:.1f}'} | {ms(bound)} | "
                          f"{ratio(step, plain)} |")
         for impls, error in slot.get("errors", {}).items():
-            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} | | | | | | |")
+            lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} "
+                         "| | | | | | | | |")
     return lines
 
 
@@ -448,7 +454,14 @@ def settings_sections(results: dict) -> list[str]:
                  "the hosts at the link rate; *codec ms*: the codec's own work per step "
                  "(compressing and reconstructing every gradient on the engine, with the "
                  "sums replaced by nothing), timed alone after the timed rounds, on the "
-                 "same cores the step shares with the other workers. MXNet's 2-bit pushes "
+                 "same cores the step shares with the other workers; *worker CPU ms*: CPU "
+                 "time of rank 0's process per step, all its threads (MXNet's engine, "
+                 "Python, horovod's and Gloo's threads), and in brackets the same for the "
+                 "compute-only step; *machine busy*: the share of the machine's cores in use "
+                 "during the trainer's steps (/proc/stat: every process, the kernel's "
+                 "network work and time taken by the hypervisor). Where the machine is "
+                 "busy near 100%, the step is bound by CPU, not by the link: a codec then "
+                 "pays only by saving more CPU than it costs. MXNet's 2-bit pushes "
                  "1/16 of the float32 bytes and pulls them all (not counted by the "
                  "wrapper).", ""]
         for s in results["settings"]:

@@ -73,6 +73,22 @@ def build_model(args):
     return net, data, label, gluon.loss.SoftmaxCrossEntropyLoss()
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, all) clock ticks of the machine's cores since boot, from /proc/stat (the
+    same in every network namespace): busy is everything but idle and I/O wait, so it
+    includes the kernel's network work and time the hypervisor gave to others (steal)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    idle = ticks[3] + ticks[4]
+    return sum(ticks) - idle, sum(ticks)
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the machine's CPU capacity used between two :func:`machine_ticks`."""
+    total = after[1] - before[1]
+    return (after[0] - before[0]) / total if total else 0.0
+
+
 class NoWire:
     """Stands in for the job's backend when a codec's own work is timed: the same
     workers, rank and integer carrier, and sums that send nothing."""
@@ -224,7 +240,7 @@ def main():
     def block(impl, count):
         """Seconds per step of ``count`` consecutive steps of ``impl``."""
         mx.nd.waitall()
-        t0 = time.perf_counter()
+        t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_ticks()
         for _ in range(count):
             computed = time.perf_counter()
             with autograd.record():
@@ -235,13 +251,18 @@ def main():
                 time.sleep(time.perf_counter() - computed)
             steps[impl]()
         mx.nd.waitall()
-        return (time.perf_counter() - t0) / count
+        seconds = time.perf_counter() - t0
+        usage[impl]["cpu"].append((time.process_time() - cpu0) / count)
+        usage[impl]["busy"].append(busy_share(machine0, machine_ticks()))
+        return seconds / count
 
+    usage = {impl: {"cpu": [], "busy": []} for impl in args.impls}
     for impl in args.impls:
         block(impl, args.warmup)
         barrier()
     wire_per_step = {impl: wire.get(impl, 0) / max(args.warmup, 1) for impl in wire if impl}
     times = {impl: [] for impl in args.impls}
+    usage = {impl: {"cpu": [], "busy": []} for impl in args.impls}
     for r in range(args.rounds):
         shift = r % len(args.impls)
         for impl in args.impls[shift:] + args.impls[:shift]:
@@ -264,6 +285,8 @@ def main():
             "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
             "setup_seconds": setup_seconds, "wire_bytes": wire_per_step,
             "codec_seconds": codec_times,
+            "cpu_seconds": {impl: summarise(u["cpu"]) for impl, u in usage.items()},
+            "machine_busy": {impl: summarise(u["busy"]) for impl, u in usage.items()},
             "times": {impl: summarise(t) for impl, t in times.items()}})
 
 
