@@ -32,6 +32,11 @@ step to compress and reconstruct the model's gradients, on the engine, with the 
 replaced by nothing) is timed alone, so that a reader sees which part of a compressed
 step is the codec's and which the link's.
 
+Each timed block also records the CPU time of this worker's process per step, all its
+threads (``cpu_seconds``), and the share of the machine's cores busy meanwhile
+(``machine_busy``, from /proc/stat): on cores shared by the emulated hosts a step can be
+bound by CPU rather than by the link, and these show which.
+
 Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
 """
 from __future__ import annotations
