@@ -62,7 +62,7 @@ $(STAMP): setup.py constraints.txt | system-packages
 	$(PY) -c 'import mxnet, numpy, gluoncv, dist_gluon; assert numpy.__version__ == "1.23.5", numpy.__version__'
 	@touch $(STAMP)
 
-# The fused kernels (dist_gluon/_kernels.cc: 2-bit, onebit, PowerSGD, fp16, horovod's float16 sums over Gloo, ps-lite's
+# The fused kernels (dist_gluon/_kernels.cc: 2-bit, onebit, PowerSGD, fp16, ps-lite's
 # exact float64 sum), compiled once per machine with the system g++ into ~/.cache/dist_gluon;
 # without a compiler those run on MXNet's stock operators (same results, slower) and
 # this says so.

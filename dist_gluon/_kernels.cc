@@ -1,5 +1,5 @@
 // Fused kernels of dist_gluon's per-step path (the 2-bit, onebit, PowerSGD and fp16
-// codecs, ps-lite's exact float64 sum, horovod's float16 sums over Gloo): pushed onto MXNet's engine as tasks
+// codecs, ps-lite's exact float64 sum): pushed onto MXNet's engine as tasks
 // (dg_task_new / dg_task_run, see "engine tasks"), and registered as operators of a
 // library loaded with mx.library.load (MXNet's custom-operator library API, lib_api.h
 // of the installed wheel).
@@ -29,9 +29,6 @@
 // dg_fp16_pack(x) -> wire,  dg_fp16_unpack(wire) -> x      (float32 <-> float16)
 //     IEEE round to nearest even, as MXNet's Cast: the F16C instructions where the CPU
 //     has them, else (or with attr portable=1) the same rounding in integer arithmetic
-// dg_fp16_sum(parts) -> total                     (float16; attr parts)
-//     total[i] = float16(sum over k, in order, of float(parts[k * size + i])), summed in
-//     float32 and rounded once (two parts: Gloo's float16 sum, bit for bit), on F16C
 //
 // One pass over memory each, where the stock operators need about ten (PowerSGD: two,
 // where the operators need five). The codecs' arithmetic is exactly the operator
@@ -812,65 +809,6 @@ MXReturnValue fp16_unpack_forward(const Attrs& attrs, std::vector<MXTensor>* inp
   return MX_SUCCESS;
 }
 
-#ifdef DG_X86
-__attribute__((target("avx,f16c")))
-int64_t sum_f16c(const uint16_t* parts, uint16_t* total, int64_t count, int64_t size) {
-  int64_t i = 0;
-  for (; i + 8 <= size; i += 8) {
-    __m256 acc = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(parts + i)));
-    for (int64_t k = 1; k < count; ++k) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(parts + k * size + i));
-      acc = _mm256_add_ps(acc, _mm256_cvtph_ps(v));
-    }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(total + i),
-                     _mm256_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT));
-  }
-  return i;
-}
-#endif
-
-MXReturnValue fp16_sum_forward(const Attrs& attrs, std::vector<MXTensor>* inputs,
-                               std::vector<MXTensor>* outputs, const OpResource& res) {
-  const uint16_t* parts = (*inputs)[0].data<uint16_t>();
-  uint16_t* total = (*outputs)[0].data<uint16_t>();
-  const int64_t size = (*outputs)[0].size();
-  const int64_t count = attr_int(attrs, "parts");
-  int64_t i = 0;
-#ifdef DG_X86
-  if (!portable(attrs) && has_f16c()) i = sum_f16c(parts, total, count, size);
-#endif
-  for (; i < size; ++i) {
-    float acc = float_of(parts[i]);
-    for (int64_t k = 1; k < count; ++k) acc += float_of(parts[k * size + i]);
-    total[i] = half_of(acc);
-  }
-  return MX_SUCCESS;
-}
-
-MXReturnValue fp16_sum_type(const Attrs& attrs, std::vector<int>* in_types,
-                            std::vector<int>* out_types) {
-  if ((*in_types)[0] != kFloat16) {
-    MX_ERROR_MSG << "dg_fp16_sum takes float16";
-    return MX_FAIL;
-  }
-  (*out_types)[0] = kFloat16;
-  return MX_SUCCESS;
-}
-
-MXReturnValue fp16_sum_shape(const Attrs& attrs,
-                             std::vector<std::vector<unsigned int>>* in_shapes,
-                             std::vector<std::vector<unsigned int>>* out_shapes) {
-  const std::vector<unsigned int>& in = (*in_shapes)[0];
-  const int64_t count = attrs.count("parts") ? attr_int(attrs, "parts") : 0;
-  if (in.size() != 1 || count < 1 || in[0] % count != 0) {
-    MX_ERROR_MSG << "dg_fp16_sum: a flat float16 array of `parts` (an attribute >= 1) "
-                    "equal parts";
-    return MX_FAIL;
-  }
-  (*out_shapes)[0] = {static_cast<unsigned int>(in[0] / count)};
-  return MX_SUCCESS;
-}
-
 template <int From, int To>
 MXReturnValue convert_type(const Attrs& attrs, std::vector<int>* in_types,
                            std::vector<int>* out_types) {
@@ -928,8 +866,6 @@ const std::unordered_map<std::string, OpEntry>& kernels() {
                         same_shape, nullptr}},
       {"dg_fp16_unpack", {fp16_unpack_forward, parse<1, 1>, convert_type<kFloat16, kFloat32>,
                           same_shape, nullptr}},
-      {"dg_fp16_sum", {fp16_sum_forward, parse<1, 1>, fp16_sum_type, fp16_sum_shape,
-                       nullptr}},
   };
   return table;
 }

@@ -1,10 +1,9 @@
-"""The fused kernels (_kernels.cc) of the per-step path: the 2-bit, onebit, PowerSGD and
-fp16 codecs (compression/), ps-lite's exact float64 sum (backends/pslite.py) and
-horovod's float16 sums over Gloo (backends/horovod.py). Compiled once per machine with
-the system C++ compiler and loaded with ``mx.library.load``; where they cannot be (no
-compiler, no ``lib_api.h`` in the MXNet wheel, ``DG_COMPRESSION_KERNELS=0``), those run
-on MXNet's stock operators, with the same results (PowerSGD's within float32 rounding:
-its sums run in another order), and float16 sums in Gloo's own allreduce.
+"""The fused kernels (_kernels.cc) of the per-step path: the 2-bit, onebit and PowerSGD
+codecs (compression/) and ps-lite's exact float64 sum (backends/pslite.py). Compiled
+once per machine with the system C++ compiler and loaded with ``mx.library.load``;
+where they cannot be (no compiler, no ``lib_api.h`` in the MXNet wheel,
+``DG_COMPRESSION_KERNELS=0``), those run on MXNet's stock operators, with the same
+results (PowerSGD's within float32 rounding: its sums run in another order).
 
 The library is built under ``$DG_KERNEL_CACHE`` (default ``~/.cache/dist_gluon``), in a
 folder named after a hash of the source and of MXNet's version, under a file lock, so
@@ -30,8 +29,7 @@ import numpy as np
 _SOURCE = Path(__file__).with_name("_kernels.cc")
 _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_worker",
         "dg_onebit_server", "dg_float64_split", "dg_float64_combine",
-        "dg_powersgd_project", "dg_powersgd_approximate", "dg_fp16_pack", "dg_fp16_unpack",
-        "dg_fp16_sum")
+        "dg_powersgd_project", "dg_powersgd_approximate", "dg_fp16_pack", "dg_fp16_unpack")
 # No -ffast-math: the arithmetic must be the operator path's, bit for bit
 # (-fno-trapping-math only lets the compiler compute both sides of a select).
 # -Bsymbolic: horovod's MXNet library exports lib_api.h's classes too, and ours must

@@ -509,33 +509,6 @@ def test_fp16_kernels_round_as_mxnets_cast(portable):
     assert np.array_equal(back.asnumpy()[~nan].view(np.uint32), expected[~nan].view(np.uint32))
 
 
-@pytest.mark.parametrize("portable", [0, 1], ids=["f16c", "portable"])
-@pytest.mark.parametrize("parts", [1, 2, 3, 8])
-def test_fp16_sum_kernel_adds_in_float32_and_rounds_once(parts, portable):
-    """dg_fp16_sum (horovod's float16 sums over Gloo, in parts): every part's values
-    added in float32 in order and rounded once to float16, as NumPy does, on F16C and on
-    the integer fallback; sizes with and without a tail of fewer than 8 elements; sums
-    that overflow float16 become infinities."""
-    from dist_gluon import _kernels
-    if not _kernels.available():
-        pytest.skip("the fused kernels could not be built here (no g++?)")
-    rng = np.random.RandomState(parts)
-    for size in (1, 8, 13, 4099):
-        scale = rng.choice([2 ** -24, 1e-3, 1.0, 300.0, 6e4], (parts, size))
-        rows = np.clip(rng.standard_normal((parts, size)) * scale, -65504, 65504)
-        rows = rows.astype(np.float16)
-        total = rows[0].astype(np.float32)
-        for row in rows[1:]:
-            total = total + row.astype(np.float32)
-        got = mx.nd.dg_fp16_sum(mx.nd.array(rows.ravel(), dtype="float16"), parts=parts,
-                                portable=portable).asnumpy()
-        assert got.shape == (size,)
-        assert np.array_equal(got.view(np.uint16), total.astype(np.float16).view(np.uint16))
-        pushed, = _kernels.push("dg_fp16_sum", [mx.nd.array(rows.ravel(), dtype="float16")],
-                                [((size,), "float16")], parts=parts, portable=portable)
-        assert np.array_equal(pushed.asnumpy().view(np.uint16), got.view(np.uint16))
-
-
 def test_fp16_codec_sums_the_same_on_the_kernels_and_on_cast(monkeypatch):
     from dist_gluon import _kernels
     if not _kernels.available():

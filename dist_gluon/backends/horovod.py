@@ -10,13 +10,10 @@ mxnet or horovod.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 
 import mxnet as mx
-import numpy as np
 
-from .. import _kernels
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
@@ -39,53 +36,6 @@ _OPENMPI_ALLREDUCE = {
 # MXNet compute threads and from other ranks on the same cores (a ResNet-18 step without
 # any collective took 3-4x as long as under Gloo here). Yielding gives it back.
 _OPENMPI_YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-
-
-# Gloo sums float16 element by element in software (gloo::sum<float16>): 25.6M elements
-# took 2.8x float32's time on 2 ranks, at half the bytes (benchmarks/FINDINGS.md 9f). A
-# float16 array at least this large is summed in parts instead (_HalfSum).
-_HALF_PARTS_MIN = 1 << 18
-
-
-class _HalfSum:
-    """A float16 sum over Gloo in horovod collectives that only move data: an alltoall
-    hands each rank the workers' copies of its part of the array (1/N of it), the F16C
-    kernel ``dg_fp16_sum`` adds them in float32 and rounds once, and an allgather puts
-    the summed parts back together in place. The same bytes travel as in Gloo's ring
-    allreduce; with two workers the result is Gloo's sum bit for bit, with more it is
-    rounded once instead of at every step of the ring (and is the same on every rank).
-
-    horovod.mxnet's Python alltoall and allgather wait for their results (horovod sizes
-    their outputs when they run); their C entry points are called here with outputs of
-    the final size, so nothing waits and the engine orders the steps. Horovod keeps a
-    bare pointer to each output array until its collective has run, so the outputs are
-    this object's own, alive as long as it is; the allgather's is copied into place."""
-
-    def __init__(self, size: int, workers: int, rank: int, ctx):
-        self.size, self.context = size, ctx
-        self._workers = workers
-        parts = [size // workers + (i < size % workers) for i in range(workers)]
-        self._splits = mx.nd.array(parts, ctx=mx.cpu(), dtype="int32")
-        self._received_splits = mx.nd.zeros((workers,), ctx=mx.cpu(), dtype="int32")
-        self._received = mx.nd.empty((workers * parts[rank],), ctx=ctx, dtype="float16")
-        self._mine = mx.nd.empty((parts[rank],), ctx=ctx, dtype="float16")
-        self._total = mx.nd.empty((size,), ctx=ctx, dtype="float16")
-        from horovod.mxnet import mpi_ops
-        self._lib = mpi_ops.MPI_MXNET_LIB_CTYPES
-
-    def push(self, name: str, array: mx.nd.NDArray, priority: int) -> None:
-        flat = array.reshape((-1,))
-        mx.base.check_call(self._lib.horovod_mxnet_alltoall_async(
-            flat.handle, self._received.handle, mx.base.c_str(f"dg.a2a.{name}"),
-            self._splits.handle, self._received_splits.handle, ctypes.c_int(priority),
-            ctypes.c_int(0)))
-        _kernels.push("dg_fp16_sum", [self._received], [self._mine], priority,
-                      parts=self._workers)
-        mine, total = self._mine.handle, self._total.handle
-        mx.base.check_call(self._lib.horovod_mxnet_allgather_async(
-            ctypes.byref(mine), ctypes.byref(total), mx.base.c_str(f"dg.ag.{name}"),
-            ctypes.c_int(priority), ctypes.c_int(0), ctypes.c_int(1)))
-        self._total.copyto(flat)
 
 
 def _tune_openmpi(environ=os.environ) -> None:
@@ -131,8 +81,6 @@ class Horovod(Backend):
             _tune_openmpi()
             self._hvd.init()
         super().__init__()
-        self._halves: dict = {}     # name -> _HalfSum (Gloo only)
-        self._gloo = self._hvd.gloo_enabled()
 
     @property
     def rank(self) -> int:
@@ -149,25 +97,8 @@ class Horovod(Backend):
     def _allreduce_(self, names, arrays, priority):
         with self._submit_lock:
             for name, arr in zip(names, arrays):
-                half = self._half_sum(name, arr)
-                if half is not None:
-                    half.push(name, arr, priority)
-                else:
-                    self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority,
-                                         op=self._hvd.Sum)
-
-    def _half_sum(self, name, arr) -> _HalfSum | None:
-        """The parts-wise sum of a large float16 array on the CPU over Gloo, or None
-        for horovod's allreduce."""
-        if not (self._gloo and arr.dtype == np.float16 and arr.size >= _HALF_PARTS_MIN
-                and self.num_workers > 1 and arr.context.device_type == "cpu"
-                and _kernels.available()):
-            return None
-        half = self._halves.get(name)
-        if half is None or half.size != arr.size or half.context != arr.context:
-            half = self._halves[name] = _HalfSum(arr.size, self.num_workers, self.rank,
-                                                 arr.context)
-        return half
+                self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority,
+                                     op=self._hvd.Sum)
 
     def _broadcast_(self, names, arrays, root_rank, priority):
         # Weights used by a hybridized forward (static_alloc) may hold MKLDNN-layout
