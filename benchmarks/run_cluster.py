@@ -356,19 +356,15 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
                 if "error" in payload:
                     slot["errors"][impls] = payload["error"]
                     continue
-                times = dict(payload["times"])
                 main = impls.split(",")[0]
-                if main.startswith("gluon"):
-                    # the compute-only step of gluon.Trainer's own job
-                    times[f"compute_{main}_job"] = times.pop("compute")
+                for what in ("times", "cpu_seconds", "machine_busy"):
+                    found = dict(payload.get(what, {}))
+                    if main.startswith("gluon") and "compute" in found:
+                        # the compute-only step of gluon.Trainer's own job
+                        found[f"compute_{main}_job"] = found.pop("compute")
+                    slot[what].update(found)
                 slot["wire_bytes"].update(payload.get("wire_bytes", {}))
                 slot["codec_seconds"].update(payload.get("codec_seconds", {}))
-                for usage in ("cpu_seconds", "machine_busy"):
-                    found = dict(payload.get(usage, {}))
-                    if main.startswith("gluon") and "compute" in found:
-                        found[f"compute_{main}_job"] = found.pop("compute")
-                    slot[usage].update(found)
-                slot["times"].update(times)
                 slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
                                                      "image", "gradient_bytes")})
             per_variant[label] = slot

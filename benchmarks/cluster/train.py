@@ -243,7 +243,8 @@ def main():
         int(os.environ.get("DG_RANK", "0")) == args.slow_rank
 
     def block(impl, count):
-        """Seconds per step of ``count`` consecutive steps of ``impl``."""
+        """Seconds, this process's CPU seconds per step of ``count`` consecutive steps of
+        ``impl``, and the machine's busy share meanwhile."""
         mx.nd.waitall()
         t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_ticks()
         for _ in range(count):
@@ -256,33 +257,33 @@ def main():
                 time.sleep(time.perf_counter() - computed)
             steps[impl]()
         mx.nd.waitall()
-        seconds = time.perf_counter() - t0
-        usage[impl]["cpu"].append((time.process_time() - cpu0) / count)
-        usage[impl]["busy"].append(busy_share(machine0, machine_ticks()))
-        return seconds / count
+        return ((time.perf_counter() - t0) / count, (time.process_time() - cpu0) / count,
+                busy_share(machine0, machine_ticks()))
 
-    usage = {impl: {"cpu": [], "busy": []} for impl in args.impls}
     for impl in args.impls:
         block(impl, args.warmup)
         barrier()
     wire_per_step = {impl: wire.get(impl, 0) / max(args.warmup, 1) for impl in wire if impl}
-    times = {impl: [] for impl in args.impls}
-    usage = {impl: {"cpu": [], "busy": []} for impl in args.impls}
+    # impl -> (seconds, CPU seconds, busy share) of each round's block
+    blocks = {impl: [] for impl in args.impls}
     for r in range(args.rounds):
         shift = r % len(args.impls)
         for impl in args.impls[shift:] + args.impls[:shift]:
             barrier()
-            times[impl].append(block(impl, args.steps))
+            blocks[impl].append(block(impl, args.steps))
     # each codec alone, on the last step's gradients (the residuals it changes are not
     # used again)
     codec_times = {impl: time_codec() for impl, time_codec in codecs.items()}
     params = [p for p in net.collect_params().values() if p.grad_req != "null"]
+    # the medians and quartiles of each column of the blocks, per impl
+    summaries = {what: {impl: summarise([b[column] for b in found])
+                        for impl, found in blocks.items()}
+                 for column, what in enumerate(("times", "cpu_seconds", "machine_busy"))}
     rank_times = None
     if args.slow_rank is not None:
         import dist_gluon as dg
 
-        rank_times = dg.create().allgather_object(
-            {impl: summarise(t) for impl, t in times.items()})
+        rank_times = dg.create().allgather_object(summaries["times"])
     report({"kind": "train", "backend": launcher_backend(), "model": args.model,
             "rank_times": rank_times, "slow_rank": args.slow_rank,
             "batch": args.batch, "image": args.image, "tensors": len(params),
@@ -290,9 +291,7 @@ def main():
             "gradient_bytes": int(sum(p.data().size * 4 for p in params)),
             "setup_seconds": setup_seconds, "wire_bytes": wire_per_step,
             "codec_seconds": codec_times,
-            "cpu_seconds": {impl: summarise(u["cpu"]) for impl, u in usage.items()},
-            "machine_busy": {impl: summarise(u["busy"]) for impl, u in usage.items()},
-            "times": {impl: summarise(t) for impl, t in times.items()}})
+            **summaries})
 
 
 if __name__ == "__main__":
