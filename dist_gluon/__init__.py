@@ -32,7 +32,7 @@ _PUBLIC = {
     "BACKEND_NAMES": ".backends", "Backend": ".backends", "create": ".backends",
     "ModelMismatchError": ".broadcast", "broadcast_parameters": ".broadcast",
     "CheckpointError": ".checkpoint", "Checkpointer": ".checkpoint",
-    "parse_devices": ".devices",
+    "parse_devices": ".devices", "StaleGradientError": ".freshness",
     "ShardSampler": ".data", "reduce_metric": ".data", "shard_kwargs": ".data",
     "stop_requested": ".elastic",
     "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",

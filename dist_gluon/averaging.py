@@ -115,6 +115,21 @@ class _GradientAverager:
         self.kv.pushpull(self._batch_key, total, priority=_BATCH_PRIORITY)
         return total
 
+    def submit_step(self, batch_size: float, fresh: list[bool]) -> mx.nd.NDArray:
+        """:meth:`submit_batch_size` for a trainer, with this rank's freshness of each
+        parameter (:mod:`dist_gluon.freshness`) in the same array: returns the
+        ``(1 + len(fresh),)`` float32 array that holds, once the engine has run, the
+        sum of the batch sizes and, for each parameter, the number of ranks where its
+        gradient is fresh. The same key and length on every step of a trainer. Made by
+        operators (no upload) unless some gradient is stale here."""
+        if all(fresh):
+            header = mx.nd.full((1 + len(fresh),), 1.0, dtype="float32")
+            header[0] = batch_size
+        else:
+            header = mx.nd.array([batch_size] + [float(f) for f in fresh], dtype="float32")
+        self.kv.pushpull(self._batch_key, header, priority=_BATCH_PRIORITY)
+        return header
+
     def total_batch_size(self, batch_size: float) -> float:
         """The sum of every worker's ``batch_size`` (``batch_size`` on one process)."""
         if not self.distributed:

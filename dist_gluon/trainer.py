@@ -14,6 +14,7 @@ from .averaging import _GradientAverager, check_compression, check_predivide, cl
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 from .devices import copy_from_first, sum_into_first
+from .freshness import local_freshness, settle, zero_stale
 
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
 # are aggregated (see _SizeGroupedUpdater).
@@ -40,9 +41,14 @@ class TrainerBase(gluon.Trainer):
     whose own updater then applies it: N workers of D devices on B samples each train
     as one process on the N*D*B samples.
 
+    A parameter's gradient is fresh if it is fresh on any rank (:mod:`dist_gluon.freshness`):
+    a rank whose backward did not reach a parameter sends zeros for it, the step's small
+    header array tells every rank on how many ranks each parameter was fresh, and every
+    rank then updates (or, with ``ignore_stale_grad=True``, skips) the same parameters.
+
     Subclasses pass their :class:`~dist_gluon.averaging._GradientAverager`, take the
-    gradients to send from :meth:`_grad_entries` and call :meth:`_spread_grads` after
-    the sums.
+    gradients to send from :meth:`_grad_entries` (after :meth:`_submit_header` where
+    the ranks are several) and call :meth:`_spread_grads` after the sums.
     """
 
     def __init__(self, params, optimizer, optimizer_params, averager: _GradientAverager,
@@ -54,6 +60,12 @@ class TrainerBase(gluon.Trainer):
         self._averager = averager
         self._kv = averager.kv
         self._model_params = model_order
+        # this step's freshness (model order): this rank's flags, read once per step
+        # before anything is zeroed; the step's header array in flight; and, once it
+        # arrived, the number of ranks where each parameter was fresh
+        self._step_fresh: list[bool] | None = None
+        self._header: mx.nd.NDArray | None = None
+        self._fresh_counts = None
 
     @property
     def kv(self):
@@ -98,16 +110,68 @@ class TrainerBase(gluon.Trainer):
     def _grad_entries(self) -> list[tuple[int, mx.nd.NDArray]]:
         """(position, gradient) of every trainable parameter, in the model's order; with
         several devices the gradient is the sum of the devices', in the first device's
-        array (queued on the engine: nothing waits here)."""
+        array (queued on the engine: nothing waits here). Where several gradients are
+        summed (devices or ranks), a stale one is zeroed first: it counts zero."""
+        fresh = self._freshness()
+        summed = self._kv.num_workers > 1
         entries = []
         for i, param in enumerate(self._model_params):
             if param.grad_req == "null":
                 continue
             grads = param.list_grad()
+            if (summed and not fresh[i]) or (len(grads) > 1 and fresh[i]):
+                zero_stale(param)
             if len(grads) > 1:
                 sum_into_first(grads)
             entries.append((i, grads[0]))
         return entries
+
+    def _freshness(self) -> list[bool]:
+        """This rank's freshness of each parameter this step (model order), read before
+        the first gradient is zeroed or summed."""
+        if self._step_fresh is None:
+            self._step_fresh = local_freshness(self._model_params)
+        return self._step_fresh
+
+    def _submit_header(self, batch_size: float = 0.0) -> None:
+        """Start the sum of this step's header over the workers: the batch sizes and
+        the freshness counts (:meth:`~dist_gluon.averaging._GradientAverager.submit_step`).
+        Sent before the gradients, with the highest priority."""
+        self._header = self._averager.submit_step(batch_size, self._freshness())
+
+    def _read_header(self) -> float:
+        """Wait for the header (the step's one wait) and keep the freshness counts;
+        returns the sum of the batch sizes."""
+        values = self._header.asnumpy()
+        self._header = None
+        self._fresh_counts = values[1:]
+        return float(values[0])
+
+    def _update(self, ignore_stale_grad=False):
+        try:
+            if self._kv.num_workers > 1:
+                if self._fresh_counts is None:
+                    if self._header is None:
+                        self._submit_header()
+                    self._read_header()
+                settle(self._model_params, self._fresh_counts, ignore_stale_grad,
+                       self._kv.num_workers, self._stale_positions_by_rank, self._describe,
+                       step=self._optimizer.num_update + 1)
+            elif len(self._contexts) > 1 and ignore_stale_grad:
+                # one process, several devices: fresh on one device is fresh on all,
+                # since every device now holds the sum
+                settle(self._model_params, [float(f) for f in self._freshness()], True, 1,
+                       list, self._describe)
+        finally:
+            self._step_fresh = self._header = self._fresh_counts = None
+        super()._update(ignore_stale_grad)
+
+    def _stale_positions_by_rank(self) -> list[list[int]]:
+        """Each rank's stale parameters this step (a collective, for an error message)."""
+        fresh = self._freshness()
+        mine = [i for i, param in enumerate(self._model_params)
+                if param.grad_req != "null" and not fresh[i]]
+        return self._kv.allgather_object(mine)
 
     def _tell_codec_learning_rate(self) -> None:
         """A codec whose error feedback follows the learning rate (BytePS's, which scale
@@ -339,7 +403,12 @@ class DistributedTrainer(TrainerBase):
             The number of samples this worker's gradients were summed over (may differ
             between workers); 1 if the loss was already averaged per worker.
         ignore_stale_grad : bool
-            As in ``gluon.Trainer.step``.
+            As in ``gluon.Trainer.step``, decided for the whole job: a parameter whose
+            gradient is fresh on any rank is updated on every rank with the sum of the
+            fresh ranks' gradients (a rank whose backward did not reach it counts zero),
+            one stale on every rank is skipped on every rank. Without it, a gradient
+            fresh on some ranks only raises
+            :class:`~dist_gluon.freshness.StaleGradientError` on every rank.
         """
         if not self._kv_initialized:
             self._init_kvstore()
@@ -348,17 +417,18 @@ class DistributedTrainer(TrainerBase):
         if self._server_updates is not None:
             entries = [(i, grad, self._model_params[i].list_data()[0])
                        for i, grad in self._grad_entries()]
+            self._step_fresh = None
             self._server_updates.step(*(list(column) for column in zip(*entries)),
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
             return
-        total = None
         if self._averager.distributed:
-            total = self._averager.submit_batch_size(batch_size)
+            self._submit_header(batch_size)
         self._allreduce_grads()
-        if total is not None:
-            # the gradients are in flight; only this one value is waited for
-            batch_size = float(total.asscalar())
+        if self._averager.distributed:
+            # the gradients are in flight; only the header (batch sizes, freshness) is
+            # waited for
+            batch_size = self._read_header()
         self._check_and_rescale_grad(self._scale / batch_size)
         self._update(ignore_stale_grad)
 
@@ -371,10 +441,13 @@ class DistributedTrainer(TrainerBase):
         batch_size : int or float
             As in :meth:`step`: this worker's number of samples.
         ignore_stale_grad : bool
-            As in ``gluon.Trainer.update``.
+            As in :meth:`step`.
         """
         self._refuse_on_servers("update")
-        super().update(self._averager.total_batch_size(batch_size), ignore_stale_grad)
+        if self._averager.distributed:
+            self._submit_header(batch_size)
+            batch_size = self._read_header()
+        super().update(batch_size, ignore_stale_grad)
 
     def allreduce_grads(self) -> None:
         """Sum the gradients over the workers in place (see :meth:`update`)."""
@@ -427,6 +500,7 @@ class DistributedTrainer(TrainerBase):
         self._spread_grads()
 
     def _update(self, ignore_stale_grad=False):
+        # the freshness of every rank is settled by TrainerBase._update first
         updaters = self._updaters
         self._updaters = [_SizeGroupedUpdater(u) for u in updaters]
         try:

@@ -19,6 +19,8 @@ from conftest import (
 
 WORKERS = REPO / "tests" / "workers"
 EXACT_CASES = ["sgd", "adam", "two_a", "two_b", "accum", "clip", "predivide"]
+# a rank-dependent branch stepped with ignore_stale_grad=True (trainer_cases.py, case 9)
+BRANCH_CASES = ["heads", "heads_update", "heads_accum"]
 # rank 0 and rank 1 have different batch sizes (5 + 3 samples...) in these
 UNEVEN_CASES = ["uneven_step", "uneven_update"]
 
@@ -66,6 +68,36 @@ def test_ranks_with_different_batch_sizes_train_like_one_process_on_the_concaten
     rank0 = _params(distributed, case, 0)
     assert _max_error(rank0, expected) < 1e-5
     assert _max_error(_params(distributed, case, 1), rank0) == 0.0    # ranks stay identical
+
+
+@pytest.mark.parametrize("case", BRANCH_CASES)
+def test_a_branch_taken_by_some_ranks_updates_every_rank_like_one_process(
+        distributed, reference, case):
+    expected = _params(reference, case, 0)
+    rank0 = _params(distributed, case, 0)
+    assert _max_error(_params(distributed, case, 1), rank0) == 0.0    # ranks stay identical
+    assert _max_error(rank0, expected) < 1e-5, case
+    # head C (parameters #6 and #7), never used, is skipped on every rank: not even
+    # weight decay touches it
+    initial = _params(distributed, case + "_init", 0)
+    assert all(np.array_equal(rank0[i], initial[i]) for i in (6, 7))
+
+
+@pytest.mark.parametrize("case", ["heads_fp16", "heads_2bit"])
+def test_a_branch_taken_by_some_ranks_keeps_ranks_identical_with_compression(
+        distributed, reference, case):
+    rank0 = _params(distributed, case, 0)
+    assert _max_error(_params(distributed, case, 1), rank0) == 0.0
+    if case == "heads_fp16":
+        assert _max_error(rank0, _params(reference, case, 0)) < 1e-3
+
+
+def test_a_gradient_stale_on_some_ranks_is_one_clear_error_on_every_rank(distributed):
+    for rank in (0, 1):
+        message = (distributed / f"stale_error_rank{rank}.txt").read_text()
+        assert "has a fresh gradient on ranks [0] but a stale one" in message, message
+        assert "on ranks [1]" in message and "ignore_stale_grad=True" in message
+        assert "parameter #2" in message
 
 
 def test_every_rank_starts_from_rank_0_weights_whatever_its_seed(distributed, reference):

@@ -95,7 +95,10 @@ class PeerTrainer(TrainerBase):
         super().__init__(params, optimizer, optimizer_params, averager, owner=owner)
 
     def _sum_grads(self, scale: float = 1.0) -> None:
-        """Multiply every gradient by ``scale``, then sum it over the workers in place."""
+        """Multiply every gradient by ``scale``, then sum it over the workers in place
+        (after the step's header: a stale gradient counts zero on every rank)."""
+        if self._kv.num_workers > 1:
+            self._submit_header()
         for position, grad in self._grad_entries():
             if scale != 1.0:
                 grad *= scale

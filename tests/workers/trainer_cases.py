@@ -171,4 +171,94 @@ for case in ("uneven_step", "uneven_update"):
             trainer.allreduce_grads()
             trainer.update(x.shape[0])
     save(case, net)
+
+
+# 9. a rank-dependent branch stepped with ignore_stale_grad=True: rank 0's samples go
+#    through head A, rank 1's through head B on even steps and head A on odd ones; head C
+#    is never used. A parameter fresh on any rank is updated on every rank with the sum
+#    of the fresh gradients, one stale everywhere is skipped everywhere: one process
+#    that sends each share of the batch through that share's head.
+class Heads(gluon.nn.Block):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.trunk = gluon.nn.Dense(16, activation="relu", in_units=FEATURES)
+            self.heads = gluon.nn.Sequential()
+            for _ in range(3):
+                self.heads.add(gluon.nn.Dense(CLASSES, in_units=16))
+
+    def forward(self, x, head):
+        return self.heads[head](self.trunk(x))
+
+
+def head_of(share, step):
+    return 0 if share == 0 else (1 if step % 2 == 0 else 0)
+
+
+def heads_loss(net, step, micro=0):
+    """The loss of this worker's shares (both shares on one process), each through its
+    head; returns (loss, number of samples)."""
+    shares = range(world) if N == 1 else [rank]
+    total, count = None, 0
+    for share in shares:
+        size = world * B // world
+        lo = share * size
+        x = mx.nd.array(X[step, micro, lo:lo + size])
+        y = mx.nd.array(Y[step, micro, lo:lo + size])
+        part = loss_fn(net(x, head_of(share, step)), y).sum()
+        total = part if total is None else total + part
+        count += size
+    return total, count
+
+
+def heads_net():
+    mx.random.seed(200 + rank)
+    net = Heads()
+    net.initialize(mx.init.Xavier())
+    return net
+
+
+def train_heads(case, accumulate=False, update=False, **kw):
+    net = heads_net()
+    if accumulate:
+        net.collect_params().setattr("grad_req", "add")
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", SGD, **kw)
+    save(case + "_init", net)
+    for step in range(STEPS):
+        count = 0
+        for micro in range(2 if accumulate else 1):
+            with autograd.record():
+                loss, n = heads_loss(net, step, micro)
+            loss.backward()
+            count += n
+        if update:
+            trainer.allreduce_grads()
+            trainer.update(count, ignore_stale_grad=True)
+        else:
+            trainer.step(count, ignore_stale_grad=True)
+        if accumulate:
+            net.collect_params().zero_grad()
+    save(case, net)
+
+
+train_heads("heads")
+train_heads("heads_update", update=True)
+train_heads("heads_accum", accumulate=True)
+train_heads("heads_fp16", compression="fp16")
+train_heads("heads_2bit", compression={"type": "2bit", "threshold": 0.01})
+
+# 10. the same branch without ignore_stale_grad: one clear error on every rank
+if N > 1:
+    net = heads_net()
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", SGD)
+    with autograd.record():
+        loss, n = heads_loss(net, 0)
+    loss.backward()
+    try:
+        trainer.step(n)
+        message = "no error"
+    except dg.StaleGradientError as err:
+        message = str(err)
+    with open(os.path.join(out_dir, f"stale_error_rank{rank}.txt"), "w") as f:
+        f.write(message)
 print("cases done", flush=True)
