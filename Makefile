@@ -151,7 +151,9 @@ bench: setup
 	$(PY) benchmarks/run.py
 
 # Collectives and ResNet-50/VGG-16 training on 2 and 4 emulated hosts (network namespaces,
-# rate-limited links) against the link bound and the peers: benchmarks/RESULTS-cluster.md.
+# rate-limited links) against the link bound and the peers: one report per part,
+# benchmarks/RESULTS-cluster-<part>.md, so that rerunning one part (--only lm) keeps the
+# others' figures.
 # Needs root; about 25 minutes.
 bench-cluster: setup
 	$(PY) benchmarks/run_cluster.py

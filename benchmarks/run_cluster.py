@@ -1,6 +1,6 @@
 """`make bench-cluster`: dist_gluon and its peers on emulated hosts with real link limits.
 
-    .venv/bin/python benchmarks/run_cluster.py          # full run, writes RESULTS-cluster.md
+    .venv/bin/python benchmarks/run_cluster.py          # full run, RESULTS-cluster-<part>.md
     .venv/bin/python benchmarks/run_cluster.py --quick  # 2 hosts, small sizes (3 minutes)
 
 Each setting is an emulated cluster (tools/emulated_cluster.py: one network namespace per
@@ -39,8 +39,11 @@ scheduler on host 0. In every cluster:
    worker start, model build, checkpoint load and first step, from the launchers' lines
    (stamped as they are read) and the workers' clocks.
 
-The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
-benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
+Each part's report (cluster/report.py) has a file of its own, benchmarks/PART_FILES[part]
+(RESULTS-cluster-comm.md, -train, -compression, -lm, -servers, -async, -elastic), with
+its raw numbers beside it (results-cluster-<...>.json), so that a rerun of one part
+(`--only lm`) never loses another part's figures; --quick writes everything it ran into
+RESULTS-cluster-quick.md instead, and --out FILE into FILE. Every
 job has a timeout, and every cluster is torn down (with whatever still runs on it)
 when its setting ends, also on an error or Ctrl-C.
 """
@@ -768,11 +771,57 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
     return result
 
 
+# --------------------------------------------------------------------------- reports
+# One report per part: a rerun of one part rewrites its own file only.
+PART_FILES = {"comm": "RESULTS-cluster-comm.md", "train": "RESULTS-cluster-train.md",
+              "compress": "RESULTS-cluster-compression.md", "lm": "RESULTS-cluster-lm.md",
+              "servers": "RESULTS-cluster-servers.md", "async": "RESULTS-cluster-async.md",
+              "elastic": "RESULTS-cluster-elastic.md"}
+# where each part keeps its numbers: a key of each setting's results, or of the run's
+_SETTING_PARTS = ("comm", "train", "compress", "lm")
+_RUN_KEYS = {"servers": "server_hosts", "async": "async", "elastic": "elastic"}
+
+
+def part_results(results: dict, part: str) -> dict | None:
+    """The run's results with only ``part``'s numbers (None if it has none): the header's
+    facts (machine, load, command) stay, the other parts' numbers go."""
+    own = {k: v for k, v in results.items() if k not in _RUN_KEYS.values()}
+    if part in _SETTING_PARTS:
+        own["settings"] = [{k: v for k, v in s.items()
+                            if k not in _SETTING_PARTS or k == part}
+                           for s in results["settings"] if part in s]
+        return own if own["settings"] else None
+    if _RUN_KEYS[part] not in results:
+        return None
+    own["settings"] = []
+    own[_RUN_KEYS[part]] = results[_RUN_KEYS[part]]
+    return own
+
+
+def raw_path(report_path: Path) -> Path:
+    return report_path.with_name(report_path.stem.lower() + ".json")
+
+
+def write_reports(results: dict, parts, out: Path | None) -> list[Path]:
+    """Write the report (and the raw numbers beside it) of every part with results: to
+    ``out`` all together if given, else each to its own file. Returns the reports."""
+    if out is not None:
+        jobs = [(results, out)]
+    else:
+        jobs = [(own, HERE / PART_FILES[part]) for part in parts
+                if (own := part_results(results, part)) is not None]
+    for own, path in jobs:
+        report.write(own, path)
+        raw_path(path).write_text(json.dumps(own, indent=1, default=str))
+    return [path for _, path in jobs]
+
+
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark dist_gluon and its peers on "
                                      "emulated hosts with rate-limited links; writes "
-                                     "benchmarks/RESULTS-cluster.md.")
+                                     "benchmarks/RESULTS-cluster-<part>.md, one file per "
+                                     "part run.")
     parser.add_argument("--quick", action="store_true",
                         help="2 hosts at 1 Gbit/s, small sizes, ResNet-50 only (a few "
                              "minutes); writes RESULTS-cluster-quick.md unless --out is "
@@ -786,7 +835,10 @@ def parse_args(argv=None):
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the report")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the report of every part run into this one file "
+                             "(default: each part into its own benchmarks/"
+                             "RESULTS-cluster-<part>.md)")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
     parser.add_argument("--lost-host", action="append", type=int,
@@ -795,8 +847,8 @@ def parse_args(argv=None):
                              "default: host 2 (checkpoints in a shared directory), then "
                              "host 0, the job's first host (node-local checkpoints)")
     args = parser.parse_args(argv)
-    if args.out is None:
-        args.out = HERE / ("RESULTS-cluster-quick.md" if args.quick else "RESULTS-cluster.md")
+    if args.out is None and args.quick:
+        args.out = HERE / "RESULTS-cluster-quick.md"
     return args
 
 
@@ -861,7 +913,7 @@ def main(argv=None) -> int:
             results["load_end"] = os.getloadavg()
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
-            report.write(results, args.out)
+            write_reports(results, parts, args.out)
         for setting in cfg["settings"]:
             results["settings"].append(run_setting(setting, cfg, cases_path, variants,
                                                    parts, args.job_timeout))
@@ -870,10 +922,10 @@ def main(argv=None) -> int:
             results["load_end"] = os.getloadavg()
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
-            report.write(results, args.out)
-    raw_path = args.out.with_name(args.out.stem.lower() + ".json")
-    raw_path.write_text(json.dumps(results, indent=1, default=str))
-    log(f"wrote {args.out} and {raw_path} in {results['minutes']:.1f} minutes")
+            write_reports(results, parts, args.out)
+    written = write_reports(results, parts, args.out)
+    log(f"wrote {', '.join(str(p) for p in written)} (and the raw numbers beside each) in "
+        f"{results['minutes']:.1f} minutes")
     failed = [f"{s['hosts']}x{s['rate']} collectives {label}" for s in results["settings"]
               for label, job in s.get("comm", {}).items() if "error" in job]
     failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]

@@ -1,5 +1,5 @@
-"""RESULTS-cluster.md from the numbers ``run_cluster.py`` collects: link bounds, tables,
-targets. No measuring here."""
+"""The RESULTS-cluster-<part>.md reports from the numbers ``run_cluster.py`` collects:
+link bounds, tables, targets. No measuring here."""
 from __future__ import annotations
 
 import re
@@ -389,7 +389,7 @@ def write(results: dict, path: Path) -> None:
         text += async_section(results)
     if "elastic" in results:
         text += elastic_section(results)
-    if results["settings"]:
+    if any("comm" in s or "train" in s for s in results["settings"]):
         text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
                  "What was changed because of these numbers, and why the targets that are "
                  "not met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated "
@@ -400,87 +400,110 @@ def write(results: dict, path: Path) -> None:
 def settings_sections(results: dict) -> list[str]:
     """Parts 1 to 4, measured in the settings of the run."""
     cfg = results["config"]
+    text = []
+    if any("comm" in s for s in results["settings"]):
+        text += _comm_section(results, cfg)
+    if any("train" in s for s in results["settings"]):
+        text += _train_section(results, cfg)
+    if any("compress" in s for s in results["settings"]):
+        text += _compress_section(results)
+    if any("lm" in s for s in results["settings"]):
+        text += _lm_section(results)
+    return text
+
+
+def _comm_section(results: dict, cfg: dict) -> list[str]:
     text = ["## 1. Collectives against the link bound", "",
-             "dist_gluon is `dg.create().pushpull(key, x, priority=-i)`, one call per tensor; "
-             "raw is `hvd.allreduce_(x, op=hvd.Sum, priority=-i)` on horovod and MXNet's own "
-             "`kv.pushpull(key, x, out=x, priority=-i)` on its `dist_sync` store on dist_sync "
-             "and p3 (../bench_comm.py). The two alternate repetition by repetition in one "
-             f"job; medians of {cfg['comm_reps']} timed repetitions after "
-             f"{cfg['comm_warmup']} warm-up, each started from a barrier.", ""]
+            "dist_gluon is `dg.create().pushpull(key, x, priority=-i)`, one call per tensor; "
+            "raw is `hvd.allreduce_(x, op=hvd.Sum, priority=-i)` on horovod and MXNet's own "
+            "`kv.pushpull(key, x, out=x, priority=-i)` on its `dist_sync` store on dist_sync "
+            "and p3 (../bench_comm.py). The two alternate repetition by repetition in one "
+            f"job; medians of {cfg['comm_reps']} timed repetitions after "
+            f"{cfg['comm_warmup']} warm-up, each started from a barrier.", ""]
     for s in results["settings"]:
         if "comm" not in s:
             continue
         text += [f"### {setting_name(s)}", "", link_line(s), "", *comm_table(results, s), ""]
-    text += ["## 2. Training throughput", "",
-             "Synthetic data (one fixed random batch per worker), SGD with momentum 0.9. Each "
-             "trainer runs blocks of consecutive steps timed as a whole (the engine is "
-             "waited for only at a block's ends, so communication can overlap the backward "
-             "pass and the next forward as in a real training loop); step time = median "
-             "over blocks of block time / steps per block. On horovod, DistributedTrainer, "
-             "horovod.mxnet.DistributedTrainer and the compute-only step take turns in one "
-             "job, in an order rotated every block; on ps-lite each trainer has its own job "
-             "(MXNet allows one ps-lite store per process) in which it takes turns with the "
-             "compute-only step. *compute-only*: the same step with no communication "
-             "(gluon.Trainer(kvstore=None)), every worker computing at the same time. "
-             "**Scaling efficiency = compute-only step time / step time** (1.0: the "
-             "communication costs nothing). *Best possible with full overlap* = compute-only "
-             "/ max(compute-only, link bound of one gradient sum). gluon.Trainer on "
-             "dist_sync updates on the servers (MXNet's default); every other trainer "
-             "updates on the workers.", "",
-             "Sizes (the parameter counts are the models' own; batch and image are shrunk "
-             "for 2 cores). ResNet-50's batch is chosen so that its compute-only step on an "
-             "idle core (about 1.2 s) is 1.5 times the link bound of one gradient sum on 2 "
-             "hosts at 1 Gbit/s: communication can hide behind the backward pass, so the "
-             "scaling efficiency measures how well a trainer overlaps. VGG-16 needs "
-             "224x224 inputs for its 138M parameters (the first Dense layer takes 512x7x7 "
-             "inputs), and even at batch 1 one step needs 4.4 s of link time on 2 hosts "
-             "(6.6 s on 4), so it runs on 2 hosts at 1 Gbit/s only: " + "; ".join(
+    return text
+
+
+def _train_section(results: dict, cfg: dict) -> list[str]:
+    text = ["## 2. Training throughput", "",
+            "Synthetic data (one fixed random batch per worker), SGD with momentum 0.9. Each "
+            "trainer runs blocks of consecutive steps timed as a whole (the engine is "
+            "waited for only at a block's ends, so communication can overlap the backward "
+            "pass and the next forward as in a real training loop); step time = median "
+            "over blocks of block time / steps per block. On horovod, DistributedTrainer, "
+            "horovod.mxnet.DistributedTrainer and the compute-only step take turns in one "
+            "job, in an order rotated every block; on ps-lite each trainer has its own job "
+            "(MXNet allows one ps-lite store per process) in which it takes turns with the "
+            "compute-only step. *compute-only*: the same step with no communication "
+            "(gluon.Trainer(kvstore=None)), every worker computing at the same time. "
+            "**Scaling efficiency = compute-only step time / step time** (1.0: the "
+            "communication costs nothing). *Best possible with full overlap* = compute-only "
+            "/ max(compute-only, link bound of one gradient sum). gluon.Trainer on "
+            "dist_sync updates on the servers (MXNet's default); every other trainer "
+            "updates on the workers.", "",
+            "Sizes (the parameter counts are the models' own; batch and image are shrunk "
+            "for 2 cores). ResNet-50's batch is chosen so that its compute-only step on an "
+            "idle core (about 1.2 s) is 1.5 times the link bound of one gradient sum on 2 "
+            "hosts at 1 Gbit/s: communication can hide behind the backward pass, so the "
+            "scaling efficiency measures how well a trainer overlaps. VGG-16 needs "
+            "224x224 inputs for its 138M parameters (the first Dense layer takes 512x7x7 "
+            "inputs), and even at batch 1 one step needs 4.4 s of link time on 2 hosts "
+            "(6.6 s on 4), so it runs on 2 hosts at 1 Gbit/s only: " + "; ".join(
                  f"{model}: batch {o['batch']} per worker, {o['image']}x{o['image']}, "
                  f"{o['warmup']} warm-up step(s), {o['rounds']} block(s) of {o['steps']} "
                  f"steps per trainer" for model, o in cfg["models"].items()) + ".", ""]
     for s in results["settings"]:
         for model in s.get("train", {}):
             text += [f"### {model}, {setting_name(s)}", "", *train_table(s, model), ""]
-    if any("compress" in s for s in results["settings"]):
-        text += ["## 3. Gradient compression", "",
-                 "DistributedTrainer with `compression=` None, 'fp16', '2bit' (threshold "
-                 "0.5) and 'powersgd' (rank 4), taking turns in one job per backend with the "
-                 "compute-only step, as in part 2 (on dist_sync each trainer in its own job); on "
-                 "dist_sync also MXNet's own 2-bit compression on its dist_sync kvstore "
-                 "(push and pull per tensor: MXNet 1.9's gluon.Trainer refuses its own "
-                 "compression there, 'Compression not supported with PushPull'). "
-                 "*wire MiB*: what the trainer gives the backend's sums per step (each sum "
-                 "sends and receives that much); *link bound*: one sum of those bytes over "
-                 "the hosts at the link rate; *codec ms*: the codec's own work per step "
-                 "(compressing and reconstructing every gradient on the engine, with the "
-                 "sums replaced by nothing), timed alone after the timed rounds, on the "
-                 "same cores the step shares with the other workers; *worker CPU ms*: CPU "
-                 "time of rank 0's process per step, all its threads (MXNet's engine, "
-                 "Python, horovod's and Gloo's threads), and in brackets the same for the "
-                 "compute-only step; *machine busy*: the share of the machine's cores in use "
-                 "during the trainer's steps (/proc/stat: every process, the kernel's "
-                 "network work and time taken by the hypervisor). Where the machine is "
-                 "busy near 100%, the step is bound by CPU, not by the link: a codec then "
-                 "pays only by saving more CPU than it costs. MXNet's 2-bit pushes "
-                 "1/16 of the float32 bytes and pulls them all (not counted by the "
-                 "wrapper).", ""]
-        for s in results["settings"]:
-            for model in s.get("compress", {}):
-                text += [f"### {model}, {setting_name(s)}", "",
-                         *compress_table(s, model), ""]
-    if any("lm" in s for s in results["settings"]):
-        text += ["## 4. Language model with sparse embedding gradients", "",
-                 "cluster/lm.py: an LSTM language model (embedding, 2 LSTM layers, a Dense "
-                 "decoder over the vocabulary) on Zipf-distributed synthetic tokens, SGD. "
-                 "*sparse*: DistributedTrainer with the embedding's row_sparse gradients "
-                 "(the union of the workers' rows travels); *dense*: the same model with "
-                 "sparse_grad=False; *gluon*: gluon.Trainer(kvstore='dist_sync') on the "
-                 "sparse model (MXNet's own path: the row_sparse gradient pushed, updates "
-                 "on the servers). *elements sent*: what DistributedTrainer gives the "
-                 "backend's sums per step.", ""]
-        for s in results["settings"]:
-            if "lm" in s:
-                text += [f"### {setting_name(s)}", "", *lm_table(s), ""]
+    return text
+
+
+def _compress_section(results: dict) -> list[str]:
+    text = ["## 3. Gradient compression", "",
+            "DistributedTrainer with `compression=` None, 'fp16', '2bit' (threshold "
+            "0.5) and 'powersgd' (rank 4), taking turns in one job per backend with the "
+            "compute-only step, as in part 2 (on dist_sync each trainer in its own job); on "
+            "dist_sync also MXNet's own 2-bit compression on its dist_sync kvstore "
+            "(push and pull per tensor: MXNet 1.9's gluon.Trainer refuses its own "
+            "compression there, 'Compression not supported with PushPull'). "
+            "*wire MiB*: what the trainer gives the backend's sums per step (each sum "
+            "sends and receives that much); *link bound*: one sum of those bytes over "
+            "the hosts at the link rate; *codec ms*: the codec's own work per step "
+            "(compressing and reconstructing every gradient on the engine, with the "
+            "sums replaced by nothing), timed alone after the timed rounds, on the "
+            "same cores the step shares with the other workers; *worker CPU ms*: CPU "
+            "time of rank 0's process per step, all its threads (MXNet's engine, "
+            "Python, horovod's and Gloo's threads), and in brackets the same for the "
+            "compute-only step; *machine busy*: the share of the machine's cores in use "
+            "during the trainer's steps (/proc/stat: every process, the kernel's "
+            "network work and time taken by the hypervisor). Where the machine is "
+            "busy near 100%, the step is bound by CPU, not by the link: a codec then "
+            "pays only by saving more CPU than it costs. MXNet's 2-bit pushes "
+            "1/16 of the float32 bytes and pulls them all (not counted by the "
+            "wrapper).", ""]
+    for s in results["settings"]:
+        for model in s.get("compress", {}):
+            text += [f"### {model}, {setting_name(s)}", "",
+                     *compress_table(s, model), ""]
+    return text
+
+
+def _lm_section(results: dict) -> list[str]:
+    text = ["## 4. Language model with sparse embedding gradients", "",
+            "cluster/lm.py: an LSTM language model (embedding, 2 LSTM layers, a Dense "
+            "decoder over the vocabulary) on Zipf-distributed synthetic tokens, SGD. "
+            "*sparse*: DistributedTrainer with the embedding's row_sparse gradients "
+            "(the union of the workers' rows travels); *dense*: the same model with "
+            "sparse_grad=False; *gluon*: gluon.Trainer(kvstore='dist_sync') on the "
+            "sparse model (MXNet's own path: the row_sparse gradient pushed, updates "
+            "on the servers). *elements sent*: what DistributedTrainer gives the "
+            "backend's sums per step.", ""]
+    for s in results["settings"]:
+        if "lm" in s:
+            text += [f"### {setting_name(s)}", "", *lm_table(s), ""]
     return text
 
 
