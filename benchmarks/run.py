@@ -1,6 +1,7 @@
 """`make bench`: dist_gluon against the raw libraries, side by side, in one run.
 
     .venv/bin/python benchmarks/run.py            # full run: 8 minutes on 2 idle cores
+    .venv/bin/python benchmarks/run.py --only codecs   # one part: RESULTS-codecs.md
     .venv/bin/python benchmarks/run.py --quick    # smaller sizes, fewer repetitions (3)
 
 1. Communication: sums of 1 to 100 MiB and of ResNet-50's parameter shapes over 2
@@ -22,9 +23,10 @@
    (bench_codecs.py, one process).
 
 Every job runs through ``python -m dist_gluon.launch`` with OMP_NUM_THREADS=1 per
-process. The results go to benchmarks/RESULTS.md (and the raw numbers to
-benchmarks/results.json); a --quick run writes RESULTS-quick.md instead, so it never
-overwrites the full results.
+process. Each part's report has a file of its own, benchmarks/RESULTS-<part>.md (comm,
+trainer, scaling, syncbn, codecs), with its raw numbers beside it (results-<part>.json),
+so that a rerun of one part (`--only codecs`) never loses another part's figures; a
+--quick run writes everything it ran into RESULTS-quick.md, and --out FILE into FILE.
 """
 from __future__ import annotations
 
@@ -819,29 +821,54 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
     path.write_text("\n".join(text))
 
 
+# --------------------------------------------------------------------------- reports
+PARTS = ("comm", "trainer", "scaling", "syncbn", "codecs")
+
+
+def write_reports(results: dict, parts, out: Path | None, quick: bool) -> list[Path]:
+    """Write the report (and the raw numbers beside it) of every part with results: to
+    ``out`` all together if given, else each to benchmarks/RESULTS-<part>.md, so that a
+    rerun of one part rewrites its own file only. Returns the reports written."""
+    common = {k: v for k, v in results.items() if k not in PARTS}
+    if out is not None:
+        jobs = [(results, out)]
+    else:
+        jobs = [({**common, part: results[part]}, HERE / f"RESULTS-{part}.md")
+                for part in parts if part in results]
+    for own, path in jobs:
+        write_report(own, path, quick)
+        for job in own.get("comm", {}).get("jobs", {}).values():
+            job.pop("stdout", None)
+        raw = path.with_name(path.stem.lower() + ".json")
+        raw.write_text(json.dumps(own, indent=1, default=str))
+    return [path for _, path in jobs]
+
+
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark dist_gluon against Horovod "
-                                     "and MXNet's kvstore; writes benchmarks/RESULTS.md.")
+                                     "and MXNet's kvstore; writes benchmarks/RESULTS-<part>.md, "
+                                     "one file per part run.")
     parser.add_argument("--quick", action="store_true",
                         help="smaller sizes and fewer repetitions (a few minutes); writes "
                              "RESULTS-quick.md unless --out is given")
-    parser.add_argument("--only", action="append",
-                        choices=("comm", "trainer", "scaling", "syncbn", "codecs"),
+    parser.add_argument("--only", action="append", choices=PARTS,
                         help="run only this part (repeatable); default: all five")
-    parser.add_argument("--out", type=Path, default=None, help="where to write the report")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write the report of every part run into this one file "
+                             "(default: each part into its own benchmarks/RESULTS-<part>.md)")
     parser.add_argument("--job-timeout", type=float, default=900,
                         help="seconds one benchmark job may run (default: 900)")
     args = parser.parse_args(argv)
-    if args.out is None:
-        args.out = HERE / ("RESULTS-quick.md" if args.quick else "RESULTS.md")
+    if args.out is None and args.quick:
+        args.out = HERE / "RESULTS-quick.md"
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    parts = args.only or ["comm", "trainer", "scaling", "syncbn", "codecs"]
+    parts = args.only or list(PARTS)
     started = time.monotonic()
     results = {"command": ".venv/bin/python benchmarks/run.py" + (" --quick" if args.quick
                                                                  else ""),
@@ -864,12 +891,8 @@ def main(argv=None) -> int:
     results["others_cpu_share"] = others_share(cpu_start, cpu_seconds(),
                                                results["machine"]["cores"] or 1)
     results["minutes"] = (time.monotonic() - started) / 60
-    write_report(results, args.out, args.quick)
-    raw_path = args.out.with_name(args.out.stem.lower() + ".json")
-    for job in results.get("comm", {}).get("jobs", {}).values():
-        job.pop("stdout", None)
-    raw_path.write_text(json.dumps(results, indent=1, default=str))
-    log(f"wrote {args.out} and {raw_path} in "
+    written = write_reports(results, parts, args.out, args.quick)
+    log(f"wrote {', '.join(str(p) for p in written)} (and the raw numbers beside each) in "
         f"{results['minutes']:.1f} minutes")
     failed = [k for k, j in results.get("comm", {}).get("jobs", {}).items() if "error" in j]
     failed += [f"{model} {backend}" for model, per in results.get("trainer", {}).items()
