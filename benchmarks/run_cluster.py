@@ -105,8 +105,16 @@ FULL = {
 # and with 20 ms (FINDINGS.md 9c); the launcher leaves the cycle to the user.
 COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
 GLOO_SLOW_CYCLE = "horovod (Gloo, HOROVOD_CYCLE_TIME=20)"
-COMPRESS_EXTRA_VARIANTS = ((GLOO_SLOW_CYCLE, "horovod", "gloo"),)
-VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"}}
+# OpenMPI's waiting rank polls without yielding its core (FINDINGS.md 9c): the MPI rows
+# once more with the polling that yields (what the launcher gives CPU workers or not:
+# the variable is set either way, so the row does not depend on that default)
+MPI_NO_YIELD = "horovod (MPI, mpi_yield_when_idle=0)"
+MPI_YIELD = "horovod (MPI, mpi_yield_when_idle=1)"
+COMPRESS_EXTRA_VARIANTS = ((GLOO_SLOW_CYCLE, "horovod", "gloo"),
+                           (MPI_NO_YIELD, "horovod", "mpi"), (MPI_YIELD, "horovod", "mpi"))
+VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"},
+               MPI_NO_YIELD: {"OMPI_MCA_mpi_yield_when_idle": "0"},
+               MPI_YIELD: {"OMPI_MCA_mpi_yield_when_idle": "1"}}
 # On ps-lite every trainer gets its own job: four VGG-16 trainers' keys on the servers of
 # one emulated cluster (2 workers and 2 servers sharing this machine) ran out of memory.
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
@@ -738,8 +746,8 @@ def run_elastic(cfg, timeout: float, lost_hosts=None) -> dict:
 
 
 def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
-                timeout: float) -> dict:
-    ssh = any(transport == "mpi" for _, _, transport in variants)
+                timeout: float, extra_variants=()) -> dict:
+    ssh = any(transport == "mpi" for _, _, transport in (*variants, *extra_variants))
     result = {"hosts": setting["hosts"], "rate": setting["rate"],
               "rate_bits": report.rate_bits(setting["rate"]),
               "load_start": os.getloadavg()}
@@ -759,10 +767,9 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
                                         workdir)
         if "compress" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
-            gloo = any(transport == "gloo" for _, _, transport in variants)
             result["compress"] = run_train(
-                cluster, cfg, COMPRESS["models"],
-                (*variants, *(COMPRESS_EXTRA_VARIANTS if gloo else ())), timeout, workdir,
+                cluster, cfg, COMPRESS["models"], (*variants, *extra_variants), timeout,
+                workdir,
                 jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"])
         if "lm" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
@@ -839,6 +846,11 @@ def parse_args(argv=None):
                         help="write the report of every part run into this one file "
                              "(default: each part into its own benchmarks/"
                              "RESULTS-cluster-<part>.md)")
+    parser.add_argument("--variant", action="append", metavar="LABEL",
+                        help="run only this backend variant of parts 1-4, by its row label "
+                             "(repeatable), e.g. 'horovod (MPI)' or part 3's 'horovod (MPI, "
+                             "mpi_yield_when_idle=1)'; needs --out, since the part's report "
+                             "would otherwise lose its other rows")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
     parser.add_argument("--lost-host", action="append", type=int,
@@ -849,6 +861,14 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.out is None and args.quick:
         args.out = HERE / "RESULTS-cluster-quick.md"
+    if args.variant and args.out is None:
+        parser.error("--variant runs some rows of a part only: give --out FILE, so that the "
+                     "part's own report keeps its other rows")
+    labels = {label for label, _, _ in VARIANTS} | {v[0] for v in COMPRESS_EXTRA_VARIANTS}
+    unknown = sorted(set(args.variant or ()) - labels)
+    if unknown:
+        parser.error(f"unknown --variant {', '.join(map(repr, unknown))}; the variants are "
+                     + ", ".join(map(repr, sorted(labels))))
     return args
 
 
@@ -881,7 +901,12 @@ def main(argv=None) -> int:
     transports = launcher_has_transport()
     variants = [(label, backend, transport if transports else None)
                 for label, backend, transport in VARIANTS
-                if transport != "mpi" or no_mpi is None]
+                if (transport != "mpi" or no_mpi is None)
+                and (not args.variant or label in args.variant)]
+    # part 3's extra rows: horovod with other settings of its transport
+    extra_variants = [v for v in COMPRESS_EXTRA_VARIANTS
+                      if transports and (v[2] != "mpi" or no_mpi is None)
+                      and (not args.variant or v[0] in args.variant)]
     started = time.monotonic()
     results = {"command": " ".join([".venv/bin/python benchmarks/run_cluster.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
@@ -916,7 +941,8 @@ def main(argv=None) -> int:
             write_reports(results, parts, args.out)
         for setting in cfg["settings"]:
             results["settings"].append(run_setting(setting, cfg, cases_path, variants,
-                                                   parts, args.job_timeout))
+                                                   parts, args.job_timeout,
+                                                   extra_variants))
             # a partial report after every setting, in case a later one is interrupted
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()
