@@ -130,6 +130,32 @@ def test_horovod_runs_over_gloo_by_default_and_over_mpi_on_request(
     assert worker_lines(proc.stdout, 0) == worker_lines(proc.stdout, 1) == [expected]
 
 
+@pytest.mark.parametrize("users_value", [None, "0"])
+def test_cpu_workers_ranks_yield_their_core_when_idle_unless_the_user_says_otherwise(
+        tmp_path, users_value):
+    # OpenMPI's waiting rank polls a whole core by default (benchmarks/FINDINGS.md 9c)
+    env = {} if users_value is None else {"OMPI_MCA_mpi_yield_when_idle": users_value}
+    proc = launch("import os\nprint(os.environ.get('OMPI_MCA_mpi_yield_when_idle'))\n",
+                  tmp_path, "horovod", n=2, timeout=60, launcher_args=MPI, env=env)
+    assert_ok(proc)
+    expected = [users_value or "1"]
+    assert worker_lines(proc.stdout, 0) == worker_lines(proc.stdout, 1) == expected
+
+
+def test_only_hosts_without_a_visible_gpu_count_as_cpu_workers(tmp_path):
+    from dist_gluon.launch.mpi import cpu_defaults, cpu_workers
+    (tmp_path / "nvidiactl").touch()
+    assert cpu_workers({}, str(tmp_path))
+    (tmp_path / "nvidia0").touch()
+    assert not cpu_workers({}, str(tmp_path))
+    assert not cpu_workers({"CUDA_VISIBLE_DEVICES": "0,1"}, str(tmp_path))
+    assert cpu_workers({"CUDA_VISIBLE_DEVICES": ""}, str(tmp_path))
+    assert cpu_workers({"CUDA_VISIBLE_DEVICES": "-1"}, str(tmp_path))
+    # this machine has no GPU
+    assert cpu_defaults({}) == ["--mca", "mpi_yield_when_idle", "1"]
+    assert cpu_defaults({"OMPI_MCA_mpi_yield_when_idle": "0"}) == []
+
+
 def test_the_launchers_backend_wins_over_an_enclosing_mpi_job():
     from dist_gluon.backends.horovod import started_by_horovod
 

@@ -233,6 +233,34 @@ def _root_options(environ) -> tuple[list[str], dict[str, str]]:
                                      "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
+def cpu_workers(environ: dict[str, str], devices: str = "/dev") -> bool:
+    """Whether this job's workers compute on CPUs: no NVIDIA device on this host, or
+    ``CUDA_VISIBLE_DEVICES`` hides them all (the hosts of a job are alike)."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1", "none", "NoDevFiles"):
+        return True
+    return not any(re.fullmatch(r"nvidia\d+", name) for name in _listdir(devices))
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def cpu_defaults(environ: dict[str, str]) -> list[str]:
+    """mpirun's options for CPU workers that the user did not set: OpenMPI's waiting
+    rank then yields its core instead of polling without pause (``mpi_yield_when_idle``).
+    horovod's background thread waits in MPI every cycle, and the poll took a whole core
+    of 2 (3.9 s of CPU in 4 s idle, benchmarks/FINDINGS.md 9c) from the computation
+    that shares the cores with it; a GPU job keeps OpenMPI's default, since a yield
+    adds latency to every wait and the GPU, not the cores, computes there."""
+    if "OMPI_MCA_mpi_yield_when_idle" in environ or not cpu_workers(environ):
+        return []
+    return ["--mca", "mpi_yield_when_idle", "1"]
+
+
 def _network_cidr(addr: str) -> str | None:
     """The IPv4 network (CIDR) of this host's interface that carries ``addr``."""
     try:
@@ -274,7 +302,7 @@ def mpirun_command(spec: RoundSpec, config: LaunchConfig, environ: dict[str, str
     env.setdefault("OMPI_MCA_mpi_warn_on_fork", "0")
     argv = [MPIRUN, *root_flags, "-np", str(nproc * nnodes), "--bind-to", "none",
             # the launcher, not mpirun, ends the job when a rank fails (and names it)
-            "--mca", "orte_abort_on_non_zero_status", "0"]
+            "--mca", "orte_abort_on_non_zero_status", "0", *cpu_defaults(env)]
     if nnodes == 1:
         argv += ["--host", f"localhost:{nproc}", "--mca", "btl", "self,vader"]
     else:
