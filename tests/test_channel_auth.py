@@ -94,27 +94,38 @@ def test_a_replayed_message_is_refused_on_its_own_connection_and_on_another():
 # ---------------------------------------------------------------------- the join
 def _capture_hello(secret_text: str) -> bytes:
     """The hello line that a real node-1 launcher of the job sends to whoever challenges
-    it (here a fake node 0, which then hangs up)."""
+    it (here a fake node 0, which hangs up without welcoming it: the launcher tries
+    again, and ends at --join-timeout)."""
     fake = socket.create_server(("127.0.0.1", 0))
     fake.settimeout(60)
+    port = fake.getsockname()[1]
     argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(fake.getsockname()[1]),
-            "-n", "1", "--backend", "dist_sync", "--", "true"]
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
+            "--backend", "dist_sync", "--join-timeout", "4", "--", "true"]
     env = process_env(**{secret.ENV: secret_text})
     launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        sock, _ = fake.accept()
-        sock.sendall(b'{"dist_gluon": "launcher", "challenge": "beef"}\n')
-        hello = sock.makefile("rb").readline()
-        sock.close()
+        hellos = []
+        for _ in range(2):              # the first join, and the one tried again
+            sock, _ = fake.accept()
+            sock.sendall(b'{"dist_gluon": "launcher", "challenge": "beef"}\n')
+            hellos.append(sock.makefile("rb").readline())
+            sock.close()
+        fake.close()
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
         fake.close()
-    assert "lost the master launcher" in err, err
-    assert json.loads(hello.split(b" ", 1)[1])["node"] == 1
-    return hello
+    assert launcher.returncode == 1, err
+    assert f"not admitted yet: the job's host at 127.0.0.1:{port} closed the connection " \
+           "before it took this node in" in err, err
+    assert f"cannot reach the master launcher at 127.0.0.1:{port} within --join-timeout " \
+           "4 s" in err, err
+    assert "lost the master launcher" not in err, err
+    first, again = (json.loads(h.split(b" ", 1)[1]) for h in hellos)
+    assert first["node"] == again["node"] == 1 and first["nonce"] != again["nonce"]
+    return hellos[0]
 
 
 def _intruders(port: int, replay: bytes) -> dict[str, int]:
@@ -170,6 +181,7 @@ def test_strangers_are_refused_and_logged_and_the_real_node_joins():
     joined = result["joined"]
     assert list(joined) == [1] and joined[1][1]["host"] == "real-node-1"
     node_side, (master_side, _) = link, joined[1]
+    assert node_side.receive(timeout=30) == {"type": "welcome", "waiting": False}
     master_side.send({"type": "start", "spec": {"restart": 0}})
     assert node_side.receive(timeout=30) == {"type": "start", "spec": {"restart": 0}}
     node_side.send({"type": "stopped"})
