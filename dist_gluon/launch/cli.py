@@ -150,7 +150,9 @@ def _node_arguments(nodes) -> None:
     nodes.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                        help=f"port of node 0's launcher (default: {DEFAULT_MASTER_PORT})")
     nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="SEC",
-                       help="seconds for every node to join (default: 300)")
+                       help="seconds for every node to join (default: 300); a node "
+                            "whose join fails for a reason that can pass (node 0 not "
+                            "listening yet, or too busy) tries again until then")
     nodes.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SEC",
                        help="node 0's launcher tells the others it is alive at least every "
                             f"SEC seconds (default: {HEARTBEAT:g}; the others report every "
