@@ -16,7 +16,6 @@ from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
-from .rendezvous import GlooRendezvous
 from .rounds import PREEMPT_SETTLE, JobView, Ledger, RoundWatch
 from .succession import Takeover
 
@@ -160,6 +159,9 @@ class Master:
         config, formation = self.config, self.formation
         rendezvous = None
         if spec.backend == "horovod":
+            # here, not at the top: http.server (with http.client, ssl and email) is a
+            # quarter of the launcher's start, and only the job's host serves it
+            from .rendezvous import GlooRendezvous
             rendezvous = GlooRendezvous(
                 (self.listen_addr or "0.0.0.0") if config.several_nodes else "127.0.0.1",
                 spec.rendezvous_port, secret.rendezvous_token(config.job_secret,
