@@ -155,8 +155,9 @@ def _node_arguments(nodes) -> None:
                             "listening yet, or too busy) tries again until then")
     nodes.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SEC",
                        help="node 0's launcher tells the others it is alive at least every "
-                            f"SEC seconds (default: {HEARTBEAT:g}; the others report every "
-                            f"{STATUS_EVERY:g} s)")
+                            f"SEC seconds (default: {HEARTBEAT:g}; the others report "
+                            f"their ranks within {STATUS_EVERY:g} s of a change, and "
+                            "every SEC seconds)")
     nodes.add_argument("--silence-limit", type=float, default=SILENCE, metavar="SEC",
                        help="a launcher that hears nothing from another for SEC seconds, "
                             "or cannot send to it for as long, ends the job naming it "
