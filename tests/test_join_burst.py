@@ -43,16 +43,18 @@ def cluster():
         yield c
 
 
-def start_burst(cluster, nnodes: str, *launcher_args, first_wait: float = 0.0):
-    """One launcher per host, nodes 1.. all at once and node 0 ``first_wait`` seconds
-    later; their (exit status, output) by node, once all have ended."""
+def start_burst(cluster, nnodes: str, *launcher_args, later=None, hosts: int = HOSTS):
+    """One launcher on each of the first ``hosts`` hosts, all at once but those in
+    ``later`` ({node: seconds}), each started that long after the others; their (exit
+    status, output) by node, once all have ended."""
     port = str(next(_ports))
     env = {**host_env(), "DG_JOB_SECRET": f"burst-{port}",
            "DG_HALF_OPEN_LIMIT": str(HALF_OPEN)}
+    later = later or {}
     procs = {}
-    for node in [*range(1, HOSTS), 0]:
-        if node == 0:
-            time.sleep(first_wait)
+    began = time.monotonic()
+    for node in sorted(range(hosts), key=lambda n: later.get(n, 0.0)):
+        time.sleep(max(0.0, began + later.get(node, 0.0) - time.monotonic()))
         argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", nnodes,
                 "--node-rank", str(node), "--master-addr", cluster.hosts[0].address,
                 "--master-port", port, "-n", "1", "--join-timeout", "60", *launcher_args,
@@ -72,7 +74,7 @@ def report(ended) -> str:
 def test_a_static_burst_four_times_the_half_open_limit_gets_every_node_in(cluster):
     # node 0 starts a second after the others: their first joins are refused, and tried
     # again until it listens
-    ended = start_burst(cluster, str(HOSTS), first_wait=1.0)
+    ended = start_burst(cluster, str(HOSTS), later={0: 1.0})
     assert all(code == 0 for code, _ in ended.values()), report(ended)
     for node, (_, out) in ended.items():
         assert f"[{node}] rank {node} of {HOSTS}" in out, report(ended)
@@ -83,6 +85,18 @@ def test_a_static_burst_four_times_the_half_open_limit_gets_every_node_in(cluste
     assert retried, report(ended)
     assert all("joined the job at" in ended[n][1] for n in retried), report(ended)
     assert "dropped the connection" not in ended[0][1], report(ended)
+
+
+@pytest.mark.slow
+@needs_hosts
+def test_the_first_nodes_of_a_static_job_wait_longer_than_the_silence_limit_for_the_last(
+        cluster):
+    # node 0 ticks the nodes that joined while it waits for the others
+    ended = start_burst(cluster, "3", "--silence-limit", "1", "--heartbeat", "0.2",
+                        later={2: 2.5}, hosts=3)
+    assert [ended[n][0] for n in range(3)] == [0, 0, 0], report(ended)
+    assert all(f"[{n}] rank {n} of 3" in ended[n][1] for n in range(3)), report(ended)
+    assert "lost the master launcher" not in report(ended)
 
 
 @pytest.mark.slow

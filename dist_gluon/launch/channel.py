@@ -46,7 +46,7 @@ import socket
 import threading
 import time
 
-from .protocol import End, Message, Welcome
+from .protocol import End, Message, Tick, Welcome
 from .secret import ENV as SECRET_ENV
 from .secret import FILE_FLAG as SECRET_FILE_FLAG
 
@@ -221,12 +221,14 @@ class Link:
     def send(self, message: Message | dict) -> bool:
         """Queue ``message`` (protocol.py's, or its wire form); never blocks. False when
         the link is closed."""
+        # the text as it is now (callers may change the dict later); the writer signs it
+        return self.send_text(encode(message))
+
+    def send_text(self, text: bytes) -> bool:
+        """Queue a message already encoded (:func:`encode`)."""
         if self.closed:
             return False
-        if isinstance(message, Message):
-            message = message.to_wire()
-        # the text as it is now (callers may change the dict later); the writer signs it
-        self._outbox.put(json.dumps(message).encode())
+        self._outbox.put(text)
         return True
 
     def stuck_for(self) -> float:
@@ -264,6 +266,21 @@ class Link:
         return time.monotonic() - self.last_heard
 
 
+def encode(message: Message | dict) -> bytes:
+    """The JSON text of ``message`` (protocol.py's, or its wire form)."""
+    return json.dumps(message.to_wire() if isinstance(message, Message)
+                      else message).encode()
+
+
+def broadcast(links, message: Message | dict) -> None:
+    """Send ``message`` over every one of ``links``, encoded once: a round's spec lists
+    every node, and encoding it for each made the host's cost grow with the square of
+    the nodes (each link still signs it with its own key)."""
+    text = encode(message)
+    for link in links:
+        link.send_text(text)
+
+
 class Beating:
     """While in the ``with`` block, a thread sends ``message`` over ``links`` every
     ``every`` seconds: a launcher stays heard from while it does something slow (ending
@@ -276,8 +293,7 @@ class Beating:
 
     def _run(self) -> None:
         while not self._done.wait(self._every):
-            for link in self._links:
-                link.send(self._message)
+            broadcast(self._links, self._message)
 
     def __enter__(self) -> Beating:
         self._thread.start()
@@ -409,16 +425,22 @@ def refuse(link: Link, report: str, status: int = 2) -> None:
 
 
 def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
-                 bind_addr: str = "",
-                 half_open: int = HALF_OPEN_LIMIT) -> dict[int, tuple[Link, dict]]:
+                 bind_addr: str = "", half_open: int = HALF_OPEN_LIMIT,
+                 heartbeat: float = HEARTBEAT) -> dict[int, tuple[Link, dict]]:
     """Node 0: wait for the launchers of nodes 1..nnodes-1 to connect and say hello
     signed with the job's ``secret``, and welcome each; drop (and ``say``) any other
-    connection. A node that joins again (its first link closed) replaces its old link."""
+    connection. A node that joins again (its first link closed) replaces its old link.
+    The nodes that joined hear a Tick every ``heartbeat`` seconds meanwhile: a job whose
+    nodes arrive over more than --silence-limit lost its first ones before."""
     listener = Listener(port, secret, say, bind_addr, nnodes, half_open)
     deadline = time.monotonic() + timeout
     joined: dict[int, tuple[Link, dict]] = {}
+    next_tick = 0.0
     try:
         while len(joined) < nnodes - 1:
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + heartbeat
+                broadcast([link for link, _ in joined.values()], Tick())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, nnodes)) - set(joined))
                 for link, _ in joined.values():

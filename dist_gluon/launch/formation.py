@@ -99,7 +99,7 @@ class Formation:
             joined = channel.accept_nodes(config.master_port, config.nnodes,
                                           config.join_timeout, self.out.say,
                                           config.job_secret, listen_addr,
-                                          config.half_open_limit)
+                                          config.half_open_limit, config.heartbeat)
             self.members = {n: Peer(n, link, Hello.from_wire(hello))
                             for n, (link, hello) in joined.items()}
             return
@@ -119,8 +119,7 @@ class Formation:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + config.heartbeat
-                for peer in self.members.values():
-                    peer.link.send(Tick())
+                channel.broadcast([p.link for p in self.members.values()], Tick())
             count = len(self.members) + 1
             arriving = self.listener.arriving
             if policy.ready_to_start(count, now - last_join, config.min_nodes,
@@ -176,8 +175,7 @@ class Formation:
                     link.send(Welcome(waiting=True))
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.config.heartbeat
-                for peer in self.members.values():
-                    peer.link.send(Tick())
+                channel.broadcast([p.link for p in self.members.values()], Tick())
             time.sleep(0.05)
 
     def _too_few_joined(self, count: int):
@@ -259,8 +257,7 @@ class Formation:
                 del self.waiting[n]
 
     def tick_waiting(self) -> None:
-        for peer in self.waiting.values():
-            peer.link.send(Tick())
+        channel.broadcast([p.link for p in self.waiting.values()], Tick())
 
     def admit_waiting(self) -> None:
         """The waiting nodes the job has room for become members."""

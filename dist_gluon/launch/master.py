@@ -177,8 +177,7 @@ class Master:
         watch = RoundWatch(config, formation, view, self.preemption, self.ledger)
         end = RoundEnd(Outcome.ERROR, 1)
         try:
-            for link in links.values():
-                link.send(Start(spec))
+            channel.broadcast(links.values(), Start(spec))
             node.start()
             end = watch.watch(deadline)
             if end.outcome is Outcome.STOPPED and formation.rank in end.lost:
