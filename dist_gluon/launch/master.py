@@ -125,8 +125,7 @@ class Master:
                                      policy.formation_news(end, self._standing(), True))
                          if r)
         self.out.say(news)
-        for peer in formation.members.values():
-            peer.link.send(News(news))
+        channel.broadcast([p.link for p in formation.members.values()], News(news))
         return None
 
     # ------------------------------------------------------------------ one round
@@ -284,8 +283,7 @@ class Master:
             self.ledger.reformations += 1
         message = policy.formation_news(end, self._standing(), changed)
         self.out.say(message)
-        for peer in formation.members.values():
-            peer.link.send(News(message))
+        channel.broadcast([p.link for p in formation.members.values()], News(message))
         return None
 
 

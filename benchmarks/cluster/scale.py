@@ -1,0 +1,280 @@
+"""Part 8 of ``make bench-cluster``: the launchers' control plane against the number of
+nodes, 4 to 256 emulated hosts, each with one launcher and one light worker (a shell
+loop: no MXNet, so the shared cores time the launchers alone).
+
+For every size, a static job (``--nnodes N``) and an elastic one (``--nnodes 2:N``), all
+launchers started at once as ``srun`` starts them (node 0 first, then the others in
+order, in one loop):
+
+- formation: from the first launcher's start to the last worker's start;
+- steady state: over ``STEADY`` seconds of the running round, node 0's launcher's CPU
+  and the bytes its link carries each way per second, and every launcher's CPU per node;
+- re-formation: the static job loses a worker (SIGKILL; --max-restarts 1 restarts every
+  node): from the kill to the last worker of the next round started; the elastic job
+  loses a node (every process of its host SIGKILLed): from the kill to the last of the
+  N-1 survivors' workers started in the re-formed round.
+
+The report goes to ``benchmarks/RESULTS-cluster-scale.md``, the raw numbers to
+``benchmarks/results-cluster-scale.json``: files of this part alone, so that reruns of
+other parts never overwrite them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import emulated_cluster  # noqa: E402
+
+SIZES = (4, 16, 64, 128, 256)
+QUICK_SIZES = (4, 16)
+STEADY = 10.0               # seconds of the running round measured
+TARGETS = {"form": 30.0, "reform": 3.0}     # at 256 nodes, on this 2-core machine
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+# the light worker: says when it started (restart, re-formation, rank, pid, time), then
+# waits, taking no CPU, until the benchmark opens the FIFO ``finish`` for writing
+WORKER = ('echo "$DG_RESTART $DG_REFORMATION $DG_RANK $$ $(date +%s.%N)" >> {dir}/starts; '
+          'read _ < {dir}/finish; exit 0')
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far; 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _link_bytes(host) -> tuple[int, int]:
+    """Bytes host ``host`` sent and received so far (its veth's far end in this
+    namespace counts them the other way round)."""
+    stats = Path("/sys/class/net") / host.name / "statistics"
+    return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+
+
+def _starts(directory: Path) -> list[tuple[int, int, int, int, float]]:
+    try:
+        text = (directory / "starts").read_text()
+    except OSError:
+        return []
+    rows = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 5:
+            rows.append((int(parts[0]), int(parts[1]), int(parts[2]), int(parts[3]),
+                         float(parts[4])))
+    return rows
+
+
+def _wait_starts(directory: Path, count: int, restart: int, deadline: float,
+                 procs) -> list | None:
+    """The start lines of round ``restart`` once ``count`` workers have started;
+    None when the job ends or the deadline passes first."""
+    while time.monotonic() < deadline:
+        rows = [r for r in _starts(directory) if r[0] == restart]
+        if len(rows) >= count:
+            return rows
+        if procs[0].poll() is not None:
+            return None
+        time.sleep(0.05)
+    return None
+
+
+def _kill_host(cluster, host: int) -> None:
+    """SIGKILL every process on the host (its launcher and worker)."""
+    inode = os.stat(f"/run/netns/{cluster.hosts[host].namespace}").st_ino
+    for entry in os.scandir("/proc"):
+        try:
+            if entry.name.isdigit() and os.stat(f"/proc/{entry.name}/ns/net").st_ino == inode:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
+    """One job on every host of ``cluster``: its formation, steady state and
+    re-formation, measured."""
+    nodes = cluster.num_hosts
+    mode = "elastic" if elastic else "static"
+    directory = workdir / f"{mode}-{nodes}"
+    directory.mkdir()
+    os.mkfifo(directory / "finish")
+    port = "29400" if elastic else "29401"
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "DG_JOB_SECRET": f"scale-{mode}-{nodes}", "LANG": "C.UTF-8"}
+    worker = ["/bin/sh", "-c", WORKER.format(dir=shlex.quote(str(directory)))]
+    result = {"nodes": nodes, "mode": mode, "load_start": os.getloadavg()}
+    procs = []
+    started = time.time()
+    began = time.monotonic()
+    for host in cluster.hosts:
+        argv = [sys.executable, "-m", "dist_gluon.launch",
+                "--nnodes", f"2:{nodes}" if elastic else str(nodes),
+                "--node-rank", str(host.index), "--master-addr", cluster.hosts[0].address,
+                "--master-port", port, "-n", "1", "--backend", "horovod",
+                "--max-restarts", "1", "--join-timeout", str(timeout), "--", *worker]
+        with open(directory / f"node{host.index}.log", "w") as out:
+            procs.append(cluster.popen(host.index, argv, env=env, cwd=directory,
+                                       stdin=subprocess.DEVNULL, stdout=out,
+                                       stderr=subprocess.STDOUT))
+    result["spawn_s"] = time.monotonic() - began
+    deadline = began + timeout
+    try:
+        rows = _wait_starts(directory, nodes, 0, deadline, procs)
+        if rows is None:
+            return _failed(result, directory, "the job never started on every node")
+        result["form_s"] = max(r[4] for r in rows) - started
+        result.update(_steady(cluster, procs))
+        lost = nodes - 1
+        fault_at = time.time()
+        if elastic:
+            _kill_host(cluster, lost)
+            survivors, restart = nodes - 1, 1
+        else:
+            pid = next(r[3] for r in rows if r[2] == lost)
+            os.kill(pid, signal.SIGKILL)
+            survivors, restart = nodes, 1
+        rows = _wait_starts(directory, survivors, restart, time.monotonic() + 120, procs)
+        if rows is None:
+            return _failed(result, directory, "the job never re-formed")
+        result["reform_s"] = max(r[4] for r in rows) - fault_at
+        _finish(directory)
+        codes = [_wait(p, time.monotonic() + 60) for p in procs]
+        result["codes_ok"] = all(c == 0 for i, c in enumerate(codes)
+                                 if not (elastic and i == lost))
+        if not result["codes_ok"]:
+            result["error"] = f"exit statuses {sorted(set(codes), key=str)}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        result["load_end"] = os.getloadavg()
+    log(f"  {mode} {nodes} nodes: formed in {result['form_s']:.1f} s, re-formed in "
+        f"{result['reform_s']:.1f} s; node 0 {result['host_cpu']:.3f} CPU s/s, "
+        f"{result['host_out_bps'] / 1e3:.0f} kB/s out, {result['host_in_bps'] / 1e3:.0f} "
+        f"kB/s in; launchers {1e3 * result['cpu_per_node']:.1f} CPU ms/s per node")
+    return result
+
+
+def _steady(cluster, procs) -> dict:
+    """Node 0's launcher's CPU and link, every launcher's CPU, over STEADY seconds of
+    the running round."""
+    time.sleep(1.0)     # the round's first status reports are behind it
+    pids = [p.pid for p in procs]
+    cpu0 = [_cpu(pid) for pid in pids]
+    out0, in0 = _link_bytes(cluster.hosts[0])
+    t0 = time.monotonic()
+    time.sleep(STEADY)
+    seconds = time.monotonic() - t0
+    cpu1 = [_cpu(pid) for pid in pids]
+    out1, in1 = _link_bytes(cluster.hosts[0])
+    agents = sum(b - a for a, b in zip(cpu0[1:], cpu1[1:]))
+    return {"host_cpu": (cpu1[0] - cpu0[0]) / seconds,
+            "agent_cpu": agents / seconds / max(1, len(pids) - 1),
+            "cpu_per_node": (agents + cpu1[0] - cpu0[0]) / seconds / len(pids),
+            "host_out_bps": (out1 - out0) / seconds, "host_in_bps": (in1 - in0) / seconds}
+
+
+def _finish(directory: Path) -> None:
+    """End every worker: each reads the FIFO, which ends once a writer came and went."""
+    try:
+        fd = os.open(directory / "finish", os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return      # no worker reads it
+    time.sleep(1.0)
+    os.close(fd)
+
+
+def _wait(proc, deadline: float) -> int | None:
+    try:
+        return proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _failed(result: dict, directory: Path, what: str) -> dict:
+    said = (directory / "node0.log").read_text(errors="replace").splitlines()
+    result["error"] = f"{what}: " + " | ".join(said[-8:])
+    return result
+
+
+def run(sizes, timeout: float, log) -> dict:
+    """Every size, static then elastic, each on a fresh cluster of that many hosts."""
+    results = {"sizes": list(sizes), "steady_s": STEADY, "targets": TARGETS, "jobs": []}
+    with tempfile.TemporaryDirectory(prefix="dg-bench-scale-") as tmp:
+        for nodes in sizes:
+            began = time.monotonic()
+            with emulated_cluster.EmulatedCluster(num_hosts=nodes) as cluster:
+                log(f"scale: {nodes} hosts made in {time.monotonic() - began:.1f} s")
+                for elastic in (False, True):
+                    job = run_job(cluster, elastic, Path(tmp), timeout, log)
+                    if "error" in job:
+                        log(f"  {job['mode']} {nodes} nodes FAILED: {job['error'][:600]}")
+                    results["jobs"].append(job)
+    return results
+
+
+def write(results: dict, md_path: Path) -> None:
+    """The report (markdown) and the raw numbers (JSON beside it)."""
+    machine = results.get("machine", {})
+    lines = [
+        "# The launchers' control plane against the number of nodes (bench-cluster part 8)",
+        "",
+        f"Command: `{results.get('command', '')}`; {results.get('date', '')}; "
+        f"CPU: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; load average "
+        f"at the start {results.get('load_start', [0])[0]:.2f}, at the end "
+        f"{results.get('load_end', [0])[0]:.2f}.",
+        "",
+        "One launcher and one light worker (a shell loop) per emulated host, all launchers "
+        "started at once; `--backend horovod -n 1`, default --heartbeat 0.5 and "
+        "--silence-limit 8. Formation: first launcher started -> last worker started. "
+        "Re-formation: static, a worker SIGKILLed (--max-restarts 1) -> every worker of "
+        "the restart started; elastic (--nnodes 2:N), a host's every process SIGKILLed -> "
+        "the N-1 survivors' workers started. Steady state over "
+        f"{results.get('steady_s', STEADY):g} s of the running round: node 0's launcher's "
+        "CPU and its link's bytes per second, and every launcher's CPU per node "
+        "(CPU seconds per second; this machine has 2 cores for all the hosts).",
+        "",
+        "| nodes | job | formation s | re-formation s | node 0 CPU s/s | node 0 out kB/s "
+        "| node 0 in kB/s | CPU ms/s per node (all launchers) | load at start |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for job in results["jobs"]:
+        if "error" in job and "form_s" not in job:
+            lines.append(f"| {job['nodes']} | {job['mode']} | failed: "
+                         f"{job['error'][:200]} | | | | | | |")
+            continue
+        reform = f"{job['reform_s']:.1f}" if "reform_s" in job else "failed"
+        lines.append(
+            f"| {job['nodes']} | {job['mode']} | {job['form_s']:.1f} | {reform} | "
+            f"{job['host_cpu']:.3f} | {job['host_out_bps'] / 1e3:.1f} | "
+            f"{job['host_in_bps'] / 1e3:.1f} | {1e3 * job['cpu_per_node']:.1f} | "
+            f"{job['load_start'][0]:.2f} |")
+    failed = [f"{j['mode']} {j['nodes']}: {j['error']}" for j in results["jobs"]
+              if "error" in j]
+    if failed:
+        lines += ["", "Failures:", ""] + [f"- {f[:800]}" for f in failed]
+    lines += ["", f"Targets at 256 nodes on this machine: formation <= "
+              f"{TARGETS['form']:g} s, re-formation after a lost node <= "
+              f"{TARGETS['reform']:g} s.", ""]
+    md_path.write_text("\n".join(lines))
+    md_path.with_name(md_path.stem.lower() + ".json").write_text(
+        json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    # a quick look: python benchmarks/cluster/scale.py 4 16
+    out = run([int(n) for n in sys.argv[1:]] or QUICK_SIZES, 300.0,
+              lambda m: print(m, flush=True))
+    print(json.dumps(out, indent=1, default=str))
