@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -117,6 +118,7 @@ def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
     procs = []
     started = time.time()
     began = time.monotonic()
+    said = []           # node 0's lines, stamped as they are read
     for host in cluster.hosts:
         argv = [sys.executable, "-m", "dist_gluon.launch",
                 "--nnodes", f"2:{nodes}" if elastic else str(nodes),
@@ -125,15 +127,21 @@ def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
                 "--max-restarts", "1", "--join-timeout", str(timeout), "--", *worker]
         with open(directory / f"node{host.index}.log", "w") as out:
             procs.append(cluster.popen(host.index, argv, env=env, cwd=directory,
-                                       stdin=subprocess.DEVNULL, stdout=out,
-                                       stderr=subprocess.STDOUT))
+                                       stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE if host.index == 0 else out,
+                                       stderr=subprocess.STDOUT, text=True))
+        if host.index == 0:
+            threading.Thread(target=_stamp, args=(procs[0].stdout, said), daemon=True).start()
     result["spawn_s"] = time.monotonic() - began
     deadline = began + timeout
     try:
         rows = _wait_starts(directory, nodes, 0, deadline, procs)
         if rows is None:
-            return _failed(result, directory, "the job never started on every node")
+            return _failed(result, said, "the job never started on every node")
         result["form_s"] = max(r[4] for r in rows) - started
+        # node 0 sends the round's start: the rest is the nodes starting their workers
+        result["form_start_s"] = _said_at(said, ("starting with", f"({nodes} of {nodes}"),
+                                          started)
         result.update(_steady(cluster, procs))
         lost = nodes - 1
         fault_at = time.time()
@@ -146,8 +154,13 @@ def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
             survivors, restart = nodes, 1
         rows = _wait_starts(directory, survivors, restart, time.monotonic() + 120, procs)
         if rows is None:
-            return _failed(result, directory, "the job never re-formed")
+            return _failed(result, said, "the job never re-formed")
         result["reform_s"] = max(r[4] for r in rows) - fault_at
+        # node 0 knows the next round: the rest is ending the old workers and starting
+        # the new ones on every node
+        result["reform_said_s"] = _said_at(said, ("re-forming with", "restarting the job"),
+                                           fault_at)
+        result["reform_first_s"] = min(r[4] for r in rows) - fault_at
         _finish(directory)
         codes = [_wait(p, time.monotonic() + 60) for p in procs]
         result["codes_ok"] = all(c == 0 for i, c in enumerate(codes)
@@ -160,11 +173,32 @@ def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
                 p.kill()
                 p.wait()
         result["load_end"] = os.getloadavg()
-    log(f"  {mode} {nodes} nodes: formed in {result['form_s']:.1f} s, re-formed in "
-        f"{result['reform_s']:.1f} s; node 0 {result['host_cpu']:.3f} CPU s/s, "
+    result["node0_said"] = [f"{t - started:.2f} {line}" for t, line in said[-40:]]
+    if "reform_s" not in result:
+        return result
+    log(f"  {mode} {nodes} nodes: formed in {result['form_s']:.1f} s (node 0 started the "
+        f"round at {_s(result['form_start_s'])} s), re-formed in {result['reform_s']:.1f} s "
+        f"(node 0 knew the next round at {_s(result['reform_said_s'])} s, first worker "
+        f"{result['reform_first_s']:.1f} s); node 0 {result['host_cpu']:.3f} CPU s/s, "
         f"{result['host_out_bps'] / 1e3:.0f} kB/s out, {result['host_in_bps'] / 1e3:.0f} "
         f"kB/s in; launchers {1e3 * result['cpu_per_node']:.1f} CPU ms/s per node")
     return result
+
+
+def _s(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{seconds:.1f}"
+
+
+def _stamp(pipe, said: list) -> None:
+    """Node 0's output, each line with the time it was read."""
+    for line in pipe:
+        said.append((time.time(), line.rstrip("\n")))
+
+
+def _said_at(said: list, texts: tuple[str, ...], since: float) -> float | None:
+    """Seconds from ``since`` to node 0's first line after it holding one of ``texts``."""
+    return next((t - since for t, line in list(said)
+                 if t >= since and any(text in line for text in texts)), None)
 
 
 def _steady(cluster, procs) -> dict:
@@ -203,9 +237,8 @@ def _wait(proc, deadline: float) -> int | None:
         return None
 
 
-def _failed(result: dict, directory: Path, what: str) -> dict:
-    said = (directory / "node0.log").read_text(errors="replace").splitlines()
-    result["error"] = f"{what}: " + " | ".join(said[-8:])
+def _failed(result: dict, said: list, what: str) -> dict:
+    result["error"] = f"{what}: " + " | ".join(line for _, line in said[-8:])
     return result
 
 
@@ -234,33 +267,43 @@ def write(results: dict, md_path: Path) -> None:
         f"Command: `{results.get('command', '')}`; {results.get('date', '')}; "
         f"CPU: {machine.get('cpu', '?')}, {machine.get('cores', '?')} cores; load average "
         f"at the start {results.get('load_start', [0])[0]:.2f}, at the end "
-        f"{results.get('load_end', [0])[0]:.2f}.",
+        f"{results.get('load_end', [0])[0]:.2f} (the jobs' own launchers count in it).",
         "",
-        "One launcher and one light worker (a shell loop) per emulated host, all launchers "
-        "started at once; `--backend horovod -n 1`, default --heartbeat 0.5 and "
-        "--silence-limit 8. Formation: first launcher started -> last worker started. "
-        "Re-formation: static, a worker SIGKILLed (--max-restarts 1) -> every worker of "
-        "the restart started; elastic (--nnodes 2:N), a host's every process SIGKILLed -> "
-        "the N-1 survivors' workers started. Steady state over "
-        f"{results.get('steady_s', STEADY):g} s of the running round: node 0's launcher's "
-        "CPU and its link's bytes per second, and every launcher's CPU per node "
-        "(CPU seconds per second; this machine has 2 cores for all the hosts).",
+        "One launcher and one light worker (a shell that waits on a FIFO) per emulated host, "
+        "all launchers started at once (one loop of `ip netns exec ... python -m "
+        "dist_gluon.launch`); `--backend horovod -n 1`, default --heartbeat 0.5 and "
+        "--silence-limit 8. Every host shares this machine's cores, so the launchers' own "
+        "start (about 0.1 s of CPU each) is most of a large formation. *Formation*: first "
+        "launcher started -> last worker started (*spawned*: the loop that starts the "
+        "launchers ended; *round sent*: node 0 sent the first round's start). "
+        "*Re-formation*: static, a worker SIGKILLed (--max-restarts 1; node 0 lets "
+        "near-simultaneous failures land for 0.5 s before it judges) -> every worker of the "
+        "restart started; elastic (--nnodes 2:N), a host's every process SIGKILLed -> the "
+        "N-1 survivors' workers started (*decided*: node 0 said the next round). Steady "
+        f"state over {results.get('steady_s', STEADY):g} s of the running round: node 0's "
+        "launcher's CPU and its link's bytes per second (and per other node), and every "
+        "launcher's CPU per node.",
         "",
-        "| nodes | job | formation s | re-formation s | node 0 CPU s/s | node 0 out kB/s "
-        "| node 0 in kB/s | CPU ms/s per node (all launchers) | load at start |",
+        "| nodes | job | formation s (spawned; round sent) | re-formation s (decided) "
+        "| node 0 CPU ms/s (per node) | node 0 in kB/s (per node) | node 0 out kB/s "
+        "(per node) | CPU ms/s per launcher | load at start |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for job in results["jobs"]:
-        if "error" in job and "form_s" not in job:
+        if "form_s" not in job:
             lines.append(f"| {job['nodes']} | {job['mode']} | failed: "
-                         f"{job['error'][:200]} | | | | | | |")
+                         f"{job.get('error', '')[:200]} | | | | | | |")
             continue
-        reform = f"{job['reform_s']:.1f}" if "reform_s" in job else "failed"
+        others = max(1, job["nodes"] - 1)
+        reform = (f"{job['reform_s']:.1f} ({_s(job.get('reform_said_s'))})"
+                  if "reform_s" in job else "failed")
         lines.append(
-            f"| {job['nodes']} | {job['mode']} | {job['form_s']:.1f} | {reform} | "
-            f"{job['host_cpu']:.3f} | {job['host_out_bps'] / 1e3:.1f} | "
-            f"{job['host_in_bps'] / 1e3:.1f} | {1e3 * job['cpu_per_node']:.1f} | "
-            f"{job['load_start'][0]:.2f} |")
+            f"| {job['nodes']} | {job['mode']} | {job['form_s']:.1f} "
+            f"({job['spawn_s']:.1f}; {_s(job.get('form_start_s'))}) | {reform} | "
+            f"{1e3 * job['host_cpu']:.0f} ({1e3 * job['host_cpu'] / others:.2f}) | "
+            f"{job['host_in_bps'] / 1e3:.1f} ({job['host_in_bps'] / 1e3 / others:.2f}) | "
+            f"{job['host_out_bps'] / 1e3:.1f} ({job['host_out_bps'] / 1e3 / others:.2f}) | "
+            f"{1e3 * job['cpu_per_node']:.1f} | {job['load_start'][0]:.2f} |")
     failed = [f"{j['mode']} {j['nodes']}: {j['error']}" for j in results["jobs"]
               if "error" in j]
     if failed:
