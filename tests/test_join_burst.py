@@ -180,3 +180,20 @@ def test_joins_back_off_with_jitter_up_to_a_cap():
     assert all(0.5 * b <= w < 1.5 * b for w, b in zip(waits, bases))
     assert len({round(w / b, 6) for w, b in zip(waits, bases)}) == 12   # jittered
     assert backoff.attempts == 12 and max(waits) < 3.0
+
+
+def test_the_half_open_limit_comes_from_the_environment_and_must_be_positive(monkeypatch,
+                                                                            capsys):
+    from dist_gluon.launch import cli
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--",
+            "python", "x.py"]
+    monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
+    assert cli.parse(argv).half_open_limit == channel.HALF_OPEN_LIMIT == 32
+    monkeypatch.setenv("DG_HALF_OPEN_LIMIT", "4")
+    assert cli.parse(argv).half_open_limit == 4
+    for bad in ("0", "many"):
+        monkeypatch.setenv("DG_HALF_OPEN_LIMIT", bad)
+        with pytest.raises(SystemExit):
+            cli.parse(argv)
+        assert f"DG_HALF_OPEN_LIMIT must be a positive integer, got '{bad}'" in \
+            capsys.readouterr().err
