@@ -185,7 +185,7 @@ def test_joins_back_off_with_jitter_up_to_a_cap():
 def test_the_half_open_limit_comes_from_the_environment_and_must_be_positive(monkeypatch,
                                                                             capsys):
     from dist_gluon.launch import cli
-    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "--",
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1", "-n", "1", "--",
             "python", "x.py"]
     monkeypatch.setenv("DG_JOB_SECRET", "a-test-secret-of-enough-length-0123456789")
     assert cli.parse(argv).half_open_limit == channel.HALF_OPEN_LIMIT == 32
