@@ -31,8 +31,13 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO))      # this checkout's launcher, as the jobs' PYTHONPATH
 import emulated_cluster  # noqa: E402
+
+from dist_gluon.launch import channel  # noqa: E402
+from dist_gluon.launch.protocol import RoundSpec, Start  # noqa: E402
 
 SIZES = (4, 16, 64, 128, 256)
 QUICK_SIZES = (4, 16)
@@ -111,7 +116,7 @@ def run_job(cluster, elastic: bool, workdir: Path, timeout: float, log) -> dict:
     os.mkfifo(directory / "finish")
     port = "29400" if elastic else "29401"
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/root",
-           "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "PYTHONPATH": str(REPO),
            "DG_JOB_SECRET": f"scale-{mode}-{nodes}", "LANG": "C.UTF-8"}
     worker = ["/bin/sh", "-c", WORKER.format(dir=shlex.quote(str(directory)))]
     result = {"nodes": nodes, "mode": mode, "load_start": os.getloadavg()}
@@ -242,9 +247,34 @@ def _failed(result: dict, said: list, what: str) -> dict:
     return result
 
 
+def spec_cost(nodes: int, reps: int = 20) -> dict:
+    """An elastic round's spec for ``nodes`` nodes (every node's host name and address
+    are in it, so that any can take over): its bytes, and node 0's seconds to encode it
+    once and sign it for every link."""
+    spec = RoundSpec(
+        backend="horovod", nnodes=nodes, nodes=list(range(nodes)), nproc=1, servers=0,
+        restart=1, reformation=1, elastic=True, master_addr="10.213.4.1",
+        transport="gloo", hosts=[None] + [f"dgc1a2b3c-h{i}" for i in range(1, nodes)],
+        slots=[1] * nodes, server_counts=[0] * nodes, rendezvous_port=40000,
+        addresses=[[f"10.213.{4 + i // 250}.{1 + i % 250}", 29500] for i in range(nodes)],
+        restarts=1)
+    began = time.perf_counter()
+    for _ in range(reps):
+        text = channel.encode(Start(spec))
+    encode = (time.perf_counter() - began) / reps
+    seal = channel._Seal("s" * 64, "c" * 32, "m")
+    began = time.perf_counter()
+    for _ in range(reps):
+        seal.seal(text)
+    sign = (time.perf_counter() - began) / reps
+    return {"nodes": nodes, "bytes": len(text), "encode_s": encode,
+            "sign_all_s": sign * (nodes - 1)}
+
+
 def run(sizes, timeout: float, log) -> dict:
     """Every size, static then elastic, each on a fresh cluster of that many hosts."""
-    results = {"sizes": list(sizes), "steady_s": STEADY, "targets": TARGETS, "jobs": []}
+    results = {"sizes": list(sizes), "steady_s": STEADY, "targets": TARGETS, "jobs": [],
+               "spec": [spec_cost(nodes) for nodes in sizes]}
     with tempfile.TemporaryDirectory(prefix="dg-bench-scale-") as tmp:
         for nodes in sizes:
             began = time.monotonic()
@@ -304,6 +334,14 @@ def write(results: dict, md_path: Path) -> None:
             f"{job['host_in_bps'] / 1e3:.1f} ({job['host_in_bps'] / 1e3 / others:.2f}) | "
             f"{job['host_out_bps'] / 1e3:.1f} ({job['host_out_bps'] / 1e3 / others:.2f}) | "
             f"{1e3 * job['cpu_per_node']:.1f} | {job['load_start'][0]:.2f} |")
+    lines += ["", "The round's spec (sent to every node at each round's start; it lists "
+              "every node, so that any can take the job over): its size, and node 0's time "
+              "to encode it once and sign it for every other node, in this process:", "",
+              "| nodes | spec bytes (per node) | encode ms | sign for all links ms |",
+              "|---|---|---|---|"]
+    lines += [f"| {c['nodes']} | {c['bytes']} ({c['bytes'] / c['nodes']:.0f}) | "
+              f"{1e3 * c['encode_s']:.2f} | {1e3 * c['sign_all_s']:.2f} |"
+              for c in results.get("spec", [])]
     failed = [f"{j['mode']} {j['nodes']}: {j['error']}" for j in results["jobs"]
               if "error" in j]
     if failed:
