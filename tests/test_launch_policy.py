@@ -261,7 +261,7 @@ class _Link:
     def __init__(self):
         self.sent, self.closed, self.peer = [], False, "10.0.0.9:1"
 
-    def send(self, message):
+    def send(self, message, text=None):
         self.sent.append(message)
 
     def close(self, flush=None):

@@ -218,17 +218,14 @@ class Link:
                 self._sending_since = None
                 self._outbox.task_done()
 
-    def send(self, message: Message | dict) -> bool:
+    def send(self, message: Message | dict, text: bytes | None = None) -> bool:
         """Queue ``message`` (protocol.py's, or its wire form); never blocks. False when
-        the link is closed."""
-        # the text as it is now (callers may change the dict later); the writer signs it
-        return self.send_text(encode(message))
-
-    def send_text(self, text: bytes) -> bool:
-        """Queue a message already encoded (:func:`encode`)."""
+        the link is closed. ``text``: its encoding, made once for many links
+        (:func:`broadcast`)."""
         if self.closed:
             return False
-        self._outbox.put(text)
+        # the text as it is now (callers may change the dict later); the writer signs it
+        self._outbox.put(encode(message) if text is None else text)
         return True
 
     def stuck_for(self) -> float:
@@ -278,7 +275,7 @@ def broadcast(links, message: Message | dict) -> None:
     the nodes (each link still signs it with its own key)."""
     text = encode(message)
     for link in links:
-        link.send_text(text)
+        link.send(message, text)
 
 
 class Beating:
