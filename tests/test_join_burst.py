@@ -43,25 +43,29 @@ def cluster():
         yield c
 
 
-def start_burst(cluster, nnodes: str, *launcher_args, later=None, hosts: int = HOSTS):
+def start_burst(cluster, nnodes: str, *launcher_args, later=None, hosts: int = HOSTS,
+                ranks=None):
     """One launcher on each of the first ``hosts`` hosts, all at once but those in
-    ``later`` ({node: seconds}), each started that long after the others; their (exit
-    status, output) by node, once all have ended."""
+    ``later`` ({host: seconds}), each started that long after the others; host i is
+    node i but those ``ranks`` ({host: node rank}) names; their (exit status, output) by
+    host, once all have ended."""
+    ranks = ranks or {}
     port = str(next(_ports))
     env = {**host_env(), "DG_JOB_SECRET": f"burst-{port}",
            "DG_HALF_OPEN_LIMIT": str(HALF_OPEN)}
     later = later or {}
     procs = {}
     began = time.monotonic()
-    for node in sorted(range(hosts), key=lambda n: later.get(n, 0.0)):
-        time.sleep(max(0.0, began + later.get(node, 0.0) - time.monotonic()))
+    for host in sorted(range(hosts), key=lambda h: later.get(h, 0.0)):
+        time.sleep(max(0.0, began + later.get(host, 0.0) - time.monotonic()))
         argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", nnodes,
-                "--node-rank", str(node), "--master-addr", cluster.hosts[0].address,
-                "--master-port", port, "-n", "1", "--join-timeout", "60", *launcher_args,
+                "--node-rank", str(ranks.get(host, host)),
+                "--master-addr", cluster.hosts[0].address, "--master-port", port,
+                "-n", "1", "--join-timeout", "60", *launcher_args,
                 "--", sys.executable, "-c", WORKER]
-        procs[node] = cluster.popen(node, argv, env=env, text=True, stdout=subprocess.PIPE,
+        procs[host] = cluster.popen(host, argv, env=env, text=True, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT)
-    return {node: (p.wait(timeout=120), p.communicate()[0]) for node, p in procs.items()}
+    return {host: (p.wait(timeout=120), p.communicate()[0]) for host, p in procs.items()}
 
 
 def report(ended) -> str:
@@ -113,6 +117,24 @@ def test_an_elastic_burst_starts_with_every_launcher_that_reached_node_0(cluster
     assert "left out" not in ended[0][1], report(ended)
     assert f"the job finished on {HOSTS} nodes ({HOSTS} workers)" in ended[0][1], \
         report(ended)
+
+
+@pytest.mark.slow
+@needs_hosts
+def test_an_elastic_burst_names_each_launcher_it_left_out_and_why(cluster):
+    # hosts 6 and 7 are given node ranks 4 and 5 as well: one of each pair is left out
+    ended = start_burst(cluster, f"2:{HOSTS}", "--last-call", "1", ranks={6: 4, 7: 5})
+    out = sorted(h for h, (code, _) in ended.items() if code == 2)
+    assert len(out) == 2 and sum(code == 0 for code, _ in ended.values()) == HOSTS - 2, \
+        report(ended)
+    said = ended[0][1]
+    assert f"starting with {HOSTS - 2} nodes of at most {HOSTS} " in said, report(ended)
+    for host in out:
+        rank = {6: 4, 7: 5}.get(host, host)
+        why = f"node rank {rank} is taken or out of range [1, {HOSTS})"
+        assert why in ended[host][1], report(ended)
+        assert f"left out node {rank} ({cluster.hosts[host].name}) at " \
+               f"{cluster.hosts[host].address}:" in said and why in said, report(ended)
 
 
 # ---------------------------------------------------------------------- the door, on loopback

@@ -146,8 +146,8 @@ class Formation:
         lines += [f"left out {who}: {reason}" for who, reason in self.left_out]
         if arriving:
             lines.append(f"left out {policy.plural(arriving, 'connection')} still on "
-                         "its way in: the job's launchers among them join at the next "
-                         "re-formation")
+                         f"{'its' if arriving == 1 else 'their'} way in: the job's "
+                         "launchers among them join at the next re-formation")
         self.left_out = []
         return "\n".join(lines)
 
@@ -201,16 +201,19 @@ class Formation:
         """Elastic: the launchers that joined since the last look, added to the waiting
         nodes (or, before the first round, to the members) if the job has room and their
         node rank is free, and welcomed; the others are told why not (and node 0 says
-        so). A node whose earlier link closed may join again under its rank."""
+        so). A node whose earlier link closed before the start (or while it waited) may
+        join again under its rank."""
         if self.listener is None:
             return False
         config, took = self.config, False
         into = self.waiting if waiting else self.members
         for link, wire in self.listener.poll():
             hello = Hello.from_wire(wire)
-            old = self.members.get(hello.node) or self.waiting.get(hello.node)
+            # (a member of a running round is not replaced here: the round ends on its
+            # loss first)
+            old = into.get(hello.node)
             if old is not None and old.link.closed:
-                (self.members if hello.node in self.members else self.waiting).pop(hello.node)
+                del into[hello.node]
                 self.out.say(f"{old} joins again: its first connection closed")
             taken = {self.rank, *self.members, *self.waiting}
             refusal = policy.admission_refusal(hello.node, taken, config.min_nodes,
