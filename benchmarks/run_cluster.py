@@ -38,6 +38,12 @@ scheduler on host 0. In every cluster:
    takeover (host 0 only: the survivors end their workers, then elect), re-formation,
    worker start, model build, checkpoint load and first step, from the launchers' lines
    (stamped as they are read) and the workers' clocks.
+9. Scale: the launchers' control plane against the number of nodes, 4 to 256 hosts with
+   a light worker each, static and elastic: formation, re-formation after a lost
+   worker or node, node 0's CPU and bytes per second and every launcher's CPU per node
+   (cluster/scale.py). Its report is its own, benchmarks/RESULTS-cluster-scale.md (and
+   results-cluster-scale.json), whatever --out says: reruns of the other parts never
+   overwrite it, nor it theirs.
 
 Each part's report (cluster/report.py) has a file of its own, benchmarks/PART_FILES[part]
 (RESULTS-cluster-comm.md, -train, -compression, -lm, -servers, -async, -elastic), with
@@ -69,7 +75,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
-from cluster import report  # noqa: E402
+from cluster import report, scale  # noqa: E402
 
 PY = sys.executable
 RESULT_TAG = "BENCH "
@@ -823,6 +829,25 @@ def write_reports(results: dict, parts, out: Path | None) -> list[Path]:
     return [path for _, path in jobs]
 
 
+def run_scale(args, argv) -> None:
+    """Part 9, into its own report (cluster/scale.py)."""
+    sizes = args.scale_nodes or (scale.QUICK_SIZES if args.quick else scale.SIZES)
+    results = {"command": " ".join([".venv/bin/python benchmarks/run_cluster.py",
+                                    *(argv if argv is not None else sys.argv[1:])]),
+               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "machine": local_bench.machine(), "load_start": os.getloadavg(),
+               "uptime_start": uptime()}
+    log(f"scale: {', '.join(map(str, sizes))} nodes; load average "
+        f"{results['load_start'][0]:.2f}")
+    results.update(scale.run(sizes, args.job_timeout, log))
+    results["load_end"] = os.getloadavg()
+    results["uptime_end"] = uptime()
+    path = HERE / ("RESULTS-cluster-scale-quick.md" if args.quick
+                   else "RESULTS-cluster-scale.md")
+    scale.write(results, path)
+    log(f"wrote {path}")
+
+
 # --------------------------------------------------------------------------- main
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Benchmark dist_gluon and its peers on "
@@ -835,10 +860,16 @@ def parse_args(argv=None):
                              "given")
     parser.add_argument("--only", action="append",
                         choices=("comm", "train", "compress", "lm", "servers", "async",
-                                 "elastic"),
-                        help="run only this part (repeatable); default: all seven "
+                                 "elastic", "scale"),
+                        help="run only this part (repeatable); default: all of them "
                              "(compress and lm run in the 2 hosts at 1 Gbit/s setting, "
-                             "servers on 4 hosts, async on 2, elastic on 3)")
+                             "servers on 4 hosts, async on 2, elastic on 3, scale on 4 "
+                             "to 256)")
+    parser.add_argument("--scale-nodes", type=lambda text: [int(n) for n in text.split(",")],
+                        default=None, metavar="N,N,...",
+                        help="part 9 (scale): these numbers of nodes (default: "
+                             f"{','.join(map(str, scale.SIZES))}; --quick: "
+                             f"{','.join(map(str, scale.QUICK_SIZES))})")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
                         help="run only this setting of the chosen configuration, e.g. "
                              "2x1gbit (repeatable); default: all of them")
@@ -887,7 +918,12 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic"]
+    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic",
+                          "scale"]
+    if "scale" in parts:
+        run_scale(args, argv)
+    if not set(parts) & {"comm", "train", "compress", "lm", "servers", "async", "elastic"}:
+        return 0
     if not set(parts) & {"comm", "train", "compress", "lm"}:
         cfg["settings"] = []
     elif not set(parts) & {"comm", "train"}:

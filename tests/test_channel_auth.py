@@ -92,29 +92,45 @@ def test_a_replayed_message_is_refused_on_its_own_connection_and_on_another():
 
 
 # ---------------------------------------------------------------------- the join
-def _capture_hello(secret_text: str) -> bytes:
+def _capture_hello(secret_text: str, retried: bool = False) -> bytes:
     """The hello line that a real node-1 launcher of the job sends to whoever challenges
-    it (here a fake node 0, which then hangs up)."""
+    it (here a fake node 0, which hangs up without welcoming it). With ``retried``, check
+    that the launcher joins again, then ends at --join-timeout saying why."""
     fake = socket.create_server(("127.0.0.1", 0))
     fake.settimeout(60)
+    port = fake.getsockname()[1]
     argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank", "1",
-            "--master-addr", "127.0.0.1", "--master-port", str(fake.getsockname()[1]),
-            "-n", "1", "--backend", "dist_sync", "--", "true"]
+            "--master-addr", "127.0.0.1", "--master-port", str(port), "-n", "1",
+            "--backend", "dist_sync", "--join-timeout", "2", "--", "true"]
     env = process_env(**{secret.ENV: secret_text})
     launcher = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        sock, _ = fake.accept()
-        sock.sendall(b'{"dist_gluon": "launcher", "challenge": "beef"}\n')
-        hello = sock.makefile("rb").readline()
-        sock.close()
+        hellos = []
+        for _ in range(2 if retried else 1):    # the first join, and the one tried again
+            sock, _ = fake.accept()
+            sock.sendall(b'{"dist_gluon": "launcher", "challenge": "beef"}\n')
+            hellos.append(sock.makefile("rb").readline())
+            sock.close()
+        fake.close()
+        if not retried:
+            launcher.kill()
         _, err = launcher.communicate(timeout=60)
     finally:
         launcher.kill()
         fake.close()
-    assert "lost the master launcher" in err, err
-    assert json.loads(hello.split(b" ", 1)[1])["node"] == 1
-    return hello
+    first = json.loads(hellos[0].split(b" ", 1)[1])
+    assert first["node"] == 1
+    if retried:
+        assert launcher.returncode == 1, err
+        assert f"not admitted yet: the job's host at 127.0.0.1:{port} closed the " \
+               "connection before it took this node in" in err, err
+        assert f"cannot reach the master launcher at 127.0.0.1:{port} within " \
+               "--join-timeout 2 s" in err, err
+        assert "lost the master launcher" not in err, err
+        again = json.loads(hellos[1].split(b" ", 1)[1])
+        assert again["node"] == 1 and again["nonce"] != first["nonce"]
+    return hellos[0]
 
 
 def _intruders(port: int, replay: bytes) -> dict[str, int]:
@@ -163,13 +179,14 @@ def test_strangers_are_refused_and_logged_and_the_real_node_joins():
     thread = threading.Thread(target=master)
     thread.start()
     squatter = _connect(port)           # says nothing
-    ports = _intruders(port, _capture_hello(SECRET))
+    ports = _intruders(port, _capture_hello(SECRET, retried=True))
     link = channel.connect_to_master("127.0.0.1", port, dict(HELLO, host="real-node-1"),
                                      30, SECRET)
     thread.join(60)
     joined = result["joined"]
     assert list(joined) == [1] and joined[1][1]["host"] == "real-node-1"
     node_side, (master_side, _) = link, joined[1]
+    assert node_side.receive(timeout=30) == {"type": "welcome", "waiting": False}
     master_side.send({"type": "start", "spec": {"restart": 0}})
     assert node_side.receive(timeout=30) == {"type": "start", "spec": {"restart": 0}}
     node_side.send({"type": "stopped"})

@@ -139,6 +139,11 @@ def test_the_first_round_starts_at_max_or_after_the_last_call_with_min():
     assert not policy.ready_to_start(1, 60.0, 2, 3, 10.0)
 
 
+def test_the_first_round_waits_for_launchers_still_saying_hello_unless_max_joined():
+    assert not policy.ready_to_start(2, 10.0, 2, 3, 10.0, arriving=1)
+    assert policy.ready_to_start(3, 0.0, 2, 3, 10.0, arriving=5)
+
+
 def test_waiting_nodes_come_in_lowest_rank_first_up_to_max():
     assert policy.admitted({3, 1, 2}, members=0, max_nodes=3) == [1, 2]
     assert policy.admitted({2}, members=2, max_nodes=3) == []
@@ -256,7 +261,7 @@ class _Link:
     def __init__(self):
         self.sent, self.closed, self.peer = [], False, "10.0.0.9:1"
 
-    def send(self, message):
+    def send(self, message, text=None):
         self.sent.append(message)
 
     def close(self, flush=None):

@@ -1,7 +1,8 @@
 """An emulated cluster on one machine: M hosts as Linux network namespaces on a bridge.
 
 Each host has, like a real machine, its own network stack (a veth pair whose far end is
-its ``eth0``, one address of a private /24 that no interface of this machine uses), its
+its ``eth0``, one address of a private /24 that no interface of this machine uses; a
+larger subnet for more than 250 hosts), its
 own host name (a UTS namespace) and an ``/etc/hosts`` that maps every host's name to its
 address (``/etc/netns/<namespace>/hosts``, which ``ip netns exec`` mounts), so a name
 never resolves to a loopback address -- Gloo needs that, see ../shared/DESIGN.md.
@@ -59,8 +60,9 @@ SSH_PORT = 2222   # not 22, so that clients must honour a port option, as on man
 SSHD = "/usr/sbin/sshd"
 # tbf's burst must hold at least one GSO segment (64 KiB); latency bounds the queue.
 TBF_BURST, TBF_LATENCY = "256kb", "50ms"
-MAX_HOSTS = 250
-_SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")   # /24s of it are handed out
+# a Linux bridge takes at most 1024 ports; a /22 holds 1022 hosts
+MAX_HOSTS = 1000
+_SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")   # /24s (or larger) of it are handed out
 _RATE_RE = re.compile(r"^\d+(?:\.\d+)?(?:[kmgt]i?)?(?:bit|bps)$", re.IGNORECASE)
 _BASE_TOOLS = ("ip", "tc", "nsenter", "unshare", "hostname")
 _SSH_TOOLS = ("ssh", "ssh-keygen")
@@ -120,7 +122,8 @@ class EmulatedCluster:
     Parameters
     ----------
     num_hosts : int
-        Number of hosts, 1 to 250. Host ``i`` has address ``<subnet>.<i + 1>``.
+        Number of hosts, 1 to 1000. Host ``i`` has the subnet's address ``i + 1`` (a
+        /24 up to 250 hosts, a /23 or /22 beyond).
     rate : str or None
         A tc rate such as ``"1gbit"`` or ``"20mbit"``: each host's link carries at most
         this much in each direction (full duplex, as a NIC on a non-blocking switch), so
@@ -164,7 +167,7 @@ class EmulatedCluster:
             raise RuntimeError(f"cannot create an emulated cluster: {reason}")
         with _state_lock():
             remove_clusters(stale_only=True)
-            self.tag, self.subnet = _new_tag_and_subnet()
+            self.tag, self.subnet = _new_tag_and_subnet(self.num_hosts)
             _track(self)
             self._state = STATE_ROOT / self.tag
             self._state.mkdir(mode=0o700)
@@ -399,9 +402,13 @@ def _state_lock():
         yield
 
 
-def _new_tag_and_subnet() -> tuple[str, ipaddress.IPv4Network]:
-    """A fresh tag and a /24 that neither this machine's addresses and routes nor another
-    live cluster use. Called with the state lock held."""
+def _new_tag_and_subnet(num_hosts: int = 1) -> tuple[str, ipaddress.IPv4Network]:
+    """A fresh tag and a subnet for ``num_hosts`` hosts (a /24, or larger beyond 250)
+    that neither this machine's addresses and routes nor another live cluster use.
+    Called with the state lock held."""
+    prefix = 24
+    while num_hosts > 250 and 2 ** (32 - prefix) - 2 < num_hosts:
+        prefix -= 1
     in_use = _tags_in_use()
     tag = next(t for t in iter(lambda: TAG_PREFIX + secrets.token_hex(3), None)
                if t not in in_use)
@@ -417,12 +424,12 @@ def _new_tag_and_subnet() -> tuple[str, ipaddress.IPv4Network]:
         owner = _owner(other)
         if owner:
             taken.append(ipaddress.ip_network(owner["subnet"]))
-    candidates = list(_SUBNET_BASE.subnets(new_prefix=24))
+    candidates = list(_SUBNET_BASE.subnets(new_prefix=prefix))
     start = int(tag[len(TAG_PREFIX):], 16) % len(candidates)
     for subnet in candidates[start:] + candidates[:start]:
         if not any(subnet.overlaps(net) for net in taken):
             return tag, subnet
-    raise RuntimeError(f"no free /24 left in {_SUBNET_BASE} for an emulated cluster")
+    raise RuntimeError(f"no free /{prefix} left in {_SUBNET_BASE} for an emulated cluster")
 
 
 def _kill_namespace_processes(inodes: set[int]) -> list[str]:

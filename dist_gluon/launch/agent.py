@@ -10,7 +10,7 @@ import socket
 import time
 
 from . import succession
-from .channel import STATUS_EVERY, Beating, JoinError, Link, connect_to_master
+from .channel import STATUS_EVERY, Backoff, Beating, JoinError, Link, connect_to_master
 from .config import LaunchConfig
 from .job import Interrupted, Preemption, check_multinode_host
 from .master import Master
@@ -34,6 +34,7 @@ from .protocol import (
     Stop,
     Stopped,
     Verdicts,
+    Welcome,
     from_master,
 )
 
@@ -55,6 +56,12 @@ class Redirected(Exception):
         self.message = message
 
 
+class NotAdmitted(Exception):
+    """The host dropped this launcher's link, or never answered on it, before it
+    welcomed it (too busy to read its hello in time, or gone): the join may pass if
+    tried again."""
+
+
 MAX_REDIRECTS = 3
 
 
@@ -70,6 +77,10 @@ class Agent:
         self.host = (config.master_addr, config.master_port, "node 0")  # addr, port, name
         self.addr: str | None = None    # where the other nodes reach this one
         self.listener = None            # the door should this node host the job
+        # joining: until --join-timeout, with jittered waits between attempts
+        self._join_deadline = time.monotonic() + config.join_timeout
+        self._backoff = Backoff()
+        self._welcomed = False          # the host took this node in on the current link
 
     @property
     def master_at(self) -> str:
@@ -96,12 +107,15 @@ class Agent:
         self.listener = listener
         link = None
         try:
-            link = connect_to_master(config.master_addr, config.master_port,
-                                     self.hello, config.join_timeout, config.job_secret)
+            link = self._join()
             redirects = 0
             while True:
                 try:
                     return self._idle(link)
+                except NotAdmitted as why:
+                    link.close(flush=0)
+                    link = None
+                    link = self._join_again(str(why))
                 except HostLost as lost:
                     link.close()
                     nxt = self._succeed(lost, listener)
@@ -120,9 +134,8 @@ class Agent:
                     to = sent.message
                     self.out.say(f"{self.master_at} does not host the job: joining its host, "
                                  f"{to.name} at {to.addr}:{to.port}")
-                    link = connect_to_master(to.addr, to.port, self.hello,
-                                             config.join_timeout, config.job_secret)
                     self.host = (to.addr, to.port, to.name)
+                    link = self._join()
         except JoinError as err:
             self.out.say(str(err))
             return 1
@@ -131,6 +144,39 @@ class Agent:
                 link.close()
             if listener is not None:
                 listener.close()
+
+    # ------------------------------------------------------------------ joining
+    def _join(self) -> Link:
+        """A link to the job's host (``self.host``), its hello sent; tried again after
+        jittered waits while that fails, until --join-timeout from this launcher's start."""
+        addr, port, _ = self.host
+        self._welcomed = False
+        return connect_to_master(addr, port, self.hello, self.config.join_timeout,
+                                 self.config.job_secret, self.out.say, self._backoff,
+                                 self._join_deadline)
+
+    def _join_again(self, why: str) -> Link:
+        """After the host let a join go unanswered (``why``): wait, then join again."""
+        left = self._join_deadline - time.monotonic()
+        if left <= 0:
+            raise JoinError(f"not admitted by the job's host at {self.master_at} within "
+                            f"--join-timeout {self.config.join_timeout:g} s: {why}")
+        wait = min(self._backoff.next(), left)
+        self.out.say(f"not admitted yet: {why}; retrying in {wait:.1f} s (until "
+                     f"--join-timeout, {left:.0f} s left)")
+        time.sleep(wait)
+        return self._join()
+
+    def _not_admitted(self, link: Link) -> NotAdmitted | None:
+        """The host let this join go (closed the link, or said nothing for
+        --silence-limit) before it welcomed this node; None once it has, or when this
+        node joins a host it elected (succession.py decides then)."""
+        if self._welcomed or self.spec is not None or link.refusal:
+            return None
+        how = ("closed the connection" if link.closed else
+               f"said nothing for {self.config.silence_limit:g} s")
+        return NotAdmitted(f"the job's host at {self.master_at} {how} before it took this "
+                           "node in (too busy to read its hello in time, or gone)")
 
     # ------------------------------------------------------------------ succession
     def _lost(self, link: Link) -> HostLost | None:
@@ -182,23 +228,32 @@ class Agent:
                 next_beat = now + config.heartbeat
                 link.send(Idle())
             try:
-                wire = link.receive(timeout=0.05)
+                wire = link.receive(timeout=STATUS_EVERY)
             except queue.Empty:
                 if link.gone(config.silence_limit):
-                    lost = self._lost(link)
+                    lost = self._not_admitted(link) or self._lost(link)
                     if lost is not None:
                         raise lost from None
                     self.out.say(self._master_lost())
                     return 1
                 continue
             if wire is None:
-                lost = None if link.refusal else self._lost(link)
+                lost = None if link.refusal else (self._not_admitted(link)
+                                                  or self._lost(link))
                 if lost is not None:
                     raise lost
                 self.out.say(link.refusal or self._master_lost())
                 return 1
             message = from_master(wire)
-            if isinstance(message, Saved):
+            if isinstance(message, Welcome):
+                self._welcomed = True
+                if message.waiting:
+                    self.out.say(f"joined the job at {self.master_at}: admitted at its "
+                                 "next re-formation (the next step boundary the workers "
+                                 "agree on, or their next checkpoint)")
+                elif self._backoff.attempts:
+                    self.out.say(f"joined the job at {self.master_at}")
+            elif isinstance(message, Saved):
                 self.checkpoint = (message.epoch, message.step)
             elif isinstance(message, News):
                 self.out.say(message.report)
@@ -263,8 +318,11 @@ class Agent:
 
     def _watch(self, node: Node, link: Link) -> tuple[int, bool]:
         """Report this node's ranks to node 0 and carry out what it asks, until the
-        round ends."""
-        config, hint, next_status = self.config, 0, 0.0
+        round ends. The ranks are looked at every STATUS_EVERY seconds and reported when
+        something changed, else every --heartbeat: node 0's cost stays linear in the
+        nodes with a small slope (a hundred idle nodes sent it a thousand reports a
+        second)."""
+        config, hint, next_status, next_beat, last = self.config, 0, 0.0, 0.0, None
         while True:
             self._send_on()
             self._tell_preemption(link)
@@ -275,10 +333,13 @@ class Agent:
                 next_status = now + STATUS_EVERY
                 states = node.states(hint)
                 running = any(s["returncode"] is None for s in states)
-                link.send(Status(states, node.service_failure(running),
-                                 node.services_ended()))
+                status = Status(states, node.service_failure(running),
+                                node.services_ended()).to_wire()
+                if status != last or now >= next_beat:
+                    link.send(status)
+                    last, next_beat = status, now + config.heartbeat
             try:
-                wire = link.receive(timeout=0.05)
+                wire = link.receive(timeout=STATUS_EVERY)
             except queue.Empty:
                 if not link.gone(config.silence_limit):
                     continue

@@ -21,6 +21,15 @@ after), or no hello within HANDSHAKE_TIMEOUT, logs it with the peer's address an
 on waiting for the job's own launchers; once every node has joined it listens no more
 (an elastic job's node 0 keeps listening for nodes that join later: ``Listener``).
 
+A burst of launchers (``srun`` starts hundreds at once) gets in whole: node 0 serves at
+most HALF_OPEN_LIMIT connections that have not said hello yet (strangers cannot make it
+hold more), and the others wait in the kernel's queue of the listening socket, sized
+for the job's nodes, until a hello frees a place. A join is complete when the host
+sends its :class:`~dist_gluon.launch.protocol.Welcome`; a launcher whose join fails
+before that for a reason that can pass (node 0 not listening yet, too busy to answer
+within HANDSHAKE_TIMEOUT, the connection dropped) tries again after a jittered,
+growing wait (:class:`Backoff`) until --join-timeout.
+
 The messages themselves, and the spec of a round, are protocol.py's dataclasses; a hello
 carries the connecting side's nonce besides what protocol.Hello says.
 """
@@ -31,12 +40,13 @@ import hmac
 import ipaddress
 import json
 import queue
+import random
 import secrets
 import socket
 import threading
 import time
 
-from .protocol import End, Message
+from .protocol import End, Message, Tick, Welcome
 from .secret import ENV as SECRET_ENV
 from .secret import FILE_FLAG as SECRET_FILE_FLAG
 
@@ -46,7 +56,9 @@ STATUS_EVERY = 0.1     # seconds between a node's status reports
 HELLO_LIMIT = 64 << 10          # bytes of a line before the peer has authenticated
 LINE_LIMIT = 64 << 20           # after: a stacks report of many ranks can be long
 HANDSHAKE_TIMEOUT = 10.0        # seconds to send the challenge or the hello
-MAX_PENDING = 32                # connections that have not said hello yet, at most
+# connections served at once that have not said hello yet; more wait in the kernel's
+# queue (LaunchConfig.half_open_limit, from DG_HALF_OPEN_LIMIT)
+HALF_OPEN_LIMIT = 32
 _DIFFERENT_SECRET = (
     f"a launcher given a different {SECRET_ENV} or {SECRET_FILE_FLAG} than node 0's "
     "(give every node the same one), or not one of this job's launchers at all")
@@ -206,15 +218,14 @@ class Link:
                 self._sending_since = None
                 self._outbox.task_done()
 
-    def send(self, message: Message | dict) -> bool:
+    def send(self, message: Message | dict, text: bytes | None = None) -> bool:
         """Queue ``message`` (protocol.py's, or its wire form); never blocks. False when
-        the link is closed."""
+        the link is closed. ``text``: its encoding, made once for many links
+        (:func:`broadcast`)."""
         if self.closed:
             return False
-        if isinstance(message, Message):
-            message = message.to_wire()
         # the text as it is now (callers may change the dict later); the writer signs it
-        self._outbox.put(json.dumps(message).encode())
+        self._outbox.put(encode(message) if text is None else text)
         return True
 
     def stuck_for(self) -> float:
@@ -252,6 +263,21 @@ class Link:
         return time.monotonic() - self.last_heard
 
 
+def encode(message: Message | dict) -> bytes:
+    """The JSON text of ``message`` (protocol.py's, or its wire form)."""
+    return json.dumps(message.to_wire() if isinstance(message, Message)
+                      else message).encode()
+
+
+def broadcast(links, message: Message | dict) -> None:
+    """Send ``message`` over every one of ``links``, encoded once: a round's spec lists
+    every node, and encoding it for each made the host's cost grow with the square of
+    the nodes (each link still signs it with its own key)."""
+    text = encode(message)
+    for link in links:
+        link.send(message, text)
+
+
 class Beating:
     """While in the ``with`` block, a thread sends ``message`` over ``links`` every
     ``every`` seconds: a launcher stays heard from while it does something slow (ending
@@ -264,8 +290,7 @@ class Beating:
 
     def _run(self) -> None:
         while not self._done.wait(self._every):
-            for link in self._links:
-                link.send(self._message)
+            broadcast(self._links, self._message)
 
     def __enter__(self) -> Beating:
         self._thread.start()
@@ -308,10 +333,17 @@ class Listener:
     """Node 0's door for the other nodes' launchers: ``poll`` hands over each new
     connection whose hello authenticated with the job's ``secret`` and drops (and
     ``say``s) any other. A static job closes it once every node has joined; an elastic
-    job keeps it open for nodes that join later."""
+    job keeps it open for nodes that join later.
 
-    def __init__(self, port: int, secret: str, say, bind_addr: str = "", backlog: int = 8):
+    At most ``half_open`` connections are served at once before their hello; the kernel
+    holds the others (up to ``backlog`` of the job's nodes besides) until a place frees:
+    strangers that connect and say nothing hold no more than that, and a burst of the
+    job's own launchers is served as fast as their hellos come in."""
+
+    def __init__(self, port: int, secret: str, say, bind_addr: str = "", backlog: int = 8,
+                 half_open: int = HALF_OPEN_LIMIT):
         self.port, self._secret, self._say = port, secret, say
+        self._half_open = half_open
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -321,10 +353,17 @@ class Listener:
             raise JoinError(f"cannot listen on {bind_addr or '*'}:{port} for the other "
                             f"nodes' launchers: {err}; choose another --master-port") from err
         self.port = self._server.getsockname()[1]     # port 0: the one given
-        self._server.listen(backlog + MAX_PENDING)
+        self._server.listen(backlog + half_open)
         self._server.settimeout(0.0)
         self._pending: list[Link] = []
         self._kept: list[tuple[Link, dict]] = []
+        self._queued = False    # the last poll left connections in the kernel's queue
+
+    @property
+    def arriving(self) -> int:
+        """Connections on their way in: those that have not said hello yet, and one more
+        while others may wait in the kernel's queue."""
+        return len(self._pending) + self._queued
 
     def keep(self, link: Link, hello: dict) -> None:
         """Hand ``link`` (and its ``hello``) out again at the next ``poll``."""
@@ -332,36 +371,40 @@ class Listener:
 
     def poll(self) -> list[tuple[Link, dict]]:
         """The connections that said an authenticated hello since the last call (and
-        those kept)."""
-        while True:
-            link = _accept(self._server, self._secret, self._say)
-            if link is None:
-                break
-            self._pending.append(link)
-            if len(self._pending) > MAX_PENDING:
-                oldest = self._pending.pop(0)
-                oldest.close(flush=0)
-                self._say(f"dropped the connection from {oldest.peer}: more than "
-                          f"{MAX_PENDING} connections waiting to say hello; carrying on")
+        those kept); then as many new connections as there is room for are challenged."""
         hellos, self._kept = self._kept, []
         for link in list(self._pending):
-            try:
-                hello = link.inbox.get_nowait()
-            except queue.Empty:
-                if time.monotonic() - link.opened_at > HANDSHAKE_TIMEOUT:
-                    self._pending.remove(link)
-                    link.close(flush=0)
-                    self._say(f"dropped the connection from {link.peer}: no hello within "
-                              f"{HANDSHAKE_TIMEOUT:g} s; carrying on")
-                continue
-            self._pending.remove(link)
-            if hello is None:
-                if link.refusal is None:
-                    self._say(f"the connection from {link.peer} closed before its hello; "
-                              "carrying on")
-                continue
-            hellos.append((link, hello))
+            hello = self._hello(link)
+            if hello is not False:
+                self._pending.remove(link)
+                if hello is not None:
+                    hellos.append((link, hello))
+        while len(self._pending) < self._half_open:
+            link = _accept(self._server, self._secret, self._say)
+            if link is None:
+                self._queued = False
+                break
+            self._pending.append(link)
+        else:
+            self._queued = True
         return hellos
+
+    def _hello(self, link: Link) -> dict | None | bool:
+        """The hello of a pending ``link``; None when the link is done without one
+        (dropped, said); False while it may still come."""
+        try:
+            hello = link.inbox.get_nowait()
+        except queue.Empty:
+            if time.monotonic() - link.opened_at <= HANDSHAKE_TIMEOUT:
+                return False
+            link.close(flush=0)
+            self._say(f"dropped the connection from {link.peer}: no hello within "
+                      f"{HANDSHAKE_TIMEOUT:g} s; carrying on")
+            return None
+        if hello is None and link.refusal is None:
+            self._say(f"the connection from {link.peer} closed before its hello; "
+                      "carrying on")
+        return hello
 
     def close(self) -> None:
         self._server.close()
@@ -379,14 +422,22 @@ def refuse(link: Link, report: str, status: int = 2) -> None:
 
 
 def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
-                 bind_addr: str = "") -> dict[int, tuple[Link, dict]]:
+                 bind_addr: str = "", half_open: int = HALF_OPEN_LIMIT,
+                 heartbeat: float = HEARTBEAT) -> dict[int, tuple[Link, dict]]:
     """Node 0: wait for the launchers of nodes 1..nnodes-1 to connect and say hello
-    signed with the job's ``secret``; drop (and ``say``) any other connection."""
-    listener = Listener(port, secret, say, bind_addr, nnodes)
+    signed with the job's ``secret``, and welcome each; drop (and ``say``) any other
+    connection. A node that joins again (its first link closed) replaces its old link.
+    The nodes that joined hear a Tick every ``heartbeat`` seconds meanwhile: a job whose
+    nodes arrive over more than --silence-limit lost its first ones before."""
+    listener = Listener(port, secret, say, bind_addr, nnodes, half_open)
     deadline = time.monotonic() + timeout
     joined: dict[int, tuple[Link, dict]] = {}
+    next_tick = 0.0
     try:
         while len(joined) < nnodes - 1:
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + heartbeat
+                broadcast([link for link, _ in joined.values()], Tick())
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, nnodes)) - set(joined))
                 for link, _ in joined.values():
@@ -399,13 +450,20 @@ def accept_nodes(port: int, nnodes: int, timeout: float, say, secret: str,
                     f"the --master-addr and --master-port {port})")
             for link, hello in listener.poll():
                 node = hello.get("node")
-                if node in joined or not isinstance(node, int) or not 0 < node < nnodes:
-                    refuse(link, f"node rank {node} is taken or out of range [1, {nnodes}); "
-                                 "give each machine its own --node-rank")
+                again = node in joined and joined[node][0].closed
+                if (node in joined and not again) or not isinstance(node, int) \
+                        or not 0 < node < nnodes:
+                    refusal = (f"node rank {node} is taken or out of range [1, {nnodes}); "
+                               "give each machine its own --node-rank")
+                    say(f"refused node {node} ({hello.get('host')}) at {link.peer}: "
+                        f"{refusal}")
+                    refuse(link, refusal)
                     continue
                 joined[node] = (link, hello)
+                link.send(Welcome())
                 say(f"node {node} ({hello['host']}) joined "
-                    f"({len(joined) + 1} of {nnodes} nodes)")
+                    + ("again: its first connection closed" if again else
+                       f"({len(joined) + 1} of {nnodes} nodes)"))
             time.sleep(0.05)
     finally:
         listener.close()
@@ -430,35 +488,78 @@ def _accept(server: socket.socket, secret: str, say) -> Link | None:
     return Link(sock, _Seal(secret, challenge, "m"), f"{host}:{port}", say)
 
 
-def connect_to_master(addr: str, port: int, hello: dict, timeout: float,
-                      secret: str) -> Link:
-    """Nodes 1..M-1: connect to node 0's launcher, answer its challenge with ``hello``
-    signed with the job's ``secret``, retrying until ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last_error = None
-    while time.monotonic() < deadline:
+class Backoff:
+    """The waits between a launcher's attempts to join: growing from ``first`` to at
+    most ``cap`` seconds, each drawn from [0.5, 1.5) times that, so that launchers
+    started together (srun) do not all come back together."""
+
+    def __init__(self, first: float = 0.1, cap: float = 2.0, rng: random.Random | None = None):
+        self.first, self.cap = first, cap
+        self.attempts = 0
+        self._rng = rng or random.Random()
+
+    def next(self) -> float:
+        """The wait before the next attempt."""
+        base = min(self.cap, self.first * 2 ** self.attempts)
+        self.attempts += 1
+        return base * self._rng.uniform(0.5, 1.5)
+
+
+def connect_to_master(addr: str, port: int, hello: dict, timeout: float, secret: str,
+                      say=None, backoff: Backoff | None = None,
+                      deadline: float | None = None) -> Link:
+    """Nodes 1..M-1: connect to node 0's launcher and answer its challenge with ``hello``
+    signed with the job's ``secret``; while that fails (node 0 not listening yet, or too
+    busy to answer), try again after ``backoff``'s waits until ``timeout`` seconds have
+    passed (or until the monotonic ``deadline`` of a join that began earlier), and
+    ``say`` each new reason once."""
+    deadline = time.monotonic() + timeout if deadline is None else deadline
+    backoff = backoff or Backoff()
+    last_error = told = None
+    while True:
         try:
-            sock = socket.create_connection((addr, port), timeout=5)
-        except OSError as err:
-            last_error = err
-            time.sleep(0.5)
-            continue
-        try:
-            sock.settimeout(HANDSHAKE_TIMEOUT)
-            challenge = _read_challenge(sock)
-            seal = _Seal(secret, challenge, "n")
-            sock.sendall(seal.seal_hello(dict(hello, nonce=secrets.token_hex(16))))
-            sock.settimeout(None)
-        except (OSError, ValueError) as err:
-            sock.close()
-            last_error = f"no dist_gluon launcher answered there: {err}"
-            time.sleep(0.5)
-            continue
-        return Link(sock, seal, f"{addr}:{port}")
+            return _handshake(addr, port, hello, secret, deadline)
+        except _NotYet as err:
+            last_error = str(err)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        if say is not None and last_error != told:
+            told = last_error
+            say(f"not admitted yet: cannot join the job's host at {addr}:{port} "
+                f"({last_error}); retrying until --join-timeout")
+        time.sleep(min(backoff.next(), remaining))
     raise JoinError(f"cannot reach the master launcher at {addr}:{port} within "
                     f"--join-timeout {timeout:g} s ({last_error}); start node 0 with the "
                     "same --master-addr/--master-port, and check the address is reachable "
                     "from this machine")
+
+
+class _NotYet(Exception):
+    """Why one attempt to join failed, when it may pass."""
+
+
+def _handshake(addr: str, port: int, hello: dict, secret: str, deadline: float) -> Link:
+    """One attempt: connect, read the challenge, send the signed hello."""
+    limit = max(0.1, min(HANDSHAKE_TIMEOUT, deadline - time.monotonic()))
+    try:
+        sock = socket.create_connection((addr, port), timeout=min(5.0, limit))
+    except OSError as err:
+        raise _NotYet(err.strerror or str(err) or type(err).__name__) from None
+    try:
+        sock.settimeout(limit)
+        challenge = _read_challenge(sock)
+        seal = _Seal(secret, challenge, "n")
+        sock.sendall(seal.seal_hello(dict(hello, nonce=secrets.token_hex(16))))
+        sock.settimeout(None)
+    except TimeoutError:
+        sock.close()
+        raise _NotYet(f"connected, but no challenge came within {limit:g} s: node 0 is "
+                      "busy with other launchers") from None
+    except (OSError, ValueError) as err:
+        sock.close()
+        raise _NotYet(f"no dist_gluon launcher answered there: {err}") from None
+    return Link(sock, seal, f"{addr}:{port}")
 
 
 def _read_challenge(sock: socket.socket) -> str:

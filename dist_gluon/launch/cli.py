@@ -12,12 +12,13 @@ import sys
 from .. import jobcontrol
 from .._version import __version__
 from . import mpi, secret, slurm, ssh
-from .channel import HEARTBEAT, SILENCE, STATUS_EVERY
+from .channel import HALF_OPEN_LIMIT, HEARTBEAT, SILENCE, STATUS_EVERY
 from .config import BACKENDS, TRANSPORTS, LaunchConfig
 
 DEFAULT_MASTER_PORT = 29500
 PREEMPT_GRACE = 20.0    # default of --preempt-grace
 LAST_CALL = 10.0        # default of --last-call
+HALF_OPEN_ENV = "DG_HALF_OPEN_LIMIT"
 
 _AT_LEAST_ONE_WORKER = ("-n must be at least 1 (0 only on a node of a ps-lite job of several "
                         "nodes that runs servers alone), got {}")
@@ -34,9 +35,24 @@ def parse(argv: list[str]) -> LaunchConfig:
     fields = {f.name for f in dataclasses.fields(LaunchConfig)}
     values = {k: v for k, v in vars(ns).items() if k in fields}
     values["command"] = tuple(ns.command)
+    values["half_open_limit"] = _half_open_limit(parser)
     if values.get("host_slots") is not None:
         values["host_slots"] = tuple(values["host_slots"])
     return LaunchConfig(**values)
+
+
+def _half_open_limit(parser) -> int:
+    """DG_HALF_OPEN_LIMIT: connections served at once before their hello (channel.py)."""
+    text = os.environ.get(HALF_OPEN_ENV)
+    if text is None:
+        return HALF_OPEN_LIMIT
+    try:
+        limit = int(text)
+    except ValueError:
+        limit = 0
+    if limit < 1:
+        parser.error(f"{HALF_OPEN_ENV} must be a positive integer, got {text!r}")
+    return limit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,11 +150,14 @@ def _node_arguments(nodes) -> None:
     nodes.add_argument("--master-port", type=int, default=DEFAULT_MASTER_PORT,
                        help=f"port of node 0's launcher (default: {DEFAULT_MASTER_PORT})")
     nodes.add_argument("--join-timeout", type=float, default=300.0, metavar="SEC",
-                       help="seconds for every node to join (default: 300)")
+                       help="seconds for every node to join (default: 300); a node "
+                            "whose join fails for a reason that can pass (node 0 not "
+                            "listening yet, or too busy) tries again until then")
     nodes.add_argument("--heartbeat", type=float, default=HEARTBEAT, metavar="SEC",
                        help="node 0's launcher tells the others it is alive at least every "
-                            f"SEC seconds (default: {HEARTBEAT:g}; the others report every "
-                            f"{STATUS_EVERY:g} s)")
+                            f"SEC seconds (default: {HEARTBEAT:g}; the others report "
+                            f"their ranks within {STATUS_EVERY:g} s of a change, and "
+                            "every SEC seconds)")
     nodes.add_argument("--silence-limit", type=float, default=SILENCE, metavar="SEC",
                        help="a launcher that hears nothing from another for SEC seconds, "
                             "or cannot send to it for as long, ends the job naming it "

@@ -46,6 +46,9 @@ class LaunchConfig:
         launcher makes one per job.
     host_slots : tuple of Host or None
         -H/--hostfile: the hosts to start one launcher on each; None otherwise.
+    half_open_limit : int
+        Connections a listening launcher serves at once before they said hello (more
+        wait in the kernel's queue); from DG_HALF_OPEN_LIMIT, default 32 (channel.py).
     """
 
     command: tuple[str, ...]
@@ -76,6 +79,7 @@ class LaunchConfig:
     last_call: float = 10.0
     server_nodes: int | None = None
     iface: str | None = None
+    half_open_limit: int = 32      # channel.HALF_OPEN_LIMIT
     job_secret: str | None = field(default=None, repr=False)
     job_secret_file: str | None = None
     # several machines, one command over ssh

@@ -13,7 +13,7 @@ from . import channel, policy
 from .channel import JoinError, Link, Listener, refuse
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
-from .protocol import Hello, Preempt, Tick, from_node
+from .protocol import Hello, Preempt, Tick, Welcome, from_node
 
 
 class Peer:
@@ -44,6 +44,8 @@ class Formation:
         # names of the nodes of earlier formations ("node 0 (h0)"), for reports
         self.known: dict[int, str] = {}
         self.waiting: dict[int, Peer] = {}
+        # (who, why) of the launchers refused since the job last started or re-formed
+        self.left_out: list[tuple[str, str]] = []
         self.listener = listener
 
     # ------------------------------------------------------------------ who is in
@@ -88,40 +90,66 @@ class Formation:
     # ------------------------------------------------------------------ joining
     def gather(self, listen_addr: str) -> None:
         """Wait for the other nodes: all of them (static), or MIN and then any more that
-        join within --last-call of the previous one, up to MAX (elastic)."""
+        join within --last-call of the previous one, up to MAX (elastic). An elastic job
+        does not start while launchers are still saying hello (before --join-timeout),
+        and says which launchers it left out and why."""
         config = self.config
         self.out.say(f"waiting for {self._wanted()} on port {config.master_port}")
         if not config.elastic:
             joined = channel.accept_nodes(config.master_port, config.nnodes,
                                           config.join_timeout, self.out.say,
-                                          config.job_secret, listen_addr)
+                                          config.job_secret, listen_addr,
+                                          config.half_open_limit, config.heartbeat)
             self.members = {n: Peer(n, link, Hello.from_wire(hello))
                             for n, (link, hello) in joined.items()}
             return
         self.listener = Listener(config.master_port, config.job_secret, self.out.say,
-                                 listen_addr, config.max_nodes)
-        limit = time.monotonic() + config.join_timeout
-        last_join, next_tick = time.monotonic(), 0.0
+                                 listen_addr, config.max_nodes, config.half_open_limit)
+        started = time.monotonic()
+        limit = started + config.join_timeout
+        last_join, next_tick = started, 0.0
         while True:
             if self.preemption is not None and self.preemption.at is not None:
                 raise Interrupted(signal.SIGTERM)
-            if self.take_joiners(waiting=False):
-                last_join = time.monotonic()
             for n in [n for n, p in self.members.items() if p.link.closed
                       or p.link.gone(config.silence_limit)]:
                 self.out.say(f"{self.members.pop(n)} left before the job started")
+            if self.take_joiners(waiting=False):
+                last_join = time.monotonic()
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + config.heartbeat
-                for peer in self.members.values():
-                    peer.link.send(Tick())
+                channel.broadcast([p.link for p in self.members.values()], Tick())
             count = len(self.members) + 1
+            arriving = self.listener.arriving
             if policy.ready_to_start(count, now - last_join, config.min_nodes,
-                                     config.max_nodes, config.last_call):
-                return
+                                     config.max_nodes, config.last_call, arriving):
+                break
             if now > limit:
-                self._too_few_joined(count)
+                if count < config.min_nodes:
+                    self._too_few_joined(count)
+                break
             time.sleep(0.05)
+        self.out.say(self._starting(count, time.monotonic() - started, arriving,
+                                    now > limit))
+
+    def _starting(self, count: int, took: float, arriving: int, timed_out: bool) -> str:
+        """What node 0 says as an elastic job starts: with how many nodes, and which
+        launchers it left out and why."""
+        config = self.config
+        why = ("its maximum" if count >= config.max_nodes else
+               f"--join-timeout {config.join_timeout:g} s passed" if timed_out else
+               f"no other launcher joined for --last-call {config.last_call:g} s")
+        lines = [f"starting with {policy.plural(count, 'node')} of at most "
+                 f"{config.max_nodes} (--nnodes {config.min_nodes}:{config.max_nodes}) "
+                 f"after {took:.1f} s: {why}"]
+        lines += [f"left out {who}: {reason}" for who, reason in self.left_out]
+        if arriving:
+            lines.append(f"left out {policy.plural(arriving, 'connection')} still on "
+                         f"{'its' if arriving == 1 else 'their'} way in: the job's "
+                         "launchers among them join at the next re-formation")
+        self.left_out = []
+        return "\n".join(lines)
 
     def gather_survivors(self, expected: set[int], timeout: float) -> None:
         """After a takeover: the nodes of the last formation that reach this one, until
@@ -133,6 +161,7 @@ class Formation:
                 hello = Hello.from_wire(wire)
                 if hello.node in expected and hello.node not in self.members:
                     self.members[hello.node] = peer = Peer(hello.node, link, hello)
+                    link.send(Welcome())
                     self.out.say(f"{peer} joined the new host")
                     continue
                 taken = {self.rank, *self.members, *self.waiting, *expected}
@@ -143,10 +172,10 @@ class Formation:
                     refuse(link, refusal)
                 else:
                     self.waiting[hello.node] = Peer(hello.node, link, hello)
+                    link.send(Welcome(waiting=True))
             if time.monotonic() >= next_tick:
                 next_tick = time.monotonic() + self.config.heartbeat
-                for peer in self.members.values():
-                    peer.link.send(Tick())
+                channel.broadcast([p.link for p in self.members.values()], Tick())
             time.sleep(0.05)
 
     def _too_few_joined(self, count: int):
@@ -171,20 +200,33 @@ class Formation:
     def take_joiners(self, waiting: bool = True) -> bool:
         """Elastic: the launchers that joined since the last look, added to the waiting
         nodes (or, before the first round, to the members) if the job has room and their
-        node rank is free."""
+        node rank is free, and welcomed; the others are told why not (and node 0 says
+        so). A node whose earlier link closed before the start (or while it waited) may
+        join again under its rank."""
         if self.listener is None:
             return False
         config, took = self.config, False
         into = self.waiting if waiting else self.members
         for link, wire in self.listener.poll():
             hello = Hello.from_wire(wire)
+            # (a member of a running round is not replaced here: the round ends on its
+            # loss first)
+            old = into.get(hello.node)
+            if old is not None and old.link.closed:
+                del into[hello.node]
+                self.out.say(f"{old} joins again: its first connection closed")
             taken = {self.rank, *self.members, *self.waiting}
             refusal = policy.admission_refusal(hello.node, taken, config.min_nodes,
                                                config.max_nodes)
             if refusal:
+                who = f"node {hello.node} ({hello.host}) at {link.peer}"
+                self.out.say(f"refused {who}: {refusal}")
+                if not waiting:
+                    self.left_out.append((who, refusal))
                 refuse(link, refusal)
                 continue
             peer = into[hello.node] = Peer(hello.node, link, hello)
+            link.send(Welcome(waiting=waiting))
             took = True
             count = len(taken) + 1
             if not waiting:
@@ -218,8 +260,7 @@ class Formation:
                 del self.waiting[n]
 
     def tick_waiting(self) -> None:
-        for peer in self.waiting.values():
-            peer.link.send(Tick())
+        channel.broadcast([p.link for p in self.waiting.values()], Tick())
 
     def admit_waiting(self) -> None:
         """The waiting nodes the job has room for become members."""

@@ -16,7 +16,6 @@ from .job import Interrupted, Preemption, check_multinode_host
 from .node import Node, free_port
 from .policy import Decision, Outcome, RoundEnd, Standing
 from .protocol import End, News, Preempt, RoundSpec, Start, Stopped, Tick, from_node
-from .rendezvous import GlooRendezvous
 from .rounds import PREEMPT_SETTLE, JobView, Ledger, RoundWatch
 from .succession import Takeover
 
@@ -126,8 +125,7 @@ class Master:
                                      policy.formation_news(end, self._standing(), True))
                          if r)
         self.out.say(news)
-        for peer in formation.members.values():
-            peer.link.send(News(news))
+        channel.broadcast([p.link for p in formation.members.values()], News(news))
         return None
 
     # ------------------------------------------------------------------ one round
@@ -160,6 +158,9 @@ class Master:
         config, formation = self.config, self.formation
         rendezvous = None
         if spec.backend == "horovod":
+            # here, not at the top: http.server (with http.client, ssl and email) is a
+            # quarter of the launcher's start, and only the job's host serves it
+            from .rendezvous import GlooRendezvous
             rendezvous = GlooRendezvous(
                 (self.listen_addr or "0.0.0.0") if config.several_nodes else "127.0.0.1",
                 spec.rendezvous_port, secret.rendezvous_token(config.job_secret,
@@ -175,8 +176,7 @@ class Master:
         watch = RoundWatch(config, formation, view, self.preemption, self.ledger)
         end = RoundEnd(Outcome.ERROR, 1)
         try:
-            for link in links.values():
-                link.send(Start(spec))
+            channel.broadcast(links.values(), Start(spec))
             node.start()
             end = watch.watch(deadline)
             if end.outcome is Outcome.STOPPED and formation.rank in end.lost:
@@ -283,8 +283,7 @@ class Master:
             self.ledger.reformations += 1
         message = policy.formation_news(end, self._standing(), changed)
         self.out.say(message)
-        for peer in formation.members.values():
-            peer.link.send(News(message))
+        channel.broadcast([p.link for p in formation.members.values()], News(message))
         return None
 
 

@@ -2,6 +2,7 @@
 node 0 the scheduler), their job-control records, and their environment."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import signal
@@ -23,6 +24,13 @@ STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 COMPAT_ENV = "DG_COMPAT"
 _COMPAT_SHIMS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                              "compat", "_shims")
+
+
+@functools.cache
+def _gloo_iface(addr: str) -> str:
+    """jobenv.gloo_iface, asked once per address of the job's host: it runs ``ip``, and
+    every node of a job that re-forms asked it again at the same moment."""
+    return jobenv.gloo_iface(addr)
 
 
 def free_port(bind_addr: str = "") -> int:
@@ -105,7 +113,7 @@ class Node:
             addr, iface, label = "127.0.0.1", "lo", "localhost"
         else:
             addr = socket.gethostbyname(spec.master_addr)
-            iface = self.config.iface or jobenv.gloo_iface(addr)
+            iface = self.config.iface or _gloo_iface(addr)
             label = self.host
         for local_rank in range(nproc):
             rank, env = self._worker_env(base, local_rank)

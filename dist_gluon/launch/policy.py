@@ -119,10 +119,13 @@ def admission_refusal(node, taken: Iterable[int], min_nodes: int,
 
 
 def ready_to_start(nodes: int, since_last_join: float, min_nodes: int, max_nodes: int,
-                   last_call: float) -> bool:
+                   last_call: float, arriving: int = 0) -> bool:
     """Elastic: the first round starts with MAX nodes at once, or with MIN or more once
-    none has joined for --last-call seconds."""
-    return nodes >= max_nodes or (nodes >= min_nodes and since_last_join >= last_call)
+    none has joined for --last-call seconds and no connection is ``arriving`` (still
+    saying hello, or queued behind those that are: a burst of launchers that reached
+    node 0 in time is taken in whole)."""
+    return nodes >= max_nodes or (nodes >= min_nodes and since_last_join >= last_call
+                                  and not arriving)
 
 
 def admitted(waiting: Iterable[int], members: int, max_nodes: int) -> list[int]:

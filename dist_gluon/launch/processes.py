@@ -101,8 +101,9 @@ def terminate(processes: list[Process], grace: float = TERM_GRACE) -> None:
     for p in processes:
         p.signal_group(signal.SIGTERM)
     limit = time.monotonic() + grace
+    # a short poll: a re-formation waits here on node 0, then on every other node
     while time.monotonic() < limit and any(p.group_alive() for p in processes):
-        time.sleep(0.05)
+        time.sleep(0.01)
     for p in processes:
         if p.group_alive():
             p.signal_group(signal.SIGKILL)

@@ -11,7 +11,8 @@ node -> master: :class:`Hello` (the channel adds its nonce), :class:`Status`,
 (its launcher got SIGTERM).
 master -> node: :class:`Start`, :class:`Hint`, :class:`Verdicts`, :class:`StacksRequest`,
 :class:`Stop` (stop at the next step boundary), :class:`News`, :class:`End`, :class:`Tick`,
-:class:`Saved` (the newest checkpoint, which a node that takes over resumes from).
+:class:`Saved` (the newest checkpoint, which a node that takes over resumes from),
+:class:`Welcome` (the host took the node in: the first message of every link it keeps).
 member -> joiner: :class:`Redirect` (an elastic node that does not host the job sends a
 launcher that joined through it on to the host).
 """
@@ -249,6 +250,16 @@ class Redirect(Message):
 
 
 @dataclass(frozen=True)
+class Welcome(Message):
+    """The host took the node in, as a member of the next round or (``waiting``) to be
+    admitted at the next re-formation: until then its join may still be dropped (the
+    host was too busy to read its hello in time), and the node joins again."""
+
+    TYPE: ClassVar[str] = "welcome"
+    waiting: bool = False
+
+
+@dataclass(frozen=True)
 class Tick(Message):
     """Node 0 is alive."""
 
@@ -292,4 +303,6 @@ def from_master(wire: dict[str, Any]) -> Message | None:
         return Saved(wire["epoch"], wire["step"])
     if kind == "redirect":
         return Redirect(wire["addr"], int(wire["port"]), wire["name"])
+    if kind == "welcome":
+        return Welcome(bool(wire.get("waiting")))
     return Tick() if kind == "tick" else None

@@ -9,6 +9,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+from . import channel
 from .channel import Link
 from .config import LaunchConfig
 from .formation import Formation
@@ -117,8 +118,7 @@ class JobView:
         return sorted(states, key=lambda s: s["rank"])
 
     def broadcast(self, message: Message) -> None:
-        for link in self.links.values():
-            link.send(message)
+        channel.broadcast(self.links.values(), message)
 
     def set_verdicts(self, verdicts: dict[int, int]) -> None:
         self.node.set_verdicts(verdicts)

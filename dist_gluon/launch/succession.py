@@ -63,10 +63,11 @@ def open_door(config: LaunchConfig, say) -> Listener | None:
     backlog = config.max_nodes or 1
     if not _same_machine(config.master_addr):
         try:
-            return Listener(config.master_port, config.job_secret, say, "", backlog)
+            return Listener(config.master_port, config.job_secret, say, "", backlog,
+                            config.half_open_limit)
         except JoinError:
             pass
-    return Listener(0, config.job_secret, say, "", backlog)
+    return Listener(0, config.job_secret, say, "", backlog, config.half_open_limit)
 
 
 def _same_machine(master_addr: str) -> bool:
