@@ -15,6 +15,7 @@ from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
+from .syncheck import SyncCheck
 
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
 # are aggregated (see _SizeGroupedUpdater).
@@ -66,6 +67,8 @@ class TrainerBase(gluon.Trainer):
         self._step_fresh: list[bool] | None = None
         self._header: mx.nd.NDArray | None = None
         self._fresh_counts = None
+        # DG_CHECK_SYNC: the ranks compare their weights every N steps (syncheck.py)
+        self._sync_check = SyncCheck(self._kv, f"{averager.prefix}.sync")
 
     @property
     def kv(self):
@@ -165,6 +168,16 @@ class TrainerBase(gluon.Trainer):
         finally:
             self._step_fresh = self._header = self._fresh_counts = None
         super()._update(ignore_stale_grad)
+        self._sync_check.after_step(self._model_params, self._optimizer_states,
+                                    self._describe)
+
+    def _optimizer_states(self) -> dict[int, list]:
+        """The optimizer state arrays of each parameter, by model position."""
+        updater = self._updaters[0]
+        # DistributedTrainer wraps its updaters for the length of an update
+        states = getattr(updater, "_updater", updater).states
+        return {p: list(_arrays(states.get(i)))
+                for i, p in enumerate(self.optimizer_positions()) if p is not None}
 
     def _stale_positions_by_rank(self) -> list[list[int]]:
         """Each rank's stale parameters this step (a collective, for an error message)."""
@@ -213,6 +226,15 @@ class TrainerBase(gluon.Trainer):
             data = pickle.dumps(remap_states(pickle.loads(data),
                                              index_mapping(positions, mine)), protocol=4)
         set_trainer_states(self, data)
+
+
+def _arrays(state):
+    """The NDArrays of an optimizer state (an array, a tuple of them, nested, or None)."""
+    if isinstance(state, mx.nd.NDArray):
+        yield state
+    elif isinstance(state, (tuple, list)):
+        for part in state:
+            yield from _arrays(part)
 
 
 def positions_in(items: list, order: list) -> list[int | None]:
