@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 import mxnet as mx
 import numpy as np
 
+from . import timeline
+
 ENV = "DG_CHECK_SYNC"
 # Steps between two checks when DG_CHECK_SYNC is not set. Measured on ResNet-18 (2
 # workers, horovod over Gloo, batch 32, 2 shared cores): one check costs about one
@@ -104,7 +106,8 @@ class SyncCheck:
         self.steps += 1
         if not self.active or self.steps % self.every:
             return
-        self.check(params, states, describe)
+        with timeline.span("compare the ranks' weights", "check"):
+            self.check(params, states, describe)
 
     def check(self, params: Sequence, states: Callable[[], dict],
               describe: Callable[[int], str]) -> None:

@@ -10,6 +10,7 @@ import mxnet as mx
 from mxnet import gluon
 
 from . import async_updates
+from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
@@ -146,6 +147,7 @@ class TrainerBase(gluon.Trainer):
         """Wait for the header (the step's one wait) and keep the freshness counts;
         returns the sum of the batch sizes."""
         values = self._header.asnumpy()
+        _timeline.header_arrived()
         self._header = None
         self._fresh_counts = values[1:]
         return float(values[0])
@@ -167,7 +169,8 @@ class TrainerBase(gluon.Trainer):
                        list, self._describe)
         finally:
             self._step_fresh = self._header = self._fresh_counts = None
-        super()._update(ignore_stale_grad)
+        with _timeline.span("optimizer update", "update"):
+            super()._update(ignore_stale_grad)
         self._sync_check.after_step(self._model_params, self._optimizer_states,
                                     self._describe)
 
@@ -178,6 +181,11 @@ class TrainerBase(gluon.Trainer):
         states = getattr(updater, "_updater", updater).states
         return {p: list(_arrays(states.get(i)))
                 for i, p in enumerate(self.optimizer_positions()) if p is not None}
+
+    def _last_grad_written(self):
+        """The gradient a backward writes last: the first trainable parameter's."""
+        return next((p.list_grad()[0] for p in self._model_params
+                     if p.grad_req != "null" and p._data is not None), None)
 
     def _stale_positions_by_rank(self) -> list[list[int]]:
         """Each rank's stale parameters this step (a collective, for an error message)."""
@@ -444,6 +452,8 @@ class DistributedTrainer(TrainerBase):
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
             return
+        _timeline.begin_step(self._last_grad_written())
+        samples = batch_size
         if self._averager.distributed:
             self._submit_header(batch_size)
         self._allreduce_grads()
@@ -453,6 +463,7 @@ class DistributedTrainer(TrainerBase):
             batch_size = self._read_header()
         self._check_and_rescale_grad(self._scale / batch_size)
         self._update(ignore_stale_grad)
+        _timeline.end_step(samples)
 
     def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Update every parameter after ``allreduce_grads()``, with the gradients

@@ -36,7 +36,8 @@ import signal
 import sys
 import threading
 
-from . import cli, output, ssh
+from .. import timeline
+from . import cli, observe, output, ssh
 from .agent import Agent
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
@@ -57,6 +58,10 @@ def _export(config: LaunchConfig) -> None:
     if config.compat is not None:
         # node.py puts the stand-in packages on the workers' PYTHONPATH
         os.environ[COMPAT_ENV] = config.compat
+    # node 0's launcher observes its own workers (observe.py); a directory named by
+    # another host's launcher means nothing here
+    for name in (timeline.ENV_DIR, timeline.ENV_LEVEL):
+        os.environ.pop(name, None)
 
 
 class _Output:
@@ -100,6 +105,12 @@ def _main(argv=None) -> int:
     if config.over_ssh:
         return ssh.run(config)
     out = _Output(config.nnodes, config.node_rank)
+    observation = None
+    if config.node_rank == 0 and (config.report != "off" or config.timeline):
+        observation = observe.Observation(config.timeline, config.report,
+                                          config.report_every, out)
+        os.environ.update(observation.environ())
+        out = observation
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
@@ -121,3 +132,5 @@ def _main(argv=None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if observation is not None:
+            observation.finish()
