@@ -91,6 +91,7 @@ class _Reporter:
         self.step: _Step | None = None
         self._data = 0.0                # waiting for data since the last step ended
         self._last_end = None
+        self._last = None               # the step's last collective (steps level)
         self._fd = os.open(steps_path(directory, rank, restart),
                            os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._trace = open(trace_path(directory, rank, restart), "a") if events else None
@@ -110,20 +111,26 @@ class _Reporter:
         step = self.step = _Step(self.steps, time.monotonic(), self._data)
         self._data = 0.0
         if first_grad is not None:
-            # one small copy queued before the gradient's sum overwrites it: ready once
-            # the backward wrote the gradient (the first layer's, which it writes last)
-            self._jobs.put((self._backward_ended, step,
-                            first_grad.reshape((-1,))[0:1].copy()))
+            # queued before the gradient's sum overwrites it: ready once the backward
+            # wrote the gradient (the first layer's, which it writes last)
+            self._jobs.put((self._backward_ended, step, _marker(first_grad)))
 
     def collective(self, key: str, array, nbytes: int) -> None:
         step = self.step
         step.bytes += nbytes
-        self._jobs.put((self._summed, step, key, time.monotonic(), array))
+        if self.events:
+            self._jobs.put((self._summed, step, key, time.monotonic(), _marker(array)))
+        else:
+            self._last = array
 
     def end_step(self, samples: float) -> None:
         step, self.step = self.step, None
         if step is None:
             return
+        if self._last is not None:
+            # the last sum submitted (the lowest priority) arrives last
+            self._jobs.put((self._summed, step, "", 0.0, _marker(self._last)))
+            self._last = None
         end = time.monotonic()
         self._jobs.put((self._ended, step, end, time.process_time(), samples,
                         self._last_end))
@@ -165,7 +172,7 @@ class _Reporter:
     def _summed(self, step: _Step, key: str, submitted: float, array) -> None:
         array.wait_to_read()
         step.sums = time.monotonic()
-        if self.events:
+        if key:
             step.done.append((key, submitted, step.sums))
 
     def _ended(self, step: _Step, end: float, cpu: float, samples: float,
@@ -209,6 +216,14 @@ class _Reporter:
             self._jobs.put(None)
             self._thread.join(timeout=5.0)
         self._flush()
+
+
+def _marker(array):
+    """A one-element copy of ``array``, queued on the engine now: it is ready when
+    every write queued to ``array`` so far is done, and nothing writes it again (a
+    wait on ``array`` itself would also wait for writes queued after this moment,
+    e.g. the next step's backward, and fall behind for good)."""
+    return array.reshape((-1,))[0:1].copy()
 
 
 def _us(seconds: float) -> float:

@@ -1,9 +1,117 @@
 """Observability through the real launcher: the ranks' weights compared every N steps
 (DG_CHECK_SYNC), the job's timeline (--timeline) and the per-rank report with the
 straggler named (--report)."""
+import json
+
 import pytest
 
-from conftest import launch
+from conftest import assert_ok, launch
+from dist_gluon.launch import report
+
+# Rank 1 waits SLOW seconds for each batch (its data loader is slow); the others wait
+# for rank 1 in every step's sums.
+SLOW = 0.12
+STRAGGLING = """
+import sys, time
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+from dist_gluon import timeline
+
+kv = dg.create()
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Dense(32, activation="relu", in_units=16), gluon.nn.Dense(4, in_units=32))
+net.initialize(mx.init.Xavier())
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                compression=sys.argv[2] if len(sys.argv) > 2 else None)
+
+def batches(n):
+    for _ in range(n):
+        if kv.rank == 1:
+            time.sleep(float(sys.argv[1]))
+        yield mx.nd.random.uniform(shape=(8, 16)), mx.nd.zeros((8, 4))
+
+for x, y in timeline.data(batches(10)):
+    with autograd.record():
+        loss = gluon.loss.L2Loss()(net(x), y)
+    loss.backward()
+    trainer.step(8)
+    loss.mean().asscalar()
+"""
+
+
+@pytest.fixture(scope="module")
+def straggling_job(tmp_path_factory):
+    """One job of 3 ranks, rank 1 slow to get its data, with the timeline and the
+    report as JSON."""
+    tmp_path = tmp_path_factory.mktemp("straggling")
+    proc = launch(STRAGGLING, tmp_path, n=3, args=[str(SLOW), "fp16"],
+                  launcher_args=["--timeline", str(tmp_path / "job.json"),
+                                 "--report", "json"])
+    assert_ok(proc)
+    return proc, tmp_path / "job.json"
+
+
+@pytest.mark.spawns
+def test_timeline_is_one_chrome_trace_with_a_track_per_rank_and_its_steps(straggling_job):
+    proc, path = straggling_job
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    for event in events:
+        assert event["ph"] in "XbeiM" and isinstance(event["pid"], int)
+        assert event["ph"] == "M" or event["ts"] > 0
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert [names[r].split(" (")[0] for r in (0, 1, 2)] == ["rank 0", "rank 1", "rank 2"]
+    assert names[-1].startswith("launcher")
+    for rank in (0, 1, 2):
+        mine = [e for e in events if e["pid"] == rank]
+        steps = [e for e in mine if e["name"] == "step"]
+        assert [e["args"]["step"] for e in steps] == list(range(1, 11))
+        assert all(e["dur"] > 0 for e in steps)
+        kinds = {e["name"].split(" ")[0] for e in mine}
+        assert {"data", "forward/backward", "wait", "sum", "codec", "optimizer"} <= kinds
+        sums = [e for e in mine if e.get("cat") == "collective"]
+        assert sorted(e["ph"] for e in sums).count("b") == len(sums) // 2
+    # rank 1's data waits are the slow loader's
+    data = [e["dur"] for e in events if e["pid"] == 1 and e["name"] == "data"]
+    assert min(data) >= SLOW * 1e6
+    assert any(e["ph"] == "i" and e["pid"] == -1 for e in events)
+
+
+@pytest.mark.spawns
+def test_report_names_the_rank_slowed_by_its_data_as_the_straggler(straggling_job):
+    proc, _ = straggling_job
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1
+    got = json.loads(lines[0])
+    assert [r["rank"] for r in got["ranks"]] == [0, 1, 2]
+    assert all(r["steps"] == 10 and r["median"] >= SLOW for r in got["ranks"])
+    assert got["straggler"]["rank"] == 1 and got["straggler"]["why"] == "data"
+    assert got["straggler"]["ratio"] > 2
+    assert got["ranks"][0]["shares"]["wait"] > 0.5
+    assert got["ranks"][1]["shares"]["data"] > 0.5
+    assert got["bound"]["kind"] == "input"
+
+
+def _rows(starts, ready, sums, data, period=0.1):
+    """Step records of one rank: step k ends at k * period."""
+    return [(k, s, s, k * period, r, m, d, 0.01 * k, 8, 4096)
+            for k, (s, r, m, d) in enumerate(zip(starts, ready, sums, data), start=1)]
+
+
+def test_report_of_a_rank_slowed_in_compute_names_it_and_the_table_says_so():
+    # rank 2's backward ends 60 ms into each 100 ms step, the others' after 20 ms; the
+    # sums arrive 10 ms after rank 2 is ready
+    records = {r: _rows([0.1 * k - 0.09 for k in range(1, 9)],
+                        [0.1 * k - (0.04 if r == 2 else 0.08) for k in range(1, 9)],
+                        [0.1 * k - 0.03 for k in range(1, 9)], [0.0] * 8)
+               for r in range(3)}
+    got = report.build(records, {0: "h0", 1: "h0", 2: "h2"}, {"h0": 2, "h2": 2})
+    assert got.straggler["rank"] == 2 and got.straggler["why"] == "compute"
+    assert got.ranks[0].shares["wait"] == pytest.approx(0.4, abs=0.01)
+    assert got.ranks[2].shares["comm"] == pytest.approx(0.1, abs=0.01)
+    text = report.table(got)
+    assert "straggler: rank 2 on h2: busy" in text and "compute" in text
 
 # A small model trained a few steps with momentum (so that optimizer states are
 # compared too); with "perturb", rank 1 changes one weight after its third step, as a
