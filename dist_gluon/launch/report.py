@@ -24,7 +24,7 @@ import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
-STRAGGLER_RATIO = 1.15
+STRAGGLER_RATIO = 1.25
 # the host's CPU counts as the bound when its ranks use this share of its cores
 CPU_BUSY = 0.85
 SHARES = ("data", "compute", "comm", "wait")
