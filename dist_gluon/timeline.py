@@ -194,9 +194,12 @@ class _Reporter:
                         "tid": 0, "args": args, "ts": _us(step.start),
                         "dur": _us(step.header - step.start)})
         if step.ready == step.ready and previous_end is not None:
+            # from the batch's arrival: the engine may still run the last step's
+            # update then, but cannot have started this forward before it
+            begin = previous_end + step.data
             self.event({"name": "compute (to backward's end)", "cat": "compute",
-                        "ph": "X", "tid": 1, "args": args, "ts": _us(previous_end),
-                        "dur": _us(max(0.0, step.ready - previous_end))})
+                        "ph": "X", "tid": 1, "args": args, "ts": _us(begin),
+                        "dur": _us(max(0.0, step.ready - begin))})
         lines = []
         for key, submitted, finished in step.done:
             # async events (b/e): sums overlap one another, each gets its own row. Made
@@ -366,3 +369,27 @@ def expected_steps(directory: str) -> int | None:
             return int(f.read())
     except (OSError, ValueError):
         return None
+
+
+def step_breakdown() -> dict[int, list[tuple]]:
+    """Every rank's steps so far in this run, split as the launcher's report splits
+    them: rank -> list of ``(step, seconds since the first step, period, data, compute,
+    communication, waiting for others)``, in seconds. The ranks' records are read
+    from the launcher's directory, so this sees the ranks of this host; empty without
+    the launcher (or with ``--report off``). For a plot of each rank's step time."""
+    directory = os.environ.get(ENV_DIR)
+    if not directory or not os.path.isdir(directory):
+        return {}
+    restart = os.environ.get("DG_RESTART", "0")
+    records = {}
+    for name in os.listdir(directory):
+        parts = name.split(".")
+        if len(parts) == 3 and parts[2] == "steps" and parts[1] == f"r{restart}":
+            rows, _ = read_steps(os.path.join(directory, name))
+            if rows:
+                records[int(parts[0][len("rank"):])] = rows
+    from .launch.report import breakdown
+    split = breakdown(records)
+    origin = min((s[0][1] for s in split.values() if s), default=0.0)
+    return {rank: [(s[0], s[1] - origin, *s[2:]) for s in steps]
+            for rank, steps in sorted(split.items())}

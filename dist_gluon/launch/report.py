@@ -67,30 +67,24 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def build(records: dict[int, list[tuple]], hosts: dict[int, str],
-          cores: dict[str, int] | None = None) -> Report:
-    """The report of one round from each rank's step records (rank -> records in step
-    order), ``hosts`` (rank -> host name) and ``cores`` (host -> CPU count)."""
-    # the first step of a round carries start-up work (deferred initialisation, the
-    # first kernels): left out once there are more
-    trimmed = {r: rows[1:] if len(rows) > 2 else rows for r, rows in records.items()}
+def breakdown(records: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
+    """Each rank's steps split into the four shares: rank -> list of ``(step, end,
+    period, data, compute, comm, wait)`` in seconds (``end`` on the records' clock),
+    for every step whose previous step the rank also recorded."""
     ready_by_step: dict[int, float] = {}
-    for rows in trimmed.values():
+    for rows in records.values():
         for row in rows:
             index, start, _header, _end, ready = row[:5]
             mine = max(start, ready) if _finite(ready) else start
             ready_by_step[index] = max(ready_by_step.get(index, -math.inf), mine)
-    ranks = []
-    for rank in sorted(trimmed):
-        rows = trimmed[rank]
-        previous = {row[0]: row for row in records[rank]}
-        periods, busy, totals = [], [], dict.fromkeys(SHARES, 0.0)
+    split = {}
+    for rank, rows in records.items():
+        previous = {row[0]: row for row in rows}
+        steps = []
         for row in rows:
             index, start, _header, end, ready, sums, data = row[:7]
             before = previous.get(index - 1)
-            if before is None:
-                continue
-            period = end - before[3]
+            period = end - before[3] if before is not None else 0.0
             if period <= 0:
                 continue
             mine = max(start, ready) if _finite(ready) else start
@@ -98,26 +92,39 @@ def build(records: dict[int, list[tuple]], hosts: dict[int, str],
             wait = min(period, max(0.0, last - mine))
             comm = min(period - wait, max(0.0, sums - last)) if _finite(sums) else 0.0
             data = min(period - wait - comm, max(0.0, data))
-            totals["wait"] += wait
-            totals["comm"] += comm
-            totals["data"] += data
-            totals["compute"] += period - wait - comm - data
-            periods.append(period)
-            busy.append(period - wait)
-        if not periods:
+            steps.append((index, end, period, data, period - wait - comm - data, comm,
+                          wait))
+        split[rank] = steps
+    return split
+
+
+def build(records: dict[int, list[tuple]], hosts: dict[int, str],
+          cores: dict[str, int] | None = None) -> Report:
+    """The report of one round from each rank's step records (rank -> records in step
+    order), ``hosts`` (rank -> host name) and ``cores`` (host -> CPU count)."""
+    split = breakdown(records)
+    ranks = []
+    for rank in sorted(records):
+        rows = records[rank]
+        # the first step of a round carries start-up work (deferred initialisation, the
+        # first kernels): left out once there are more
+        steps = [s for s in split[rank] if s[0] > rows[0][0] + 1] or split[rank]
+        if not steps:
             continue
+        periods = [s[2] for s in steps]
         elapsed = sum(periods)
-        first, last_row = rows[0], rows[-1]
-        span = last_row[3] - (previous.get(first[0] - 1) or first)[3]
-        cpu = (last_row[7] - first[7]) / span if span > 0 and len(rows) > 1 else 0.0
-        samples = sum(row[8] for row in rows)
+        totals = {k: sum(s[3 + i] for s in steps) for i, k in enumerate(SHARES)}
+        used = [row for row in rows if steps[0][0] - 1 <= row[0] <= steps[-1][0]]
+        span = used[-1][3] - used[0][3]
+        cpu = (used[-1][7] - used[0][7]) / span if span > 0 else 0.0
+        counted = used[1:]
         ranks.append(RankReport(
-            rank=rank, host=hosts.get(rank, "?"), steps=len(records[rank]),
+            rank=rank, host=hosts.get(rank, "?"), steps=len(rows),
             median=statistics.median(periods), p90=_p(periods, 0.9),
-            busy=statistics.median(busy),
+            busy=statistics.median(s[2] - s[6] for s in steps),
             shares={k: v / elapsed for k, v in totals.items()},
-            cpu=max(0.0, cpu), samples_per_s=samples / elapsed,
-            bytes_per_step=sum(row[9] for row in rows) / len(rows)))
+            cpu=max(0.0, cpu), samples_per_s=sum(row[8] for row in counted) / elapsed,
+            bytes_per_step=sum(row[9] for row in counted) / max(1, len(counted))))
     report = Report(ranks=ranks)
     if ranks:
         report.steps_per_s = 1.0 / statistics.median(r.median for r in ranks)

@@ -26,7 +26,12 @@ What makes it distributed (everything else is a plain Gluon training loop):
   ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
   the job; the script then saves a checkpoint at that step and exits, and the restarted
   workers (``--resume``) continue inside the epoch on their new number, exactly where
-  the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``).
+  the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``);
+- ``dist_gluon.timeline.data(train_loader)`` counts the time each batch takes to arrive
+  as waiting for data in the launcher's report, and ``timeline.expect_steps`` lets its
+  progress line (on a terminal) show the time left; with ``--plot``, rank 0 also draws
+  each rank's step time split into data, compute, communication and waiting
+  (``runs/mnist-steps.png``, docs/observability.md).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import dist_gluon as dg
+from dist_gluon import timeline
 
 MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
@@ -189,6 +195,41 @@ def save_plot(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def steps_plot_path(plot: str) -> str:
+    """Where the step-time plot goes: beside the training curves."""
+    root, ext = os.path.splitext(plot)
+    return f"{root}-steps{ext or '.png'}"
+
+
+def save_step_plot(steps: dict[int, list[tuple]], path: str) -> None:
+    """Each rank's step time over the run, split into waiting for data, compute,
+    communication and waiting for the other ranks (dist_gluon.timeline.step_breakdown:
+    the launcher's report, step by step)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(steps), 1, figsize=(10, 1.6 + 1.6 * len(steps)),
+                             sharex=True, squeeze=False)
+    labels = ("data", "compute", "communication", "waiting for other ranks")
+    colors = ("tab:orange", "tab:blue", "tab:green", "tab:gray")
+    totals = sorted(1e3 * row[2] for rows in steps.values() for row in rows)
+    # steps far above the usual (an epoch's evaluation) run off the top
+    top = min(totals[-1], 3 * totals[int(0.9 * (len(totals) - 1))]) * 1.05
+    for ax, (rank, rows) in zip(axes[:, 0], steps.items()):
+        starts = [row[1] - row[2] for row in rows]      # each step from its start
+        parts = [[1e3 * row[3 + i] for row in rows] for i in range(4)]
+        ax.stackplot(starts, *parts, labels=labels, colors=colors, alpha=0.85,
+                     step="post")
+        ax.set(ylabel="ms per step", title=f"rank {rank}", ylim=(0, top))
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
+    axes[-1, 0].set_xlabel("seconds since the first step")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
@@ -281,6 +322,8 @@ def main(argv=None) -> None:
 
     train_time = 0.0
     samples = 0
+    # the launcher's progress line (on a terminal) shows the time left
+    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
     for epoch in range(start_epoch, args.epochs):
         skip = done if epoch == start_epoch else 0
         train_sampler.set_epoch(epoch, skip=skip)
@@ -288,7 +331,9 @@ def main(argv=None) -> None:
         metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
         tic = time.time()
         stop_at = None
-        for batch, (images, labels) in enumerate(train_loader, start=1):
+        # timeline.data: the time each batch takes to arrive counts as waiting for data
+        # in the launcher's report and timeline
+        for batch, (images, labels) in enumerate(timeline.data(train_loader), start=1):
             # each device takes a slice of the batch; a device left without one (a last
             # batch smaller than the devices) must add nothing to the sum of gradients
             used = devices[:images.shape[0]]
@@ -342,6 +387,9 @@ def main(argv=None) -> None:
             checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
         if args.plot and kv.rank == 0:
             save_plot(history, args.plot)
+            steps = timeline.step_breakdown()
+            if steps:
+                save_step_plot(steps, steps_plot_path(args.plot))
         if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
             log(f"stop: the launcher asked the job to stop at the end of epoch "
                 f"{epoch + 1}; exiting for the restart (--resume)")
@@ -353,7 +401,8 @@ def main(argv=None) -> None:
         val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
     elif args.plot:
-        log(f"plot: {args.plot}")
+        log(f"plot: {args.plot}" + (f", step times by rank: {steps_plot_path(args.plot)}"
+                                    if timeline.step_breakdown() else ""))
     final = history[-1]
     speed = samples / train_time if train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
