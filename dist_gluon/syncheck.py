@@ -8,10 +8,11 @@ branch trained rank by rank, a rank that loaded another checkpoint, a codec or a
 custom update that differs per rank) training goes on without a word and the ranks
 drift apart. :class:`SyncCheck` looks every ``DG_CHECK_SYNC`` steps:
 
-1. On MXNet's engine, one ``multi_sum_sq`` per group of tensors and one ``sum`` per
-   tensor reduce every trainable weight and every optimizer state to two float32
-   numbers each (the digest: a few hundred floats for ResNet-50, nothing
-   gradient-sized leaves the engine).
+1. On MXNet's engine, one ``multi_sum_sq`` per group of tensors reduces every
+   trainable weight and every optimizer state to one float32 number, its sum of
+   squares (the digest: a few hundred floats for ResNet-50, nothing gradient-sized
+   leaves the engine). Replicas that differ by accident differ there: only a change
+   that keeps every tensor's norm (a sign flip, a permutation) would pass.
 2. Each rank writes its digest into its own row of an ``(num_workers, D)`` array of
    zeros, and one sum over the workers (one small collective, the lowest priority)
    gives every rank every rank's row, exactly (adding zeros rounds nothing).
@@ -118,11 +119,13 @@ class SyncCheck:
         for position, param in enumerate(params):
             if param.grad_req == "null" or param._data is None:
                 continue
-            labels.append((position, "weight"))
-            arrays.append(param.list_data()[0])
-            for n, state in enumerate(optimizer_states.get(position, ())):
-                labels.append((position, f"optimizer state {n}"))
-                arrays.append(state)
+            tensors = [("weight", param.list_data()[0])] + [
+                (f"optimizer state {n}", state)
+                for n, state in enumerate(optimizer_states.get(position, ()))]
+            for what, array in tensors:
+                if array.stype == "default" and array.size:     # dense ones only
+                    labels.append((position, what))
+                    arrays.append(array)
         if not arrays:
             return
         rows = self._gather(_digest(arrays))
@@ -142,26 +145,23 @@ class SyncCheck:
     def _message(self, rows: np.ndarray, differ: np.ndarray, labels: list,
                  describe: Callable[[int], str]) -> str:
         column = int(differ[0])
-        position, what = labels[column // 2]
+        position, what = labels[column]
         others = [r for r in range(rows.shape[0]) if rows[r, column] != rows[0, column]]
         same = [r for r in range(rows.shape[0]) if r not in others]
         values = ", ".join(f"rank {r}: {rows[r, column]:.9g}" for r in range(rows.shape[0]))
-        measure = "sum of squares" if column % 2 == 0 else "sum"
-        more = len({labels[c // 2] for c in differ}) - 1
+        more = len({labels[c] for c in differ}) - 1
         more_text = f" (and {more} more tensors)" if more else ""
         return (f"the replicas diverged: at step {self.steps}, the {what} of "
                 f"{describe(position)}{more_text} differs between ranks: ranks {others} "
-                f"hold another value than ranks {same} ({measure} {values}). The ranks no "
+                f"hold another value than ranks {same} (sum of squares {values}). The ranks no "
                 "longer train one model; look for rank-dependent code that changes "
                 "weights or optimizer states (checked every "
                 f"{self.every} steps, {ENV})")
 
 
 def _digest(arrays: list[mx.nd.NDArray]) -> mx.nd.NDArray:
-    """Two float32 numbers per array, on the engine: its sum of squares and its sum."""
-    squares = [mx.nd.multi_sum_sq(*chunk, num_arrays=len(chunk))
+    """One float32 number per array, on the engine: its sum of squares (one
+    ``multi_sum_sq`` per :data:`_GROUP` arrays, a handful of kernels for a ResNet)."""
+    squares = [mx.nd.multi_sum_sq(*chunk, num_arrays=len(chunk)).astype("float32")
                for chunk in (arrays[i:i + _GROUP] for i in range(0, len(arrays), _GROUP))]
-    sums = [mx.nd.sum(a).astype("float32").reshape((1,)) for a in arrays]
-    squares = mx.nd.concat(*squares, dim=0) if len(squares) > 1 else squares[0]
-    sums = mx.nd.concat(*sums, dim=0) if len(sums) > 1 else sums[0]
-    return mx.nd.stack(squares.astype("float32"), sums, axis=1).reshape((-1,))
+    return mx.nd.concat(*squares, dim=0) if len(squares) > 1 else squares[0]

@@ -43,6 +43,8 @@ ENV_LEVEL = "DG_OBSERVE"          # "steps" or "timeline"
 # samples, bytes sent (t_* in time.monotonic() seconds; NaN where not seen)
 STEP = struct.Struct("<q9d")
 _NAN = float("nan")
+# seconds a process at exit gives the helper thread to record the steps in flight
+CLOSE_WAIT = 1.0
 
 
 def steps_path(directory: str, rank: int, restart: int) -> str:
@@ -98,6 +100,7 @@ class _Reporter:
         self._buffer: list = []         # trace events: dicts, or lines made already
         self._quoted: dict[str, str] = {}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, daemon=True,
                                         name="dist_gluon.timeline")
@@ -111,27 +114,31 @@ class _Reporter:
         self.steps += 1
         step = self.step = _Step(self.steps, time.monotonic(), self._data)
         self._data = 0.0
-        if first_grad is not None:
+        marker = None if first_grad is None else _marker(first_grad)
+        if marker is not None:
             # queued before the gradient's sum overwrites it: ready once the backward
             # wrote the gradient (the first layer's, which it writes last)
-            self._jobs.put((self._backward_ended, step, _marker(first_grad)))
+            self._jobs.put((self._backward_ended, step, marker))
 
     def collective(self, key: str, array, nbytes: int) -> None:
         step = self.step
         step.bytes += nbytes
-        if self.events:
-            self._jobs.put((self._summed, step, key, time.monotonic(), _marker(array)))
-        else:
+        if not self.events:
             self._last = array
+            return
+        marker = _marker(array)
+        if marker is not None:
+            self._jobs.put((self._summed, step, key, time.monotonic(), marker))
 
     def end_step(self, samples: float) -> None:
         step, self.step = self.step, None
         if step is None:
             return
-        if self._last is not None:
+        marker = None if self._last is None else _marker(self._last)
+        self._last = None
+        if marker is not None:
             # the last sum submitted (the lowest priority) arrives last
-            self._jobs.put((self._summed, step, "", 0.0, _marker(self._last)))
-            self._last = None
+            self._jobs.put((self._summed, step, "", 0.0, marker))
         end = time.monotonic()
         self._jobs.put((self._ended, step, end, time.process_time(), samples,
                         self._last_end))
@@ -215,18 +222,22 @@ class _Reporter:
             self._buffer.extend(lines)
 
     def _flush(self) -> None:
-        with self._lock:
-            events, self._buffer = self._buffer, []
-        if events and self._trace is not None:
-            self._trace.write("\n".join(
-                e if isinstance(e, str) else json.dumps(e, separators=(",", ":"))
-                for e in events) + "\n")
-            self._trace.flush()
+        with self._write_lock:      # the helper, or close() at exit
+            with self._lock:
+                events, self._buffer = self._buffer, []
+            if events and self._trace is not None:
+                self._trace.write("\n".join(
+                    e if isinstance(e, str) else json.dumps(e, separators=(",", ":"))
+                    for e in events) + "\n")
+                self._trace.flush()
 
     def close(self) -> None:
+        """At exit: let the helper finish what the engine has done (briefly: after a
+        failure it may wait for a sum that never comes, and the process must not
+        linger), then write the trace events made so far."""
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=5.0)
+            self._thread.join(timeout=CLOSE_WAIT)
         self._flush()
 
 
@@ -235,6 +246,8 @@ def _marker(array):
     every write queued to ``array`` so far is done, and nothing writes it again (a
     wait on ``array`` itself would also wait for writes queued after this moment,
     e.g. the next step's backward, and fall behind for good)."""
+    if array.stype != "default" or not array.size:
+        return None
     return array.reshape((-1,))[0:1].copy()
 
 
