@@ -2,6 +2,7 @@
 (DG_CHECK_SYNC), the job's timeline (--timeline) and the per-rank report with the
 straggler named (--report)."""
 import json
+import os
 
 import pytest
 
@@ -162,3 +163,27 @@ def test_check_sync_passes_replicas_that_agree_every_step(tmp_path, backend, opt
                   env={"DG_CHECK_SYNC": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trained 6 steps" in proc.stdout
+
+
+def test_progress_line_gives_rank_0s_rate_and_the_time_left(tmp_path, monkeypatch):
+    from dist_gluon import timeline
+    from dist_gluon.launch import observe
+
+    said = []
+    watcher = observe.Observation(None, "text", None,
+                                  type("Out", (), {"say": lambda self, t: said.append(t)})())
+    for rank in (0, 1):     # 40 steps of 0.1 s, 32 samples each
+        with open(timeline.steps_path(watcher.directory, rank, 0), "wb") as f:
+            for k in range(1, 41):
+                end = 100 + 0.1 * k
+                f.write(timeline.STEP.pack(k, end - 0.08, end - 0.05, end, end - 0.06,
+                                           end - 0.01, 0.01, 0.1 * k, 32, 1e6))
+    monkeypatch.setenv(timeline.ENV_DIR, watcher.directory)
+    monkeypatch.setenv("DG_RANK", "0")
+    timeline.expect_steps(460)
+    watcher._progress()
+    watcher.finish()
+    assert said[0] == "progress: step 40 of 460, 10.00 steps/s, 640 samples/s, 42 s left"
+    assert said[1].startswith("report: 10.00 steps/s, 640 samples/s")
+    assert "bound: link: 50% of a step communicates, 1.0 MB of gradients a step" in said[1]
+    assert not os.path.exists(watcher.directory)
