@@ -108,7 +108,7 @@ def _main(argv=None) -> int:
     observation = None
     if config.node_rank == 0 and (config.report != "off" or config.timeline):
         observation = observe.Observation(config.timeline, config.report,
-                                          config.report_every, out)
+                                          config.report_every, out, config.several_nodes)
         os.environ.update(observation.environ())
         out = observation
 

@@ -35,8 +35,10 @@ class Observation:
     after the last. ``out`` is the launcher's output (its ``say``); this object is
     one too, and records what it says as instant events of the timeline."""
 
-    def __init__(self, timeline_file: str | None, mode: str, every: float | None, out):
+    def __init__(self, timeline_file: str | None, mode: str, every: float | None, out,
+                 several_nodes: bool = False):
         self.timeline_file, self.mode, self.every, self.out = timeline_file, mode, every, out
+        self.several_nodes = several_nodes
         self.directory = tempfile.mkdtemp(prefix="dg-observe-")
         self.host = socket.gethostname()
         self._said: list[tuple[float, str]] = [(time.monotonic(), "job started")]
@@ -88,6 +90,8 @@ class Observation:
         report = self.report()
         if report is None:
             return
+        if self.several_nodes:
+            title += f" (the ranks on {self.host} only: other nodes' do not travel yet)"
         if self.mode == "json":
             output.emit(json.dumps({"dist_gluon_report": title, **report.to_json()}) + "\n",
                         to_stderr=False)
