@@ -273,11 +273,12 @@ def _get() -> _Reporter | None:
 
 # ---------------------------------------------------------------- the API callers use
 def begin_step(first_grad=None) -> None:
-    """The training thread entered a step; ``first_grad`` is the gradient the backward
-    writes last (the first trainable parameter's), before anything overwrites it."""
+    """The training thread entered a step; ``first_grad()`` gives the gradient the
+    backward writes last (the first trainable parameter's), before anything overwrites
+    it (called only when the step is observed)."""
     reporter = _get()
     if reporter is not None:
-        reporter.begin_step(first_grad)
+        reporter.begin_step(None if first_grad is None else first_grad())
 
 
 def header_arrived() -> None:

@@ -452,7 +452,7 @@ class DistributedTrainer(TrainerBase):
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
             return
-        _timeline.begin_step(self._last_grad_written())
+        _timeline.begin_step(self._last_grad_written)
         samples = batch_size
         if self._averager.distributed:
             self._submit_header(batch_size)
