@@ -407,3 +407,44 @@ def step_breakdown() -> dict[int, list[tuple]]:
     origin = min((s[0][1] for s in split.values() if s), default=0.0)
     return {rank: [(s[0], s[1] - origin, *s[2:]) for s in steps]
             for rank, steps in sorted(split.items())}
+
+
+def save_step_plot(path: str) -> bool:
+    """Draw :func:`step_breakdown` as a PNG at ``path``: one panel per rank, its step
+    time over the run stacked as waiting for data, compute, communication and waiting
+    for the other ranks. Steps far above the usual (an epoch's evaluation) run off the
+    top. Needs matplotlib; returns False (and draws nothing) without step records."""
+    steps = step_breakdown()
+    if not steps or not any(steps.values()):
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(steps), 1, figsize=(10, 1.6 + 1.6 * len(steps)),
+                             sharex=True, squeeze=False)
+    labels = ("data", "compute", "communication", "waiting for other ranks")
+    colors = ("tab:orange", "tab:blue", "tab:green", "tab:gray")
+    totals = sorted(1e3 * row[2] for rows in steps.values() for row in rows)
+    top = min(totals[-1], 3 * totals[int(0.9 * (len(totals) - 1))]) * 1.05
+    for ax, (rank, rows) in zip(axes[:, 0], steps.items()):
+        starts = [row[1] - row[2] for row in rows]      # each step from its start
+        parts = [[1e3 * row[3 + i] for row in rows] for i in range(4)]
+        ax.stackplot(starts, *parts, labels=labels, colors=colors, alpha=0.85,
+                     step="post")
+        ax.set(ylabel="ms per step", title=f"rank {rank}", ylim=(0, top))
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
+    axes[-1, 0].set_xlabel("seconds since the first step")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, format="png", dpi=100)
+    plt.close(fig)
+    return True
+
+
+def steps_plot_path(plot: str) -> str:
+    """Where an example puts its step-time plot: beside ``plot`` (its training curves),
+    ``runs/mnist.png`` -> ``runs/mnist-steps.png``."""
+    root, ext = os.path.splitext(plot)
+    return f"{root}-steps{ext or '.png'}"

@@ -195,41 +195,6 @@ def save_plot(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
-def steps_plot_path(plot: str) -> str:
-    """Where the step-time plot goes: beside the training curves."""
-    root, ext = os.path.splitext(plot)
-    return f"{root}-steps{ext or '.png'}"
-
-
-def save_step_plot(steps: dict[int, list[tuple]], path: str) -> None:
-    """Each rank's step time over the run, split into waiting for data, compute,
-    communication and waiting for the other ranks (dist_gluon.timeline.step_breakdown:
-    the launcher's report, step by step)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(len(steps), 1, figsize=(10, 1.6 + 1.6 * len(steps)),
-                             sharex=True, squeeze=False)
-    labels = ("data", "compute", "communication", "waiting for other ranks")
-    colors = ("tab:orange", "tab:blue", "tab:green", "tab:gray")
-    totals = sorted(1e3 * row[2] for rows in steps.values() for row in rows)
-    # steps far above the usual (an epoch's evaluation) run off the top
-    top = min(totals[-1], 3 * totals[int(0.9 * (len(totals) - 1))]) * 1.05
-    for ax, (rank, rows) in zip(axes[:, 0], steps.items()):
-        starts = [row[1] - row[2] for row in rows]      # each step from its start
-        parts = [[1e3 * row[3 + i] for row in rows] for i in range(4)]
-        ax.stackplot(starts, *parts, labels=labels, colors=colors, alpha=0.85,
-                     step="post")
-        ax.set(ylabel="ms per step", title=f"rank {rank}", ylim=(0, top))
-        ax.grid(alpha=0.3)
-    axes[0, 0].legend(loc="upper right", fontsize="small", ncol=4)
-    axes[-1, 0].set_xlabel("seconds since the first step")
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
@@ -387,9 +352,8 @@ def main(argv=None) -> None:
             checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
         if args.plot and kv.rank == 0:
             save_plot(history, args.plot)
-            steps = timeline.step_breakdown()
-            if steps:
-                save_step_plot(steps, steps_plot_path(args.plot))
+            # beside the curves: each rank's step time, split (docs/observability.md)
+            timeline.save_step_plot(timeline.steps_plot_path(args.plot))
         if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
             log(f"stop: the launcher asked the job to stop at the end of epoch "
                 f"{epoch + 1}; exiting for the restart (--resume)")
@@ -401,8 +365,9 @@ def main(argv=None) -> None:
         val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
     elif args.plot:
-        log(f"plot: {args.plot}" + (f", step times by rank: {steps_plot_path(args.plot)}"
-                                    if timeline.step_breakdown() else ""))
+        steps = timeline.steps_plot_path(args.plot)
+        log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
+                                    if os.path.exists(steps) else ""))
     final = history[-1]
     speed = samples / train_time if train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
