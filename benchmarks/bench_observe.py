@@ -16,8 +16,9 @@ other processes hits all alike:
   (``DG_CHECK_SYNC=1``): its extra time over ``report`` is the cost of one check, from
   which the default interval follows (the check may cost 0.5% of a step).
 
-Rank 0 prints the median step time of each mode, the ratios to ``off`` and the
-interval at which the check costs 0.5%.
+Rank 0 prints the median step time of each mode, the ratios to ``off`` (over all
+steps, and the median of each round's ratio), and the interval at which the check costs
+0.5%.
 """
 from __future__ import annotations
 
@@ -98,10 +99,16 @@ def main():
 
     run(args.warmup, "report")
     measured = {mode: [] for mode in MODES}
+    paired = {mode: [] for mode in MODES}     # each round: the mode's median / off's
     for r in range(args.rounds):
+        this_round = {}
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
             # the first step of a mode carries the previous mode's tail
-            measured[mode].extend(run(args.steps + 1, mode)[1:])
+            this_round[mode] = run(args.steps + 1, mode)[1:]
+            measured[mode].extend(this_round[mode])
+        for mode in MODES:
+            paired[mode].append(statistics.median(this_round[mode])
+                                / statistics.median(this_round["off"]))
     timeline._reporter = reporter
     medians = {m: statistics.median(t) for m, t in measured.items()}
     check_cost = medians["check"] - medians["report"]
@@ -110,6 +117,8 @@ def main():
             "workers": kv.num_workers, "steps_per_mode": len(measured["off"]),
             "median_step_s": medians,
             "ratio_to_off": {m: medians[m] / medians["off"] for m in MODES},
+            # the same, round by round (load from other processes shifts whole rounds)
+            "paired_ratio_median": {m: statistics.median(paired[m]) for m in MODES},
             "check_cost_s": check_cost, "check_every_for_half_percent": every})
 
 

@@ -37,10 +37,11 @@ from . import timeline
 
 ENV = "DG_CHECK_SYNC"
 # Steps between two checks when DG_CHECK_SYNC is not set. Measured on ResNet-18 (2
-# workers, horovod over Gloo, batch 32, 2 shared cores): one check costs about one
-# step's worth of overlap lost at the host read (the engine drains once) plus ~10 ms of
-# digest kernels; every 200 steps that is below 0.5% of a step (docs/observability.md).
-DEFAULT_EVERY = 200
+# workers, horovod over Gloo, 64x64 inputs, batch 8, 2 shared cores; benchmarks/
+# bench_observe.py): one check costs 28 ms (the digest's kernels, one small sum, and
+# the engine drained once) against a 223 ms step, so every 25 steps would cost 0.5%;
+# every 100 costs ~0.12%, with room for models whose states are larger per step.
+DEFAULT_EVERY = 100
 # multi_sum_sq takes at most this many arrays per call
 _GROUP = 60
 
