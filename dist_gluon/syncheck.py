@@ -38,9 +38,10 @@ from . import timeline
 ENV = "DG_CHECK_SYNC"
 # Steps between two checks when DG_CHECK_SYNC is not set. Measured on ResNet-18 (2
 # workers, horovod over Gloo, 64x64 inputs, batch 8, 2 shared cores; benchmarks/
-# bench_observe.py): one check costs 28 ms (the digest's kernels, one small sum, and
-# the engine drained once) against a 223 ms step, so every 25 steps would cost 0.5%;
-# every 100 costs ~0.12%, with room for models whose states are larger per step.
+# bench_observe.py, docs/observability.md): one check costs 28-37 ms (the digest's
+# kernels, one small sum, the engine drained once) against a 220 ms step, so every
+# 25-34 steps would cost 0.5%; every 100 costs ~0.17%, with room for models whose
+# states are larger for their step time.
 DEFAULT_EVERY = 100
 # multi_sum_sq takes at most this many arrays per call
 _GROUP = 60
