@@ -187,3 +187,18 @@ def test_progress_line_gives_rank_0s_rate_and_the_time_left(tmp_path, monkeypatc
     assert said[1].startswith("report: 10.00 steps/s, 640 samples/s")
     assert "bound: link: 50% of a step communicates, 1.0 MB of gradients a step" in said[1]
     assert not os.path.exists(watcher.directory)
+
+
+def test_timeline_comes_from_dg_timeline_and_bad_flags_are_usage_errors(tmp_path,
+                                                                        monkeypatch):
+    from dist_gluon.launch import cli
+
+    monkeypatch.setenv("DG_TIMELINE", str(tmp_path / "job.json"))
+    config = cli.parse(["-n", "2", "--", "python", "x.py"])
+    assert (config.timeline, config.report, config.report_every) == \
+        (str(tmp_path / "job.json"), "text", None)
+    for bad in (["--report-every", "0"], ["--report", "xml"],
+                ["--timeline", str(tmp_path / "missing" / "job.json")]):
+        with pytest.raises(SystemExit) as stop:
+            cli.parse(["-n", "2", *bad, "--", "python", "x.py"])
+        assert stop.value.code == 2

@@ -205,6 +205,8 @@ def _check(parser, ns) -> None:
         except ValueError as err:
             parser.error(f"--stacks-signal: {err}")
     _check_times(parser, ns)
+    if ns.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(ns.timeline))):
+        parser.error(f"--timeline {ns.timeline}: its directory does not exist")
     if not 0 < ns.master_port < 65536:
         parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
     if ns.host_slots is None:

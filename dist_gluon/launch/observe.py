@@ -143,7 +143,10 @@ class Observation:
             if self.mode != "off":
                 self._print("report")
             if self.timeline_file:
-                self._write_timeline()
+                try:
+                    self._write_timeline()
+                except OSError as err:
+                    self.out.say(f"cannot write the timeline to {self.timeline_file}: {err}")
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
 
