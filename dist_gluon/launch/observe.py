@@ -11,6 +11,7 @@ others' records do not travel yet).
 """
 from __future__ import annotations
 
+import collections
 import glob
 import json
 import os
@@ -27,6 +28,9 @@ from . import output
 from . import report as _report
 
 PROGRESS_EVERY = 5.0    # seconds between progress lines on a terminal
+# step records kept per rank and round: the report covers the latest this many steps
+# (a long job's whole history would grow the launcher by 100 bytes a step and rank)
+KEEP = 20000
 _FILE = re.compile(r"rank(\d+)\.r(\d+)\.(steps|trace)$")
 
 
@@ -44,7 +48,7 @@ class Observation:
         self._said: list[tuple[float, str]] = [(time.monotonic(), "job started")]
         self._stop = threading.Event()
         self._offsets: dict[str, int] = {}
-        self._records: dict[str, list[tuple]] = {}
+        self._records: dict[str, collections.deque] = {}
         self._lock = threading.Lock()
         self._thread = None
         if every or sys.stderr.isatty():
@@ -68,7 +72,7 @@ class Observation:
             for path in glob.glob(os.path.join(self.directory, "rank*.steps")):
                 rows, self._offsets[path] = timeline.read_steps(
                     path, self._offsets.get(path, 0))
-                self._records.setdefault(path, []).extend(rows)
+                self._records.setdefault(path, collections.deque(maxlen=KEEP)).extend(rows)
             rounds: dict[int, dict[int, list[tuple]]] = {}
             for path, rows in self._records.items():
                 match = _FILE.search(path)

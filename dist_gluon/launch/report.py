@@ -36,7 +36,7 @@ _SHARE_NAMES = {"data": "waiting for data", "compute": "compute",
 class RankReport:
     rank: int
     host: str
-    steps: int
+    steps: int                  # the steps it made (the shares cover the latest ones)
     median: float               # seconds per step
     p90: float
     busy: float                 # median seconds per step not spent waiting for others
@@ -119,7 +119,7 @@ def build(records: dict[int, list[tuple]], hosts: dict[int, str],
         cpu = (used[-1][7] - used[0][7]) / span if span > 0 else 0.0
         counted = used[1:]
         ranks.append(RankReport(
-            rank=rank, host=hosts.get(rank, "?"), steps=len(rows),
+            rank=rank, host=hosts.get(rank, "?"), steps=rows[-1][0],
             median=statistics.median(periods), p90=_p(periods, 0.9),
             busy=statistics.median(s[2] - s[6] for s in steps),
             shares={k: v / elapsed for k, v in totals.items()},
