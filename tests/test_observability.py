@@ -3,10 +3,13 @@
 straggler named (--report)."""
 import json
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from conftest import assert_ok, launch
+from conftest import assert_ok, launch, process_env
 from dist_gluon.launch import report
 
 # Rank 1 waits SLOW seconds for each batch (its data loader is slow); the others wait
@@ -92,6 +95,31 @@ def test_report_names_the_rank_slowed_by_its_data_as_the_straggler(straggling_jo
     assert got["ranks"][0]["shares"]["wait"] > 0.5
     assert got["ranks"][1]["shares"]["data"] > 0.5
     assert got["bound"]["kind"] == "input"
+
+
+@pytest.mark.spawns
+def test_report_of_two_nodes_names_the_straggler_on_the_other_node(tmp_path):
+    """Node 1's launcher sends its rank's step records to node 0 with its status
+    reports; node 0's report covers both ranks and names node 1's slow one."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(STRAGGLING))
+    env = process_env(DG_JOB_SECRET="a-test-secret-of-enough-length-0123456789")
+    port = str(29400 + os.getpid() % 90)
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2", "--node-rank",
+         str(node), "--master-addr", "127.0.0.1", "--master-port", port, "-n", "1",
+         "--report", "json", "--", sys.executable, str(script), str(SLOW)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for node in (0, 1)]
+    outputs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert not any(line.startswith("{") for line in outputs[1][0].splitlines())
+    got = json.loads(next(line for line in outputs[0][0].splitlines()
+                          if line.startswith("{")))
+    assert [(r["rank"], r["steps"]) for r in got["ranks"]] == [(0, 10), (1, 10)], got
+    assert got["straggler"] and got["straggler"]["rank"] == 1, got
+    assert got["straggler"]["why"] == "data"
+    assert got["ranks"][0]["shares"]["wait"] > 0.5
 
 
 def _rows(starts, ready, sums, data, period=0.1):

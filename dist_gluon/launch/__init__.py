@@ -106,11 +106,14 @@ def _main(argv=None) -> int:
         return ssh.run(config)
     out = _Output(config.nnodes, config.node_rank)
     observation = None
-    if config.node_rank == 0 and (config.report != "off" or config.timeline):
+    if config.report != "off" or config.timeline:
+        # node 0 observes the job; another node forwards its ranks' step records
         observation = observe.Observation(config.timeline, config.report,
-                                          config.report_every, out, config.several_nodes)
+                                          config.report_every, out,
+                                          forwarding=config.node_rank != 0)
         os.environ.update(observation.environ())
-        out = observation
+        if config.node_rank == 0:
+            out = observation
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
@@ -125,7 +128,7 @@ def _main(argv=None) -> int:
     try:
         if config.node_rank == 0:
             return Master(config, out, preemption).run()
-        return Agent(config, out, preemption).run()
+        return Agent(config, out, preemption, observation).run()
     except Interrupted as stop:
         out.say(f"interrupted by {signal.Signals(stop.signum).name}")
         return 128 + stop.signum

@@ -62,8 +62,11 @@ class Agent:
     """The launcher of node 1..M-1: joins the host's, runs each round it is sent; in an
     elastic job, elects the next host when the host is lost (succession.py)."""
 
-    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
+                 observation=None):
         self.config, self.out, self.preemption = config, out, preemption
+        # this node's step records travel to node 0 with each status (observe.py)
+        self.observation = observation
         self._told = False      # the host heard of this node's preemption
         self.spec: RoundSpec | None = None      # the last round's, as the host sent it
         self.checkpoint: tuple[int, int] | None = None  # the newest the host told of
@@ -276,7 +279,8 @@ class Agent:
                 states = node.states(hint)
                 running = any(s["returncode"] is None for s in states)
                 link.send(Status(states, node.service_failure(running),
-                                 node.services_ended()))
+                                 node.services_ended(),
+                                 steps=self.observation and self.observation.outgoing()))
             try:
                 wire = link.receive(timeout=0.05)
             except queue.Empty:

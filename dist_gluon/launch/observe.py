@@ -5,9 +5,10 @@ timeline (``--timeline FILE``): every rank's trace events and the launcher's own
 messages (formation, restarts, failures, stalls) merged into one Chrome trace JSON.
 
 Every process of a host reads the same CLOCK_MONOTONIC, so the workers' and the
-launcher's events share one time axis without any offset. Node 0's launcher observes
-the ranks of its own host; a job of several nodes is reported for node 0's ranks (the
-others' records do not travel yet).
+launcher's events share one time axis without any offset. The other nodes' launchers
+send their ranks' step records to node 0 with their status reports; node 0 places them
+on its clock by their arrival, and reports every rank. The timeline holds node 0's
+ranks (the others' trace events stay on their hosts).
 """
 from __future__ import annotations
 
@@ -40,18 +41,22 @@ class Observation:
     one too, and records what it says as instant events of the timeline."""
 
     def __init__(self, timeline_file: str | None, mode: str, every: float | None, out,
-                 several_nodes: bool = False):
+                 forwarding: bool = False):
         self.timeline_file, self.mode, self.every, self.out = timeline_file, mode, every, out
-        self.several_nodes = several_nodes
+        # another node's launcher: its ranks' records go to node 0 (outgoing), which
+        # reports and draws the job
+        self.forwarding = forwarding
         self.directory = tempfile.mkdtemp(prefix="dg-observe-")
         self.host = socket.gethostname()
         self._said: list[tuple[float, str]] = [(time.monotonic(), "job started")]
         self._stop = threading.Event()
         self._offsets: dict[str, int] = {}
         self._records: dict[str, collections.deque] = {}
+        self._hosts: dict[str, str] = {}        # record key -> host, for other nodes'
+        self._cores: dict[str, int] = {self.host: os.cpu_count() or 1}
         self._lock = threading.Lock()
         self._thread = None
-        if every or sys.stderr.isatty():
+        if not forwarding and (every or sys.stderr.isatty()):
             self._thread = threading.Thread(target=self._periodic, daemon=True,
                                             name="dist_gluon.launch report")
             self._thread.start()
@@ -87,15 +92,42 @@ class Observation:
             return None
         latest = max(rounds)
         records = rounds[latest]
-        return _report.build(records, dict.fromkeys(records, self.host),
-                             {self.host: os.cpu_count() or 1})
+        hosts = {rank: self._hosts.get(f"rank{rank}.r{latest}", self.host)
+                 for rank in records}
+        return _report.build(records, hosts, dict(self._cores))
+
+    # ------------------------------------------------------------------ other nodes
+    def outgoing(self) -> dict | None:
+        """Another node: its ranks' step records since the last call, with this
+        host's monotonic clock now (node 0 places them on its own clock by the time
+        they arrive); None when there are none."""
+        new = {}
+        for path in glob.glob(os.path.join(self.directory, "rank*.steps")):
+            rows, self._offsets[path] = timeline.read_steps(path, self._offsets.get(path, 0))
+            if rows:
+                new[os.path.basename(path)[:-len(".steps")]] = rows
+        if not new:
+            return None
+        return {"clock": time.monotonic(), "host": self.host,
+                "cores": os.cpu_count() or 1, "records": new}
+
+    def incoming(self, steps: dict, received: float) -> None:
+        """Node 0: another node's ``outgoing()``, arrived at ``received`` (this
+        launcher's monotonic clock). Its times move by the difference of the two
+        clocks, so the one-way latency of the link is the error."""
+        shift = received - steps["clock"]
+        with self._lock:
+            self._cores[steps["host"]] = steps["cores"]
+            for key, rows in steps["records"].items():
+                self._hosts[key] = steps["host"]
+                self._records.setdefault(f"remote/{key}.steps",
+                                         collections.deque(maxlen=KEEP)).extend(
+                    (row[0], *(t + shift for t in row[1:6]), *row[6:]) for row in rows)
 
     def _print(self, title: str) -> None:
         report = self.report()
         if report is None:
             return
-        if self.several_nodes:
-            title += f" (the ranks on {self.host} only: other nodes' do not travel yet)"
         if self.mode == "json":
             output.emit(json.dumps({"dist_gluon_report": title, **report.to_json()}) + "\n",
                         to_stderr=False)
@@ -144,6 +176,8 @@ class Observation:
         """The job ended: print the report, write the timeline, remove the records."""
         self._stop.set()
         try:
+            if self.forwarding:
+                return
             if self.mode != "off":
                 self._print("report")
             if self.timeline_file:

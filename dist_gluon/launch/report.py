@@ -146,14 +146,18 @@ def _straggler(ranks: list[RankReport]) -> dict | None:
         return None
     slowest = max(ranks, key=lambda r: r.busy)
     others = statistics.median(r.busy for r in ranks if r is not slowest)
-    if others <= 0 or slowest.busy < STRAGGLER_RATIO * others:
+    # the others may wait for nearly all of their step (tiny models): their busy time
+    # then rounds to nothing, and the ratio is large rather than undefined
+    floor = 0.01 * slowest.median
+    if slowest.busy <= floor or slowest.busy < STRAGGLER_RATIO * max(others, floor):
         return None
+    ratio = slowest.busy / max(others, floor)
     shares = _busy_shares(slowest)
     why = max(shares, key=shares.get)
     return {"rank": slowest.rank, "host": slowest.host,
-            "ratio": slowest.busy / others, "busy": slowest.busy, "others_busy": others,
+            "ratio": ratio, "busy": slowest.busy, "others_busy": others,
             "why": why, "why_share": shares[why],
-            "text": (f"rank {slowest.rank} on {slowest.host}: busy {slowest.busy / others:.1f}x "
+            "text": (f"rank {slowest.rank} on {slowest.host}: busy {ratio:.1f}x "
                      f"the others' ({_ms(slowest.busy)} vs {_ms(others)} a step), "
                      f"{100 * shares[why]:.0f}% of it {_SHARE_NAMES[why]}")}
 
