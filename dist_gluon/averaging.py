@@ -17,6 +17,7 @@ import mxnet as mx
 import numpy as np
 
 from . import compression as _compression
+from . import timeline as _timeline
 from .backends import Backend
 from .sparse import sum_row_sparse
 
@@ -93,6 +94,7 @@ class _GradientAverager:
         self._total: mx.nd.NDArray | None = None      # this step's sum of the weights
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
         self._codec_checked: set = set()
+        self._sizes: dict = {}      # bytes of each dense gradient, for the job's report
 
     @property
     def distributed(self) -> bool:
@@ -128,6 +130,7 @@ class _GradientAverager:
         else:
             header = mx.nd.array([batch_size] + [float(f) for f in fresh], dtype="float32")
         self.kv.pushpull(self._batch_key, header, priority=_BATCH_PRIORITY)
+        _timeline.collective(self._batch_key, header)
         return header
 
     def total_batch_size(self, batch_size: float) -> float:
@@ -166,6 +169,7 @@ class _GradientAverager:
             index = indices[0]
             key = self._grad_keys.get(index) or self._grad_key(index, grads[0], describe)
             self.kv.pushpull(key, grads[0], priority=-index if isinstance(index, int) else 0)
+            _timeline.collective(key, grads[0], self._nbytes(index, grads[0]))
             return
         if any(g.stype != "default" for g in grads):
             self._reduce_mixed(indices, grads, weight, describe)
@@ -179,11 +183,14 @@ class _GradientAverager:
             for g in grads:
                 g *= 1.0 / self._predivide
         if self.codec is not None:
-            self.codec.reduce(self.kv, indices, keys, grads, priority)
+            with _timeline.span(f"codec {self.codec.name}", "codec", tensors=len(keys)):
+                self.codec.reduce(self.kv, indices, keys, grads, priority)
         elif len(keys) == 1:
             self.kv.pushpull(keys[0], grads[0], priority=priority)
         else:
             self.kv.pushpull(keys, grads, priority=priority)
+        for index, key, grad in zip(indices, keys, grads):
+            _timeline.collective(key, grad, self._nbytes(index, grad))
         if weight is not None:
             for g in grads:
                 g *= self._factor(g.dtype)
@@ -273,6 +280,13 @@ class _GradientAverager:
                 factor = factor.astype(dtype)
             self._factors[dtype] = factor
         return factor
+
+    def _nbytes(self, index, grad: mx.nd.NDArray) -> int:
+        """The bytes of a dense gradient (counted once per parameter)."""
+        size = self._sizes.get(index)
+        if size is None:
+            size = self._sizes[index] = grad.size * np.dtype(grad.dtype).itemsize
+        return size
 
     def key(self, index: int) -> str:
         """The communication key of parameter ``index``: ``'<prefix>.<index>'``."""

@@ -10,11 +10,13 @@ import mxnet as mx
 from mxnet import gluon
 
 from . import async_updates
+from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
+from .syncheck import SyncCheck
 
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
 # are aggregated (see _SizeGroupedUpdater).
@@ -66,6 +68,8 @@ class TrainerBase(gluon.Trainer):
         self._step_fresh: list[bool] | None = None
         self._header: mx.nd.NDArray | None = None
         self._fresh_counts = None
+        # DG_CHECK_SYNC: the ranks compare their weights every N steps (syncheck.py)
+        self._sync_check = SyncCheck(self._kv, f"{averager.prefix}.sync")
 
     @property
     def kv(self):
@@ -143,6 +147,7 @@ class TrainerBase(gluon.Trainer):
         """Wait for the header (the step's one wait) and keep the freshness counts;
         returns the sum of the batch sizes."""
         values = self._header.asnumpy()
+        _timeline.header_arrived()
         self._header = None
         self._fresh_counts = values[1:]
         return float(values[0])
@@ -164,7 +169,23 @@ class TrainerBase(gluon.Trainer):
                        list, self._describe)
         finally:
             self._step_fresh = self._header = self._fresh_counts = None
-        super()._update(ignore_stale_grad)
+        with _timeline.span("optimizer update", "update"):
+            super()._update(ignore_stale_grad)
+        self._sync_check.after_step(self._model_params, self._optimizer_states,
+                                    self._describe)
+
+    def _optimizer_states(self) -> dict[int, list]:
+        """The optimizer state arrays of each parameter, by model position."""
+        updater = self._updaters[0]
+        # DistributedTrainer wraps its updaters for the length of an update
+        states = getattr(updater, "_updater", updater).states
+        return {p: list(_arrays(states.get(i)))
+                for i, p in enumerate(self.optimizer_positions()) if p is not None}
+
+    def _last_grad_written(self):
+        """The gradient a backward writes last: the first trainable parameter's."""
+        return next((p.list_grad()[0] for p in self._model_params
+                     if p.grad_req != "null" and p._data is not None), None)
 
     def _stale_positions_by_rank(self) -> list[list[int]]:
         """Each rank's stale parameters this step (a collective, for an error message)."""
@@ -213,6 +234,15 @@ class TrainerBase(gluon.Trainer):
             data = pickle.dumps(remap_states(pickle.loads(data),
                                              index_mapping(positions, mine)), protocol=4)
         set_trainer_states(self, data)
+
+
+def _arrays(state):
+    """The NDArrays of an optimizer state (an array, a tuple of them, nested, or None)."""
+    if isinstance(state, mx.nd.NDArray):
+        yield state
+    elif isinstance(state, (tuple, list)):
+        for part in state:
+            yield from _arrays(part)
 
 
 def positions_in(items: list, order: list) -> list[int | None]:
@@ -422,6 +452,8 @@ class DistributedTrainer(TrainerBase):
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
             return
+        _timeline.begin_step(self._last_grad_written)
+        samples = batch_size
         if self._averager.distributed:
             self._submit_header(batch_size)
         self._allreduce_grads()
@@ -431,6 +463,7 @@ class DistributedTrainer(TrainerBase):
             batch_size = self._read_header()
         self._check_and_rescale_grad(self._scale / batch_size)
         self._update(ignore_stale_grad)
+        _timeline.end_step(samples)
 
     def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Update every parameter after ``allreduce_grads()``, with the gradients

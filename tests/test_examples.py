@@ -91,6 +91,9 @@ def test_mnist_gluon_learns_digits_on_horovod_and_resumes_on_dist_sync(tmp_path)
     assert float(result["samples/s"]) > 0
     assert (result["backend"], result["workers"]) == ("horovod", "2")
     assert plot.read_bytes().startswith(PNG_SIGNATURE)
+    # beside the curves: each rank's step time, split (docs/observability.md)
+    assert (plot.parent / "mnist-steps.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert "report:" in proc.stderr and "straggler:" in proc.stderr
     assert any(checkpoints.iterdir())
 
     # A checkpoint does not depend on the backend.

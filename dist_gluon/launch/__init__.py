@@ -36,7 +36,8 @@ import signal
 import sys
 import threading
 
-from . import cli, output, ssh
+from .. import timeline
+from . import cli, observe, output, ssh
 from .agent import Agent
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
@@ -57,6 +58,10 @@ def _export(config: LaunchConfig) -> None:
     if config.compat is not None:
         # node.py puts the stand-in packages on the workers' PYTHONPATH
         os.environ[COMPAT_ENV] = config.compat
+    # node 0's launcher observes its own workers (observe.py); a directory named by
+    # another host's launcher means nothing here
+    for name in (timeline.ENV_DIR, timeline.ENV_LEVEL):
+        os.environ.pop(name, None)
 
 
 class _Output:
@@ -100,6 +105,15 @@ def _main(argv=None) -> int:
     if config.over_ssh:
         return ssh.run(config)
     out = _Output(config.nnodes, config.node_rank)
+    observation = None
+    if config.report != "off" or config.timeline:
+        # node 0 observes the job; another node forwards its ranks' step records
+        observation = observe.Observation(config.timeline, config.report,
+                                          config.report_every, out,
+                                          forwarding=config.node_rank != 0)
+        os.environ.update(observation.environ())
+        if config.node_rank == 0:
+            out = observation
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
@@ -114,10 +128,12 @@ def _main(argv=None) -> int:
     try:
         if config.node_rank == 0:
             return Master(config, out, preemption).run()
-        return Agent(config, out, preemption).run()
+        return Agent(config, out, preemption, observation).run()
     except Interrupted as stop:
         out.say(f"interrupted by {signal.Signals(stop.signum).name}")
         return 128 + stop.signum
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if observation is not None:
+            observation.finish()

@@ -69,8 +69,11 @@ class Agent:
     """The launcher of node 1..M-1: joins the host's, runs each round it is sent; in an
     elastic job, elects the next host when the host is lost (succession.py)."""
 
-    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None):
+    def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
+                 observation=None):
         self.config, self.out, self.preemption = config, out, preemption
+        # this node's step records travel to node 0 with each status (observe.py)
+        self.observation = observation
         self._told = False      # the host heard of this node's preemption
         self.spec: RoundSpec | None = None      # the last round's, as the host sent it
         self.checkpoint: tuple[int, int] | None = None  # the newest the host told of
@@ -333,9 +336,12 @@ class Agent:
                 next_status = now + STATUS_EVERY
                 states = node.states(hint)
                 running = any(s["returncode"] is None for s in states)
+                # step records (--timeline, the report) go out as they come; a status
+                # that says nothing new waits for the next heartbeat
+                steps = self.observation and self.observation.outgoing()
                 status = Status(states, node.service_failure(running),
-                                node.services_ended()).to_wire()
-                if status != last or now >= next_beat:
+                                node.services_ended(), steps=steps).to_wire()
+                if steps or status != last or now >= next_beat:
                     link.send(status)
                     last, next_beat = status, now + config.heartbeat
             try:

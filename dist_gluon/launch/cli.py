@@ -123,6 +123,20 @@ def _watch_arguments(parser) -> None:
                         help="byteps: run scripts written for byteps.mxnet unchanged, on any "
                              "--backend; their `import byteps.mxnet` finds "
                              "dist_gluon.compat.byteps (BytePS itself is not needed)")
+    seeing = parser.add_argument_group("seeing where the time goes (docs/observability.md)")
+    seeing.add_argument("--timeline", default=os.environ.get("DG_TIMELINE") or None,
+                        metavar="FILE",
+                        help="write one Chrome trace JSON of the whole job to FILE: a "
+                             "track per rank (steps, data, waits, collectives, codecs, "
+                             "the update) and the launcher's events (default: "
+                             "DG_TIMELINE; opens in ui.perfetto.dev or chrome://tracing)")
+    seeing.add_argument("--report", default="text", choices=("text", "json", "off"),
+                        help="the per-rank report (step times, where they go, the "
+                             "straggler, the bound) at the end of the job: a table on "
+                             "stderr (text, the default), one JSON line on stdout "
+                             "(json), or none (off)")
+    seeing.add_argument("--report-every", type=float, default=None, metavar="SEC",
+                        help="also print the report every SEC seconds while the job runs")
 
 
 def _node_arguments(nodes) -> None:
@@ -210,6 +224,8 @@ def _check(parser, ns) -> None:
         except ValueError as err:
             parser.error(f"--stacks-signal: {err}")
     _check_times(parser, ns)
+    if ns.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(ns.timeline))):
+        parser.error(f"--timeline {ns.timeline}: its directory does not exist")
     if not 0 < ns.master_port < 65536:
         parser.error(f"--master-port must be in [1, 65535], got {ns.master_port}")
     if ns.host_slots is None:
@@ -221,7 +237,8 @@ def _check_times(parser, ns) -> None:
     if not 0 < ns.heartbeat < ns.silence_limit:
         parser.error(f"--heartbeat ({ns.heartbeat:g}) must be positive and shorter than "
                      f"--silence-limit ({ns.silence_limit:g})")
-    for name in ("timeout", "stall_timeout", "join_timeout", "preempt_grace"):
+    for name in ("timeout", "stall_timeout", "join_timeout", "preempt_grace",
+                 "report_every"):
         value = getattr(ns, name)
         if value is not None and value <= 0:
             parser.error(f"--{name.replace('_', '-')} must be positive, got {value:g}")

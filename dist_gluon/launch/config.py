@@ -64,6 +64,10 @@ class LaunchConfig:
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None
     stacks_signal: str | None = None
+    # seeing where the time goes (observe.py)
+    timeline: str | None = None
+    report: str = "text"
+    report_every: float | None = None
     # several machines, one launcher per node
     nnodes: int | None = 1
     elastic: bool = False

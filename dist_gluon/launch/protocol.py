@@ -139,6 +139,8 @@ class Status(Message):
     service_failure: str | None = None
     services_ended: bool = False
     received: float | None = field(default=None, metadata={"local": True})
+    # the ranks' step records since the last status, for the job's report (observe.py)
+    steps: dict | None = _optional()
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,7 @@ def from_node(wire: dict[str, Any]) -> Message | None:
     kind = wire.get("type")
     if kind == "status":
         return Status(wire.get("states", []), wire.get("service_failure"),
-                      bool(wire.get("services_ended")))
+                      bool(wire.get("services_ended")), steps=wire.get("steps"))
     if kind == "stacks":
         return StacksFound({int(r): t for r, t in wire["found"].items()})
     if kind == "hello":

@@ -60,6 +60,9 @@ class JobView:
         self.preempted: list[int] = []
         self.hint = 0
         self._stacks: dict[int, str] = {}
+        # where the other nodes' step records go: observe.Observation.incoming when the
+        # launcher's output is the job's observation
+        self._on_steps = getattr(out, "incoming", None)
 
     def pump(self, timeout: float = 0.0) -> None:
         """Take in every message that has arrived from the other nodes."""
@@ -78,6 +81,8 @@ class JobView:
                         self.lost.append(n)
                 elif isinstance(message, Status):
                     self.remote[n] = dataclasses.replace(message, received=time.monotonic())
+                    if message.steps and self._on_steps is not None:
+                        self._on_steps(message.steps, self.remote[n].received)
                 elif isinstance(message, StacksFound):
                     self._stacks.update(message.found)
                 elif isinstance(message, Preempt) and n not in self.preempted:

@@ -128,7 +128,7 @@ def node_command(config: LaunchConfig, node_rank: int, master_addr: str) -> str:
             "-n", str(host.slots), "--backend", config.backend,
             "--servers", str(config.servers if host.servers is None else host.servers),
             "--max-restarts", str(config.max_restarts),
-            "--stall-warning", f"{config.stall_warning or 0:g}"]
+            "--stall-warning", f"{config.stall_warning or 0:g}", "--report", config.report]
     if config.elastic:
         argv += ["--preempt-grace", f"{config.preempt_grace:g}",
                  "--last-call", f"{config.last_call:g}"]
@@ -136,7 +136,10 @@ def node_command(config: LaunchConfig, node_rank: int, master_addr: str) -> str:
                         ("--iface", config.iface), ("--transport", config.transport),
                         # node 0's mpirun starts the other nodes' MPI ranks over ssh
                         ("--ssh-port", config.ssh_port),
-                        ("--ssh-identity-file", config.ssh_identity_file)):
+                        ("--ssh-identity-file", config.ssh_identity_file),
+                        # node 0's launcher observes the job (observe.py)
+                        ("--timeline", config.timeline),
+                        ("--report-every", config.report_every)):
         if value is not None:
             argv += [flag, str(value)]
     argv += ["--", *config.command]

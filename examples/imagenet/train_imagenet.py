@@ -53,6 +53,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon.data.vision import transforms
 
 import dist_gluon as dg
+from dist_gluon import timeline
 
 MEAN_RGB = (123.68, 116.779, 103.939)
 STD_RGB = (58.393, 57.12, 57.375)
@@ -474,6 +475,8 @@ def main(argv=None) -> None:
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(sparse_label=not soft)
     result = {"val_acc": float("nan")}
     train_images, train_time = 0, 0.0
+    # the launcher's progress line (on a terminal) shows the time left
+    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
     for epoch in range(start_epoch, args.epochs):
         mixup = args.mixup_alpha > 0 and epoch < args.epochs - args.mixup_off_epochs
         train_loss = mx.metric.Loss()
@@ -483,8 +486,11 @@ def main(argv=None) -> None:
         batches = data.train_batches(epoch, skip)
         tic = interval_tic = time.time()
         stop_at = None
+        # timeline.data: the time each batch takes to arrive counts as waiting for data
+        # in the launcher's report and timeline
+        arriving = timeline.data(batches)
         for step in range(first + 1, steps_per_epoch + 1):
-            images, labels = next(batches)
+            images, labels = next(arriving)
             images = images.as_in_context(devices[0])
             labels = labels.as_in_context(devices[0])
             targets = soft_targets(labels, classes, args.label_smoothing) if soft else labels

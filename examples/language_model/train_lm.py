@@ -56,6 +56,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn, rnn
 
 import dist_gluon as dg
+from dist_gluon import timeline
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -322,6 +323,8 @@ def main(argv=None) -> None:
 
     train_time = 0.0
     words_seen = 0
+    # the launcher's progress line (on a terminal) shows the time left
+    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
     for epoch in range(start_epoch, args.epochs):
         # rank 0's weights reach every rank; dropout masks differ between workers, and
         # each epoch's are the same whether it follows the previous one or a resume
@@ -334,8 +337,10 @@ def main(argv=None) -> None:
         tic = time.time()
         stop_at = None
         epoch_words = 0
-        for batch, (words, targets) in enumerate(windows(train_data, args.bptt, first),
-                                                 start=first + 1):
+        # timeline.data: the time each window takes to arrive counts as waiting for data
+        # in the launcher's report and timeline
+        for batch, (words, targets) in enumerate(
+                timeline.data(windows(train_data, args.bptt, first)), start=first + 1):
             state = [s.detach() for s in state]
             with autograd.record():
                 output, state = net(words, *state)
@@ -391,6 +396,8 @@ def main(argv=None) -> None:
                               extra={"history": history, "best_val": best_val})
         if args.plot and rank == 0:
             save_plot(history, args.plot)
+            # beside the curves: each rank's step time, split (docs/observability.md)
+            timeline.save_step_plot(timeline.steps_plot_path(args.plot))
         if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
             log(f"stop: the launcher asked the job to stop at the end of epoch "
                 f"{epoch + 1}; exiting for the restart (--resume)")
@@ -403,7 +410,9 @@ def main(argv=None) -> None:
         history.append({"epoch": start_epoch, "val_loss": val_loss,
                         "val_ppl": math.exp(val_loss)})
     elif args.plot:
-        log(f"plot: {args.plot}")
+        steps = timeline.steps_plot_path(args.plot)
+        log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
+                                    if os.path.exists(steps) else ""))
     final = history[-1]
     speed = words_seen / train_time if train_time else float("nan")
     log(f"summary: val_ppl={final['val_ppl']:.2f} val_loss={final['val_loss']:.4f} "

@@ -26,7 +26,12 @@ What makes it distributed (everything else is a plain Gluon training loop):
   ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
   the job; the script then saves a checkpoint at that step and exits, and the restarted
   workers (``--resume``) continue inside the epoch on their new number, exactly where
-  the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``).
+  the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``);
+- ``dist_gluon.timeline.data(train_loader)`` counts the time each batch takes to arrive
+  as waiting for data in the launcher's report, and ``timeline.expect_steps`` lets its
+  progress line (on a terminal) show the time left; with ``--plot``, rank 0 also draws
+  each rank's step time split into data, compute, communication and waiting
+  (``runs/mnist-steps.png``, docs/observability.md).
 """
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ from mxnet import autograd, gluon
 from mxnet.gluon import nn
 
 import dist_gluon as dg
+from dist_gluon import timeline
 
 MNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
@@ -281,6 +287,8 @@ def main(argv=None) -> None:
 
     train_time = 0.0
     samples = 0
+    # the launcher's progress line (on a terminal) shows the time left
+    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
     for epoch in range(start_epoch, args.epochs):
         skip = done if epoch == start_epoch else 0
         train_sampler.set_epoch(epoch, skip=skip)
@@ -288,7 +296,9 @@ def main(argv=None) -> None:
         metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
         tic = time.time()
         stop_at = None
-        for batch, (images, labels) in enumerate(train_loader, start=1):
+        # timeline.data: the time each batch takes to arrive counts as waiting for data
+        # in the launcher's report and timeline
+        for batch, (images, labels) in enumerate(timeline.data(train_loader), start=1):
             # each device takes a slice of the batch; a device left without one (a last
             # batch smaller than the devices) must add nothing to the sum of gradients
             used = devices[:images.shape[0]]
@@ -342,6 +352,8 @@ def main(argv=None) -> None:
             checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
         if args.plot and kv.rank == 0:
             save_plot(history, args.plot)
+            # beside the curves: each rank's step time, split (docs/observability.md)
+            timeline.save_step_plot(timeline.steps_plot_path(args.plot))
         if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
             log(f"stop: the launcher asked the job to stop at the end of epoch "
                 f"{epoch + 1}; exiting for the restart (--resume)")
@@ -353,7 +365,9 @@ def main(argv=None) -> None:
         val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
     elif args.plot:
-        log(f"plot: {args.plot}")
+        steps = timeline.steps_plot_path(args.plot)
+        log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
+                                    if os.path.exists(steps) else ""))
     final = history[-1]
     speed = samples / train_time if train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
