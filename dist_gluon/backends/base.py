@@ -408,6 +408,16 @@ class Backend(KVStoreBase):
         raise NotImplementedError(
             f"the {self.type} backend holds no optimizer state; use trainer.load_states")
 
+    # ------------------------------------------------------------ re-formation
+    def _abort(self) -> None:
+        """Break the collectives pending in this process (the launcher ended the round);
+        see dist_gluon.elastic. Only a backend that can re-form in place does anything."""
+
+    def _reform(self, environ: dict[str, str]) -> None:
+        """Join the next round of the job in this process, placed by ``environ``."""
+        raise NotImplementedError(
+            f"the {self.type} backend cannot join another round in the same process")
+
     # ------------------------------------------------------------ shutdown
     def _atexit(self) -> None:
         """Finish communication still in flight before the interpreter tears down

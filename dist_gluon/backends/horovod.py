@@ -11,6 +11,7 @@ mxnet or horovod.
 from __future__ import annotations
 
 import os
+import socket
 
 import mxnet as mx
 
@@ -50,6 +51,23 @@ def _tune_openmpi(environ=os.environ) -> None:
         environ.setdefault(name, value)
 
 
+def _socket_links() -> dict[int, str]:
+    """This process's open sockets: descriptor -> "socket:[inode]"."""
+    links = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return links
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links[int(name)] = link
+    return links
+
+
 def started_by_horovod(environ=os.environ) -> bool:
     """True when this process was started for horovod: by horovodrun, mpirun or
     ``srun --mpi=pmix``, or by ``dist_gluon.launch --backend horovod``.
@@ -76,11 +94,44 @@ class Horovod(Backend):
 
     def __init__(self):
         self._hvd = _import_horovod()
+        # the sockets of this process's Gloo contexts (their /proc link names), which
+        # _abort breaks
+        self._gloo_sockets: frozenset[str] = frozenset()
         if not self._hvd.is_initialized():
             report_connect(self._type)
             _tune_openmpi()
-            self._hvd.init()
+            self._init()
         super().__init__()
+
+    def _init(self) -> None:
+        before = set(_socket_links().values())
+        self._hvd.init()
+        # Gloo connects every pair of ranks inside hvd.init(): what opened there is its
+        self._gloo_sockets = frozenset(set(_socket_links().values()) - before)
+
+    def _abort(self) -> None:
+        """Break every collective pending on this process's Gloo connections: their
+        sockets are shut down, so horovod's background thread fails at once (and so do
+        the peers reading from them) instead of waiting out Gloo's timeout for a peer
+        that is gone. Called from another thread than the one blocked in the engine."""
+        for fd, link in _socket_links().items():
+            if link not in self._gloo_sockets:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _reform(self, environ: dict[str, str]) -> None:
+        """Leave this round's horovod and join the next one in the same process:
+        ``hvd.shutdown()``, the next round's HOROVOD_* variables (rank, size, Gloo
+        rendezvous), ``hvd.init()``, as horovod's elastic mode does for PyTorch."""
+        self._hvd.shutdown()
+        os.environ.update(environ)
+        self._in_flight.clear()
+        report_connect(self._type)
+        self._init()
 
     @property
     def rank(self) -> int:
