@@ -11,7 +11,8 @@ and on everything computed from them) is never the one restored.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mxnet as mx
 from mxnet.base import MXNetError
@@ -382,8 +383,6 @@ class State:
                 param._finish_deferred_init()
         trainer = self._trainer
         if trainer is not None:
-            if getattr(trainer, "_params_to_init", None):
-                trainer._init_params()
             for u, (updater, wanted) in enumerate(zip(self._updaters(), layout["states"])):
                 for index in [i for i in updater.states if i not in wanted]:
                     del updater.states[index]

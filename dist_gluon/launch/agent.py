@@ -70,6 +70,7 @@ class Agent:
         self.host = (config.master_addr, config.master_port, "node 0")  # addr, port, name
         self.addr: str | None = None    # where the other nodes reach this one
         self.listener = None            # the door should this node host the job
+        self.kept: Node | None = None   # this node's processes kept for the next round
 
     @property
     def master_at(self) -> str:
@@ -127,10 +128,16 @@ class Agent:
             self.out.say(str(err))
             return 1
         finally:
+            self._end_kept()
             if link is not None:
                 link.close()
             if listener is not None:
                 listener.close()
+
+    def _end_kept(self) -> None:
+        if self.kept is not None:
+            self.kept.terminate()
+            self.kept = None
 
     # ------------------------------------------------------------------ succession
     def _lost(self, link: Link) -> HostLost | None:
@@ -151,6 +158,7 @@ class Agent:
         """Elect the next host (succession.py): a link to it, or this launcher's exit
         status once it has hosted the job (or found it cannot go on)."""
         config, spec = self.config, self.spec
+        self._end_kept()        # a takeover restarts the workers (from checkpoints)
         why = succession.hopeless(config, spec, lost.planned)
         if why:
             self.out.say(why)
@@ -245,7 +253,8 @@ class Agent:
     def _round(self, spec: RoundSpec, link: Link) -> tuple[int, bool]:
         """Run one round of this node's processes: (exit status, whether another round
         follows)."""
-        node = Node(self.config, spec.nodes.index(self.config.node_rank), spec)
+        node = Node(self.config, spec.nodes.index(self.config.node_rank), spec, self.kept)
+        self.kept = None
         grace = TERM_GRACE
         try:
             node.start()
@@ -259,7 +268,8 @@ class Agent:
                          "this node's processes")
             return 128 + stop.signum, False
         finally:
-            node.terminate(grace)
+            if self.kept is not node:
+                node.terminate(grace)
 
     def _watch(self, node: Node, link: Link) -> tuple[int, bool]:
         """Report this node's ranks to node 0 and carry out what it asks, until the
@@ -309,7 +319,12 @@ class Agent:
                                  if terminated else message.report)
                 # the host waits for Stopped while this node is heard from
                 with Beating([link], config.heartbeat, Idle()):
-                    node.terminate(TERM_GRACE if message.grace is None else message.grace)
+                    if message.keep and message.again:
+                        node.end_round()
+                        self.kept = node
+                    else:
+                        node.terminate(TERM_GRACE if message.grace is None
+                                       else message.grace)
                 link.send(Stopped())
                 if message.handover:
                     if self._told or not succession.can_succeed(self.config, self.spec):

@@ -39,6 +39,8 @@ class Master:
         self.listen_addr = ""
         # the node ranks of the last round, when each node knows every other's address
         self.last_formation: tuple[int, ...] = ()
+        # this node's processes of the round before, kept for the next (keep_workers)
+        self.kept: Node | None = None
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -74,6 +76,8 @@ class Master:
                     return status
                 self.ledger.runs += 1
         finally:
+            if self.kept is not None:
+                self.kept.terminate()
             self.formation.close()
 
     def _standing(self) -> Standing:
@@ -152,7 +156,8 @@ class Master:
             rendezvous_port=port if horovod else None,
             scheduler_port=None if horovod else port,
             addresses=addresses,
-            restarts=self.ledger.restarts if addresses else None)
+            restarts=self.ledger.restarts if addresses else None,
+            keep=True if self.kept is not None else None)
         return spec, policy.round_problem(slots, servers, config.backend)
 
     def _round(self, spec: RoundSpec, deadline: float | None) -> int | None:
@@ -166,7 +171,7 @@ class Master:
                                                               spec.to_wire()),
                 self.out.say)
             rendezvous.start()
-        node = Node(config, 0, spec)
+        node, self.kept = Node(config, 0, spec, self.kept), None
         self.last_formation = tuple(spec.nodes) if spec.addresses else ()
         links = {n: p.link for n, p in formation.members.items()}
         view = JobView(node, links, self.out)
@@ -187,7 +192,8 @@ class Master:
                            f"interrupted by {signal.Signals(stop.signum).name}")
         finally:
             decision, end = self._decide(end, tuple(view.preempted))
-            unconfirmed = self._end_round(node, end, decision)
+            keep = keep_workers(config, spec, end, decision, view.states())
+            unconfirmed = self._end_round(node, end, decision, keep)
             if rendezvous is not None:
                 rendezvous.stop()
         if decision.handover:
@@ -214,9 +220,11 @@ class Master:
             self.ledger.restarts += 1
         return decision, end
 
-    def _end_round(self, node: Node, end: RoundEnd, decision: Decision) -> list[int]:
-        """Tell every node how the round ends, end this node's processes and wait for
-        the others' to end; the nodes that did not confirm."""
+    def _end_round(self, node: Node, end: RoundEnd, decision: Decision,
+                   keep: bool = False) -> list[int]:
+        """Tell every node how the round ends, end this node's processes (``keep``: but
+        its workers that keep theirs, for the next round) and wait for the others' to
+        end; the nodes that did not confirm."""
         config, formation = self.config, self.formation
         terminated = policy.terminated(end, decision)
         grace = policy.kill_grace(end, decision, config.elastic)
@@ -225,7 +233,8 @@ class Master:
                 peer.link.send(End(0, False, decision.leaving[n]))
             else:
                 peer.link.send(End(decision.status, decision.again, decision.report,
-                                   terminated, grace, decision.handover or None))
+                                   terminated, grace, decision.handover or None,
+                                   keep or None))
         if decision.report:
             self.out.say(decision.report + "\nterminated the rest of the job." if terminated
                          else decision.report)
@@ -237,7 +246,11 @@ class Master:
                      + [p.link for p in formation.waiting.values()], config.heartbeat, Tick()):
             # ending processes can take longer than --silence-limit (SIGTERM, then
             # SIGKILL after the grace): the other nodes go on hearing from the host
-            node.terminate(grace)
+            if keep:
+                node.end_round()
+                self.kept = node
+            else:
+                node.terminate(grace)
             unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
                                          if n not in gone}, self.out,
                                         config.silence_limit if config.elastic
@@ -281,11 +294,24 @@ class Master:
         changed = set(formation.members) != before
         if changed:
             self.ledger.reformations += 1
-        message = policy.formation_news(end, self._standing(), changed)
+        message = policy.formation_news(end, self._standing(), changed,
+                                        keep=self.kept is not None)
         self.out.say(message)
         for peer in formation.members.values():
             peer.link.send(News(message))
         return None
+
+
+def keep_workers(config: LaunchConfig, spec: RoundSpec, end: RoundEnd,
+                 decision: Decision, states: list[dict]) -> bool:
+    """Whether the next round keeps the workers' processes: an elastic horovod job over
+    Gloo whose every worker runs under dist_gluon.elastic.run (its record says so)
+    re-forms around the live ones after a lost node, a failed rank or a planned change;
+    new workers then get the state from them. Other jobs restart every worker."""
+    return bool(config.elastic and decision.again and not decision.handover
+                and spec.backend == "horovod" and spec.transport == "gloo"
+                and end.outcome in (Outcome.LOST, Outcome.FAILED, Outcome.STOPPED)
+                and states and all(s.get("keeps") for s in states))
 
 
 def _wait_stopped(links: dict[int, Link], out, timeout: float, preempted: list[int],
