@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from test_elastic import ElasticJob, check_weights, make_jobs
+from test_elastic import WAIT, ElasticJob, check_weights, make_jobs
 
 from conftest import REPO
 from test_launch import assert_nothing_left
@@ -37,6 +37,19 @@ class MemoryJob(ElasticJob):
     def starts(self) -> list[dict]:
         return [e for e in self.events() if e["event"] == "start"]
 
+    def wait_training(self, world: int, reformation: int, steps: int = 3) -> None:
+        """Until the round of ``reformation`` trains on ``world`` workers (node 0 may be
+        gone)."""
+        limit = time.monotonic() + WAIT
+        while time.monotonic() < limit:
+            p = self.progress()
+            if p.get("reformation") == reformation and p.get("steps", 0) >= steps:
+                assert p["world"] == world, self.report()
+                return
+            time.sleep(0.05)
+        pytest.fail(f"re-formation {reformation} never trained on {world} workers "
+                    f"(progress {self.progress()})\n{self.report()}")
+
 
 @pytest.fixture(scope="module")
 def cluster():
@@ -49,7 +62,7 @@ def memory_jobs(cluster, tmp_path):
     yield from make_jobs(MemoryJob, cluster, tmp_path)
 
 
-def test_survivors_keep_their_processes_through_a_killed_host_and_heal_a_joiner(
+def test_survivors_keep_their_processes_through_killed_hosts_and_heal_a_joiner(
         memory_jobs):
     job = memory_jobs("horovod")
     for host in range(3):
@@ -61,12 +74,11 @@ def test_survivors_keep_their_processes_through_a_killed_host_and_heal_a_joiner(
     killed = time.time()
     job.kill_host(2)
     job.wait_training(world=2, reformation=1, steps=1)
-    resumed = job.progress()["at"]
-    again = job.starts()[-1]
-    assert again["pids"] == first[:2], job.report()
+    print(f"host 2 killed -> first step of the re-formed job: "
+          f"{job.progress()['at'] - killed:.2f} s")
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
     assert "(re-formation 1; restart 1 of at most 3)" in job.output(0), job.report()
     assert KEPT in job.output(0) and KEPT in job.output(1), job.report()
-    print(f"kill -> first step of the re-formed job: {resumed - killed:.2f} s")
 
     # host 2 comes back: admitted at a commit, its new worker heals from rank 0
     job.start(2)
@@ -75,9 +87,38 @@ def test_survivors_keep_their_processes_through_a_killed_host_and_heal_a_joiner(
     assert grown[:2] == first[:2] and grown[2] not in first, job.report()
     assert "(re-formation 2; planned: no restart used)" in job.output(0), job.report()
 
+    # node 0, the job's host, killed: node 1 takes over with the workers of nodes 1, 2
+    killed = time.time()
+    job.kill_host(0)
+    job.wait_training(world=2, reformation=3, steps=1)
+    print(f"node 0 killed -> first step under node 1: {job.progress()['at'] - killed:.2f} s")
+    assert job.starts()[-1]["pids"] == grown[1:], job.report()
+    assert "takes over as the job's host" in job.output(1), job.report()
+
     job.finish()
-    for host in range(3):
-        assert job.wait_exit(host) == 0, job.report()
+    assert job.wait_exit(1) == 0 and job.wait_exit(2) == 0, job.report()
     check_weights(job)
     assert not list(job.dir.glob("ckpt*")), job.report()
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_survivors_keep_their_processes_through_a_cut_link(memory_jobs):
+    job = memory_jobs("horovod")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+    first = job.starts()[0]["pids"]
+
+    # host 2's link goes down: noticed after --silence-limit (3 s); then the survivors'
+    # collectives pending with it are broken and they go on
+    cut = time.time()
+    job.link(2, "down")
+    job.wait_training(world=2, reformation=1, steps=1)
+    print(f"link cut -> first step of the re-formed job: {job.progress()['at'] - cut:.2f} s")
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
+
+    job.finish()
+    assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0, job.report()
+    assert job.wait_exit(2) == 1, job.report()      # cut off, it ends by itself
+    check_weights(job)
     assert_nothing_left(job.marker["DG_TEST_MARKER"])

@@ -413,6 +413,10 @@ class Backend(KVStoreBase):
         """Break the collectives pending in this process (the launcher ended the round);
         see dist_gluon.elastic. Only a backend that can re-form in place does anything."""
 
+    def _leave(self) -> None:
+        """Leave the round cleanly, every rank at the same point (a planned
+        re-formation); see dist_gluon.elastic."""
+
     def _reform(self, environ: dict[str, str]) -> None:
         """Join the next round of the job in this process, placed by ``environ``."""
         raise NotImplementedError(

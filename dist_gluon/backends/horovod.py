@@ -10,6 +10,7 @@ mxnet or horovod.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 
@@ -123,6 +124,11 @@ class Horovod(Backend):
             except OSError:
                 pass
 
+    def _leave(self) -> None:
+        """Shut horovod down on every rank together: each rank's request reaches the
+        others through horovod's own negotiation, so no collective is left waiting."""
+        self._hvd.shutdown()
+
     def _reform(self, environ: dict[str, str]) -> None:
         """Leave this round's horovod and join the next one in the same process:
         ``hvd.shutdown()``, the next round's HOROVOD_* variables (rank, size, Gloo
@@ -132,6 +138,10 @@ class Horovod(Backend):
         self._in_flight.clear()
         report_connect(self._type)
         self._init()
+        # hvd.init() registered horovod's shutdown at exit again: ours must run first
+        # (it finishes what is in flight and waits for the launcher's verdict)
+        atexit.unregister(self._atexit)
+        atexit.register(self._atexit)
 
     @property
     def rank(self) -> int:

@@ -132,7 +132,10 @@ def run(func):
             try:
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
-                pass                    # committed at that very step: nothing to restore
+                # committed at that very step: nothing to restore. Every rank is at this
+                # commit, so the round's collectives end cleanly together now (breaking
+                # them later can leave one waiting out Gloo's timeout)
+                state.kv._leave()
             except Exception as error:
                 if session is None or not session.lost_peer(error):
                     raise

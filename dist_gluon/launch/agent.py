@@ -158,7 +158,6 @@ class Agent:
         """Elect the next host (succession.py): a link to it, or this launcher's exit
         status once it has hosted the job (or found it cannot go on)."""
         config, spec = self.config, self.spec
-        self._end_kept()        # a takeover restarts the workers (from checkpoints)
         why = succession.hopeless(config, spec, lost.planned)
         if why:
             self.out.say(why)
@@ -175,7 +174,8 @@ class Agent:
         host = dataclasses.replace(config, master_addr=self.addr, master_port=listener.port)
         takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
                                        listener)
-        return Master(host, self.out, self.preemption, takeover).run()
+        kept, self.kept = self.kept, None
+        return Master(host, self.out, self.preemption, takeover, kept).run()
 
     def _idle(self, link: Link) -> int:
         """Between rounds: wait for a start (or the end), beating and watching."""
@@ -260,6 +260,10 @@ class Agent:
             node.start()
             return self._watch(node, link)
         except HostLost:
+            if spec.backend == "horovod" and spec.transport == "gloo" and node.keeps():
+                # they go on under the next host (dist_gluon.elastic.run)
+                node.end_round()
+                self.kept = node
             # workers blocked in a collective with the lost host run no handler
             grace = KILL_GRACE
             raise

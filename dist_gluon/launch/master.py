@@ -29,7 +29,7 @@ class Master:
     this node's address and port as the master's."""
 
     def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
-                 takeover: Takeover | None = None):
+                 takeover: Takeover | None = None, kept: Node | None = None):
         self.config, self.out, self.preemption = config, out, preemption
         self.takeover = takeover
         self.formation = Formation(config, out, preemption,
@@ -40,7 +40,7 @@ class Master:
         # the node ranks of the last round, when each node knows every other's address
         self.last_formation: tuple[int, ...] = ()
         # this node's processes of the round before, kept for the next (keep_workers)
-        self.kept: Node | None = None
+        self.kept = kept
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -49,6 +49,8 @@ class Master:
             self.listen_addr = channel.listen_address(config.master_addr)
             status = self._take_over()
             if status is not None:
+                if self.kept is not None:
+                    self.kept.terminate()
                 self.formation.close()
                 return status
         elif config.several_nodes:
@@ -127,7 +129,8 @@ class Master:
         ledger.reformations += 1
         formation.admit_waiting()
         news = "\n".join(r for r in (decision.report, took,
-                                     policy.formation_news(end, self._standing(), True))
+                                     policy.formation_news(end, self._standing(), True,
+                                                           keep=self.kept is not None))
                          if r)
         self.out.say(news)
         for peer in formation.members.values():
