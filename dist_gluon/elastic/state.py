@@ -2,11 +2,13 @@
 
 The weights, the optimizer's states and counters, and the script's own values (epoch,
 position in the epoch, ...) are copied in memory at every :meth:`State.commit`, on
-MXNet's engine, into arrays allocated once: nothing leaves the engine and nothing waits
-on the per-step path. Two sets of copies take turns: a commit writes one set while the
-other holds the commit before it, and a commit whose copies read arrays poisoned by a
-failed collective (MXNet stores the failure on the arrays the failed operation wrote,
-and on everything computed from them) is never the one restored.
+MXNet's engine, into arrays allocated once: nothing leaves the engine (no copy to
+NumPy). Two sets of copies take turns: a commit writes one set while the other holds
+the last good commit, and becomes the good one once its copies are known to be clean:
+a failed collective stores its failure on the arrays it wrote and on everything
+computed from them (the updated weights, and so the copies), and MXNet throws it once,
+at the first wait on any of them, then clears it everywhere. So each commit waits for
+its own copies (the end of its step), and a commit whose step failed is never restored.
 """
 from __future__ import annotations
 
@@ -71,16 +73,8 @@ class _Snapshot:
         self.arrays: dict[tuple, mx.nd.NDArray] = {}
         self.counters: dict | None = None
         self.extras: dict[str, Any] = {}
-        self.commit = -1            # which commit it holds (-1: none)
+        self.serial: int | None = None  # which state of the job (State._serial)
 
-    def clean(self) -> bool:
-        """Whether every copy completed without a stored failure (waits for them)."""
-        try:
-            for arr in self.arrays.values():
-                arr.wait_to_read()
-        except MXNetError:
-            return False
-        return True
 
 
 class State:
@@ -113,8 +107,9 @@ class State:
     >>> state = dg.elastic.State(net=net, trainer=trainer, epoch=0, done=0)
     >>> @dg.elastic.run
     ... def train(state):
-    ...     for state.epoch in range(state.epoch, epochs):
-    ...         sampler.set_epoch(state.epoch, skip=state.done)
+    ...     for epoch in range(state.epoch, epochs):
+    ...         state.epoch = epoch
+    ...         sampler.set_epoch(epoch, skip=state.done)
     ...         for data, label in loader:
     ...             ...                           # forward, backward
     ...             trainer.step(batch_size)
@@ -148,6 +143,10 @@ class State:
         object.__setattr__(self, "_snapshots", [_Snapshot(), _Snapshot()])
         object.__setattr__(self, "_good", None)
         object.__setattr__(self, "_commits", 0)
+        # the job-wide number of the state held: rank 0's at the last sync, plus one per
+        # commit since. Ranks with equal numbers hold the same state (replicas step
+        # alike), so a sync among them sends nothing; None until the first sync
+        object.__setattr__(self, "_serial", None)
         object.__setattr__(self, "_watch_stops", False)
 
     # ------------------------------------------------------------------ extras
@@ -184,7 +183,8 @@ class State:
         after ``trainer.step``), inside :func:`dist_gluon.elastic.run`: in an elastic
         job of several workers it sums one number over the workers, as
         :func:`dist_gluon.stop_requested` does. The copies run on MXNet's engine into
-        arrays allocated at the first commit (no wait, no copy to NumPy).
+        arrays allocated at the first commit (no copy to NumPy); the commit returns
+        once they are done, so a failure of this step's collectives raises here.
         """
         self._save()
         if self._watch_stops and stop._agreed_stop(self._kv):
@@ -195,21 +195,23 @@ class State:
         counters, extras. Failures MXNet stored on the arrays (a collective that failed
         when a peer was lost) are cleared first."""
         clear_failures(self._arrays(grads=True))
-        newest = max(self._snapshots, key=lambda s: s.commit)
-        snapshot = newest if newest.commit >= 0 and newest.clean() else self._good
-        for other in self._snapshots:
-            clear_failures(other.arrays.values())
+        snapshot = self._good
         if snapshot is None:
             raise RuntimeError("restore() before any commit: call sync() or commit() "
                                "first (dist_gluon.elastic.run syncs before training)")
         self._put_back(snapshot)
+        object.__setattr__(self, "_serial", snapshot.serial)
         object.__setattr__(self, "_good", snapshot)
 
     def sync(self) -> None:
         """Give every rank rank 0's state (a broadcast from memory: a new worker gets it
-        from a live peer, never from a file), then commit it. A collective."""
+        from a live peer, never from a file), then commit it. A collective. Survivors
+        that all went back to the same commit hold the same state already: then only
+        that fact travels (one small gather), not the arrays."""
         kv = self._kv
-        if kv.num_workers > 1:
+        serials = kv.allgather_object(self._serial) if kv.num_workers > 1 else [0]
+        if serials[0] is None or any(s != serials[0] for s in serials):
+            # a new worker, or survivors that went back to different commits
             layout = kv.broadcast_object(self._layout(), root_rank=0)
             self._take_layout(layout)
             keys, arrays = self._keyed_arrays()
@@ -219,14 +221,10 @@ class State:
             names = [f"{_KEY}.{'.'.join(map(str, k))}" for k in keys]
             outs = [self._all_copies(k, a) for k, a in zip(keys, arrays)]
             kv.broadcast(names, arrays, outs)
+            object.__setattr__(self, "_serial", layout["serial"] or 0)
+        elif self._serial is None:
+            object.__setattr__(self, "_serial", 0)
         self._save()
-        newest = self._newest()
-        for other in self._snapshots:
-            if other is not newest:
-                other.commit = -1           # from before the sync: never restored now
-        for arr in newest.arrays.values():
-            arr.wait_to_read()
-        object.__setattr__(self, "_good", newest)
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Functions to call, in order, each time the job re-formed and before the
@@ -245,23 +243,7 @@ class State:
             fn()
 
     # ------------------------------------------------------------------ the copies
-    def _newest(self) -> _Snapshot:
-        return max(self._snapshots, key=lambda s: s.commit)
-
     def _save(self) -> None:
-        newest = self._newest()
-        if newest.commit >= 0 and self._good is not newest:
-            # the commit before must be complete before its partner is overwritten (its
-            # copies were queued a step ago, so this rarely waits): a failure stored on
-            # it is thrown here, and the partner stays the good one
-            try:
-                for arr in newest.arrays.values():
-                    arr.wait_to_read()
-            except MXNetError:
-                newest.commit = -1
-                clear_failures(newest.arrays.values())
-                raise
-            object.__setattr__(self, "_good", newest)
         target = next(s for s in self._snapshots if s is not self._good)
         keys, arrays = self._keyed_arrays()
         copies = target.arrays
@@ -276,7 +258,21 @@ class State:
         target.counters = self._counters()
         target.extras = copy.deepcopy(self._extras)
         object.__setattr__(self, "_commits", self._commits + 1)
-        target.commit = self._commits
+        if self._serial is not None:
+            object.__setattr__(self, "_serial", self._serial + 1)
+        target.serial = self._serial
+        # A commit counts once its copies are known to be complete and clean: a failed
+        # collective of this step stores its failure on them (through the update that
+        # read its result), and is thrown here. Only here can it be told: once thrown
+        # anywhere, MXNet clears the failure on every array that shares it. The wait is
+        # for this step's own work (its updates, then the copies).
+        try:
+            for arr in copies.values():
+                arr.wait_to_read()
+        except MXNetError:
+            clear_failures(copies.values())
+            raise
+        object.__setattr__(self, "_good", target)
 
     def _put_back(self, snapshot: _Snapshot) -> None:
         keys, arrays = self._keyed_arrays()
@@ -370,7 +366,8 @@ class State:
                 "states": [[i for i in sorted(u.states) if _leaves(u.states[i])]
                            for u in self._updaters()],
                 "keys": [list(k) for k in keys],
-                "counters": self._counters(), "extras": self._extras}
+                "counters": self._counters(), "extras": self._extras,
+                "serial": self._serial}
 
     def _take_layout(self, layout: dict) -> None:
         params = self._params()
