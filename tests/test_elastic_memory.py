@@ -11,6 +11,7 @@ epoch.
 """
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -102,18 +103,27 @@ def test_survivors_keep_their_processes_through_killed_hosts_and_heal_a_joiner(
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 
-def test_survivors_keep_their_processes_through_a_cut_link(memory_jobs):
+def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memory_jobs):
     job = memory_jobs("horovod")
     for host in range(3):
         job.start(host)
     job.wait_training(world=3, reformation=0)
     first = job.starts()[0]["pids"]
 
+    # node 2 preempted (SIGTERM to its launcher): the job re-forms at the next commit
+    job.procs[2][-1].send_signal(signal.SIGTERM)
+    assert job.wait_exit(2) == 0, job.report()
+    job.wait_training(world=2, reformation=1, steps=1)
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
+    assert "(re-formation 1; planned: no restart used)" in job.output(0), job.report()
+    job.start(2)
+    job.wait_training(world=3, reformation=2)
+
     # host 2's link goes down: noticed after --silence-limit (3 s); then the survivors'
     # collectives pending with it are broken and they go on
     cut = time.time()
     job.link(2, "down")
-    job.wait_training(world=2, reformation=1, steps=1)
+    job.wait_training(world=2, reformation=3, steps=1)
     print(f"link cut -> first step of the re-formed job: {job.progress()['at'] - cut:.2f} s")
     assert job.starts()[-1]["pids"] == first[:2], job.report()
 
