@@ -11,15 +11,17 @@ epoch.
 """
 from __future__ import annotations
 
+import json
 import signal
+import subprocess
 import sys
 import time
 
 import pytest
-from test_elastic import WAIT, ElasticJob, check_weights, make_jobs
+from test_elastic import WAIT, ElasticJob, assert_replayed, check_weights, make_jobs
 
-from conftest import REPO
-from test_launch import assert_nothing_left
+from conftest import REPO, process_env
+from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
 import emulated_cluster  # noqa: E402
@@ -132,3 +134,27 @@ def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memo
     assert job.wait_exit(2) == 1, job.report()      # cut off, it ends by itself
     check_weights(job)
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path):
+    """One node, two workers (--nnodes 1:1): rank 1's process is SIGKILLed; rank 0 keeps
+    its process and state, a new rank 1 gets rank 0's state, and the weights equal the
+    replay of the schedule."""
+    marker = _marker_env()
+    (tmp_path / "finish").touch()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+         "--backend", "horovod", "--max-restarts", "1", "--", sys.executable, str(SCRIPT),
+         str(tmp_path), "--kill-rank-at", "1", "3"],
+        cwd=tmp_path, env=process_env(**marker), capture_output=True, text=True,
+        timeout=180)
+    report = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["world"] for s in starts] == [2, 2], report
+    assert starts[1]["pids"][0] == starts[0]["pids"][0], report
+    assert starts[1]["pids"][1] != starts[0]["pids"][1], report
+    assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
+    assert_replayed(events, report)
+    assert_nothing_left(marker["DG_TEST_MARKER"])

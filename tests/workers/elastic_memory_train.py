@@ -11,10 +11,14 @@ the weights; ``<dir>/progress.json`` says the round, its steps and when the last
 ended. Training goes on epoch after epoch until the file ``<dir>/finish`` exists at an
 epoch's end.
 
-    python elastic_memory_train.py DIR
+    python elastic_memory_train.py DIR [--kill-rank-at RANK STEP]
+
+With --kill-rank-at, rank RANK of the first round SIGKILLs its own process after STEP
+steps (a worker that dies on a node that stays).
 """
 import json
 import os
+import signal
 import sys
 import time
 
@@ -25,7 +29,7 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 
 
-def main(directory):
+def main(directory, kill_at=None):
     kv = dg.create()
     x, y = dataset()
     net = gluon.nn.Dense(1, in_units=FEATURES, weight_initializer=mx.init.Zero())
@@ -61,6 +65,8 @@ def main(directory):
                 state.samples = min(LENGTH, state.samples + len(batch) * kv.num_workers)
                 state.commit()
                 steps += 1
+                if kill_at == (kv.rank, steps) and kv.restart == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 if kv.rank == 0:
                     net.weight.data().wait_to_read()
                     with open(os.path.join(directory, "progress.json"), "w") as f:
@@ -81,4 +87,6 @@ def main(directory):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    kill = sys.argv.index("--kill-rank-at") if "--kill-rank-at" in sys.argv else None
+    main(sys.argv[1], None if kill is None else (int(sys.argv[kill + 1]),
+                                                 int(sys.argv[kill + 2])))
