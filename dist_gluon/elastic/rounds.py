@@ -126,10 +126,12 @@ def run(func):
         reset = False
         while True:
             if reset:
+                # a failure to join the next round ends this worker (horovod cannot be
+                # initialised again after a failed hvd.init()); a new one replaces it
                 session.next_round()
                 state.on_reset()
-            state.sync()
             try:
+                state.sync()            # a peer lost during the sync is a fault as well
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
                 # committed at that very step: nothing to restore. Every rank is at this
@@ -139,7 +141,8 @@ def run(func):
             except Exception as error:
                 if session is None or not session.lost_peer(error):
                     raise
-                state.restore()
+                if state._good is not None:     # else the next sync brings rank 0's
+                    state.restore()
             reset = True
 
     return wrapper
