@@ -409,6 +409,10 @@ class Backend(KVStoreBase):
             f"the {self.type} backend holds no optimizer state; use trainer.load_states")
 
     # ------------------------------------------------------------ re-formation
+    def _can_reform(self) -> bool:
+        """Whether this process can join the job's next round in place (_reform)."""
+        return False
+
     def _abort(self) -> None:
         """Break the collectives pending in this process (the launcher ended the round);
         see dist_gluon.elastic. Only a backend that can re-form in place does anything."""

@@ -110,6 +110,11 @@ class Horovod(Backend):
         # Gloo connects every pair of ranks inside hvd.init(): what opened there is its
         self._gloo_sockets = frozenset(set(_socket_links().values()) - before)
 
+    def _can_reform(self) -> bool:
+        # over Gloo, with a rendezvous the launcher renews each round; MPI's world is
+        # fixed once the processes start
+        return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
     def _abort(self) -> None:
         """Break every collective pending on this process's Gloo connections: their
         sockets are shut down, so horovod's background thread fails at once (and so do

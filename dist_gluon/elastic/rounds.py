@@ -85,7 +85,8 @@ class _Session:
 
 def _session(state: State) -> _Session | None:
     reporter = jobcontrol.reporter()
-    if reporter is None or os.environ.get("DG_ELASTIC") != "1":
+    if reporter is None or os.environ.get("DG_ELASTIC") != "1" or not state.kv._can_reform():
+        # ps-lite and MPI: a change of the job restarts the workers (from checkpoints)
         return None
     return _Session(state, reporter)
 
