@@ -13,9 +13,13 @@ from __future__ import annotations
 import atexit
 import os
 import socket
+import time
+import urllib.error
+import urllib.request
 
 import mxnet as mx
 
+from .. import jobcontrol
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
@@ -69,6 +73,45 @@ def _socket_links() -> dict[int, str]:
     return links
 
 
+class RoundEnded(RuntimeError):
+    """The launcher ended this round before every rank reached the rendezvous."""
+
+
+def _meet_at_rendezvous(poll: float = 0.02) -> None:
+    """Wait until every rank of the round has reached the Gloo rendezvous, before
+    ``hvd.init()``: an elastic job runs Gloo with a short timeout (the launcher's
+    ELASTIC_GLOO_TIMEOUT), which would otherwise also bound how long a rank waits for a
+    peer still starting (importing MXNet takes seconds). Each rank stores a key in the
+    rendezvous' own store (dist_gluon.launch.rendezvous) and waits for all of them.
+    Raises RoundEnded when the launcher ends the round meanwhile (a peer was lost)."""
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return
+    rank, size = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
+    # the C++ client's URL form, token included (see rendezvous.py)
+    base = f"http://{addr}:{port}/dg_ready"
+    request = urllib.request.Request(f"{base}/{rank}", data=b"1", method="PUT")
+    urllib.request.urlopen(request, timeout=10).close()
+    reporter = jobcontrol.reporter()
+    current = int(os.environ.get("DG_RESTART", "0") or 0)
+    waiting = set(range(size)) - {rank}
+    while waiting:
+        for peer in sorted(waiting):
+            try:
+                urllib.request.urlopen(f"{base}/{peer}", timeout=10).close()
+                waiting.discard(peer)
+            except (urllib.error.URLError, OSError):
+                break
+        if not waiting:
+            return
+        ended = reporter.round_aborted() if reporter is not None else None
+        if ended is not None and ended >= current:
+            raise RoundEnded(f"round {current} ended before ranks "
+                             f"{', '.join(map(str, sorted(waiting)))} reached its rendezvous")
+        time.sleep(poll)
+
+
 def started_by_horovod(environ=os.environ) -> bool:
     """True when this process was started for horovod: by horovodrun, mpirun or
     ``srun --mpi=pmix``, or by ``dist_gluon.launch --backend horovod``.
@@ -105,6 +148,8 @@ class Horovod(Backend):
         super().__init__()
 
     def _init(self) -> None:
+        if os.environ.get("DG_ELASTIC") == "1":
+            _meet_at_rendezvous()
         before = set(_socket_links().values())
         self._hvd.init()
         # Gloo connects every pair of ranks inside hvd.init(): what opened there is its

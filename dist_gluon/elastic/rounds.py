@@ -32,6 +32,7 @@ import threading
 import time
 
 from .. import jobcontrol
+from ..backends.horovod import RoundEnded
 from .state import HostsUpdatedInterrupt, State
 
 # what a collective that lost its peers says (horovod's shutdown after a Gloo error)
@@ -69,18 +70,24 @@ class _Session:
             ended is not None and ended >= self.round)
 
     def next_round(self) -> None:
-        """Wait for the launcher to hand this worker its next round, and join it."""
-        self.reporter.park(self.round)
+        """Wait for the launcher to hand this worker its next round, and join it (or
+        the one after, if that round ends before all its ranks met)."""
         while True:
-            handed = self.reporter.next_round()
-            if handed is not None and handed[0] > self.round:
-                break
-            time.sleep(_WATCH_EVERY)
-        number, environ = handed
-        with self._lock:
-            self.reporter.entered_round()
-            self.state.kv._reform(environ)
-            self.round = number
+            self.reporter.park(self.round)
+            while True:
+                handed = self.reporter.next_round()
+                if handed is not None and handed[0] > self.round:
+                    break
+                time.sleep(_WATCH_EVERY)
+            number, environ = handed
+            with self._lock:
+                self.reporter.entered_round()
+                self.round = number
+                try:
+                    self.state.kv._reform(environ)
+                    return
+                except RoundEnded:
+                    continue            # horovod was not initialised: wait again
 
 
 def _session(state: State) -> _Session | None:

@@ -18,6 +18,13 @@ from .protocol import RoundSpec
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 KEPT_GRACE = 1.0        # seconds from SIGTERM to SIGKILL for what a kept round ends
+# Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS) in elastic horovod jobs: how long a
+# collective may wait for a peer. A survivor's horovod thread can be left waiting in a
+# Gloo send to a peer that vanished, which no broken socket wakes (measured: the whole
+# default 30 s); joining the next round in the same process waits for that thread.
+# Every worker of such a job first meets the others at the rendezvous
+# (dist_gluon.backends.horovod), so hvd.init() itself never waits for a slow starter.
+ELASTIC_GLOO_TIMEOUT = 5
 # --compat byteps: stand-ins for the peers' packages (dist_gluon/compat/_shims), first on
 # the workers' PYTHONPATH, so that an unchanged `import byteps.mxnet` finds
 # dist_gluon.compat.byteps
@@ -174,7 +181,9 @@ class Node:
             horovod = jobenv.horovod_worker_env(
                 addr, spec.rendezvous_port, iface, label, **layout._asdict(),
                 rendezvous_token=secret.rendezvous_token(self.config.job_secret,
-                                                         spec.to_wire()))
+                                                         spec.to_wire()),
+                timeout_seconds=ELASTIC_GLOO_TIMEOUT if spec.elastic
+                and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in base else None)
             if local_rank in kept:
                 self._adopt(kept, base, local_rank, horovod)
                 continue
