@@ -51,6 +51,9 @@ def _load():
 
 
 def __getattr__(name):
+    if name == "elastic":       # the subpackage (State, run), as dg.elastic.State
+        _load()
+        return importlib.import_module(".elastic", __name__)
     if name in _PUBLIC:
         _load()
         return globals()[name]

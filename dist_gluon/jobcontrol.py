@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import json
 import mmap
 import os
 import signal
@@ -85,7 +86,16 @@ _CONTROL_AT = _RING_AT + _RING * _KEY_BYTES
 _STOP_AT, _ACK_AT = _CONTROL_AT, _CONTROL_AT + 4          # uint32 each
 _SAVES_AT = _CONTROL_AT + 8                                # uint64
 _SAVED_EPOCH_AT, _SAVED_STEP_AT = _CONTROL_AT + 16, _CONTROL_AT + 24   # int64 each
-RECORD_SIZE = _CONTROL_AT + 32
+# elastic jobs whose workers keep their processes through a re-formation
+# (dist_gluon.elastic.run): the worker says it does (keeps) and when it waits for its
+# next round (parked: the round it left + 1); the launcher ends the worker's round
+# (abort: that round + 1, the worker then breaks its pending collectives) and hands it
+# the next one (round: its number + 1, and the environment it brings as JSON)
+_KEEPS_AT, _PARKED_AT = _CONTROL_AT + 32, _CONTROL_AT + 36              # uint32 each
+_ABORT_AT, _ROUND_AT = _CONTROL_AT + 40, _CONTROL_AT + 44               # uint32 each
+_ROUND_LEN_AT = _CONTROL_AT + 48                                        # uint32
+_ROUND_DATA_AT, _ROUND_BYTES = _CONTROL_AT + 52, 8192
+RECORD_SIZE = _ROUND_DATA_AT + _ROUND_BYTES
 # stop requests with a meaning of their own (the launcher numbers its requests from 1):
 # the worker got SIGTERM itself, or the launcher is ending the worker
 SIGNALLED, TERMINATING = 0xFFFFFFFE, 0xFFFFFFFF
@@ -187,6 +197,33 @@ class Record:
         return (_I64.unpack_from(self._map, _SAVED_EPOCH_AT)[0],
                 _I64.unpack_from(self._map, _SAVED_STEP_AT)[0])
 
+    @property
+    def keeps(self) -> bool:
+        """The worker keeps its process through a re-formation (dist_gluon.elastic.run)."""
+        return bool(_U32.unpack_from(self._map, _KEEPS_AT)[0])
+
+    @property
+    def parked(self) -> int | None:
+        """The round the worker left and now waits after (between rounds), or None."""
+        value = _U32.unpack_from(self._map, _PARKED_AT)[0]
+        return value - 1 if value else None
+
+    @property
+    def aborted(self) -> int | None:
+        """The last round the launcher ended for this worker, or None."""
+        value = _U32.unpack_from(self._map, _ABORT_AT)[0]
+        return value - 1 if value else None
+
+    def next_round(self) -> tuple[int, dict] | None:
+        """The round the launcher handed this worker: (its number, the environment
+        variables it sets), or None."""
+        number = _U32.unpack_from(self._map, _ROUND_AT)[0]
+        if not number:
+            return None
+        length = _U32.unpack_from(self._map, _ROUND_LEN_AT)[0]
+        data = bytes(self._map[_ROUND_DATA_AT:_ROUND_DATA_AT + length])
+        return number - 1, json.loads(data.decode("utf-8"))
+
     def snapshot(self) -> dict:
         """Everything a launcher reports about this rank, as plain values."""
         count = self.count
@@ -202,6 +239,36 @@ class Record:
     def request_stop(self, number: int) -> None:
         """Launcher side: ask the worker to stop at its next step boundary."""
         _U32.pack_into(self._map, _STOP_AT, number)
+
+    def end_round(self, number: int) -> None:
+        """Launcher side: round ``number`` is over for a worker that keeps its process;
+        it breaks the collectives still pending and waits for its next round."""
+        _U32.pack_into(self._map, _ABORT_AT, number + 1)
+
+    def hand_round(self, number: int, environ: dict[str, str]) -> None:
+        """Launcher side: the worker's next round, ``number``, with the environment
+        variables that place it there (rank, world, rendezvous). Its stop request and
+        acknowledgement of the round before are cleared first."""
+        data = json.dumps(environ).encode("utf-8")
+        if len(data) > _ROUND_BYTES:
+            raise ValueError(f"a round's environment takes {len(data)} bytes, more than "
+                             f"the record's {_ROUND_BYTES}")
+        _U32.pack_into(self._map, _STOP_AT, 0)
+        _U32.pack_into(self._map, _ACK_AT, 0)
+        self._map[_ROUND_DATA_AT:_ROUND_DATA_AT + len(data)] = data
+        _U32.pack_into(self._map, _ROUND_LEN_AT, len(data))
+        _U32.pack_into(self._map, _ROUND_AT, number + 1)
+
+    def _keep(self) -> None:
+        _U32.pack_into(self._map, _KEEPS_AT, 1)
+
+    def _park(self, number: int | None) -> None:
+        _U32.pack_into(self._map, _PARKED_AT, 0 if number is None else number + 1)
+
+    def _new_round(self) -> None:
+        """The worker entered its next round: its collectives count from 0 again, as
+        every new process of that round does."""
+        _U64.pack_into(self._map, _COUNT_AT, 0)
 
     def _acknowledge_stop(self) -> None:
         _U32.pack_into(self._map, _ACK_AT, 1)
@@ -296,6 +363,30 @@ class Reporter:
     def stop_acknowledged(self) -> None:
         """Every rank agreed to stop here: the launcher re-forms the job once they exit."""
         self._record._acknowledge_stop()
+
+    def keep_process(self) -> None:
+        """This worker keeps its process through a re-formation (dist_gluon.elastic.run):
+        the launcher ends its round and hands it the next instead of ending it."""
+        self._record._keep()
+
+    def park(self, number: int | None) -> None:
+        """The worker left round ``number`` and waits for its next (None: it is in a
+        round again)."""
+        self._record._park(number)
+
+    def round_aborted(self) -> int | None:
+        """The last round the launcher ended for this worker, or None."""
+        return self._record.aborted
+
+    def next_round(self) -> tuple[int, dict] | None:
+        """The newest round the launcher handed this worker, or None."""
+        return self._record.next_round()
+
+    def entered_round(self) -> None:
+        """The worker joined its next round's collectives."""
+        with self._lock:
+            self._record._new_round()
+        self._record._park(None)
 
     def checkpoint_saved(self, epoch: int, step: int) -> None:
         """A checkpoint of (epoch, step) is on disk (called by dist_gluon.Checkpointer)."""

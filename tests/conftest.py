@@ -103,7 +103,8 @@ def launcher(backend: str, script, *args, n: int = 2) -> list[str]:
 # environments.
 _SLOW_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_packaging.py", "test_examples.py", "test_pslite_job.py",
-               "test_async.py", "test_server_hosts.py", "test_node0_loss.py"}
+               "test_async.py", "test_server_hosts.py", "test_node0_loss.py",
+               "test_elastic_memory.py"}
 _SLOW_PARAMETERS = {"dist_sync", "p3", "mpi", "dist_async"}
 
 
@@ -121,7 +122,7 @@ def _slow_parameter(value) -> bool:
 # the machine's namespaces, bridges and the ports they give the launchers.
 _HOST_FILES = {"test_multinode.py", "test_emulated_cluster.py", "test_mpi.py",
                "test_elastic.py", "test_node0_loss.py", "test_output.py",
-               "test_server_hosts.py"}
+               "test_server_hosts.py", "test_elastic_memory.py"}
 
 
 # The groups handed out first, the longest first (the seconds per file that every run

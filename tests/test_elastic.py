@@ -47,6 +47,8 @@ def cluster():
 class ElasticJob:
     """One elastic job's launchers on the cluster's hosts, started one by one."""
 
+    script = SCRIPT
+
     def __init__(self, cluster, directory: Path, backend: str):
         self.cluster, self.dir, self.backend = cluster, directory, backend
         self.port = str(next(_ports))
@@ -66,7 +68,7 @@ class ElasticJob:
                 "--master-port", self.port, "-n", "1", "--backend", self.backend,
                 "--max-restarts", "3", "--heartbeat", "0.3", "--silence-limit", "3",
                 "--last-call", "2", "--preempt-grace", "60",
-                "--", sys.executable, str(SCRIPT), str(self.dir), *script_args]
+                "--", sys.executable, str(self.script), str(self.dir), *script_args]
         log = self.dir / f"node{host}-{len(self.logs.get(host, []))}.log"
         proc = self.cluster.popen(host, argv, cwd=self.dir, env=env, text=True,
                                   stdout=open(log, "w"), stderr=subprocess.STDOUT)

@@ -408,6 +408,24 @@ class Backend(KVStoreBase):
         raise NotImplementedError(
             f"the {self.type} backend holds no optimizer state; use trainer.load_states")
 
+    # ------------------------------------------------------------ re-formation
+    def _can_reform(self) -> bool:
+        """Whether this process can join the job's next round in place (_reform)."""
+        return False
+
+    def _abort(self) -> None:
+        """Break the collectives pending in this process (the launcher ended the round);
+        see dist_gluon.elastic. Only a backend that can re-form in place does anything."""
+
+    def _leave(self) -> None:
+        """Leave the round cleanly, every rank at the same point (a planned
+        re-formation); see dist_gluon.elastic."""
+
+    def _reform(self, environ: dict[str, str]) -> None:
+        """Join the next round of the job in this process, placed by ``environ``."""
+        raise NotImplementedError(
+            f"the {self.type} backend cannot join another round in the same process")
+
     # ------------------------------------------------------------ shutdown
     def _atexit(self) -> None:
         """Finish communication still in flight before the interpreter tears down

@@ -10,10 +10,16 @@ mxnet or horovod.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import time
+import urllib.error
+import urllib.request
 
 import mxnet as mx
 
+from .. import jobcontrol
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
@@ -50,6 +56,62 @@ def _tune_openmpi(environ=os.environ) -> None:
         environ.setdefault(name, value)
 
 
+def _socket_links() -> dict[int, str]:
+    """This process's open sockets: descriptor -> "socket:[inode]"."""
+    links = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return links
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            links[int(name)] = link
+    return links
+
+
+class RoundEnded(RuntimeError):
+    """The launcher ended this round before every rank reached the rendezvous."""
+
+
+def _meet_at_rendezvous(poll: float = 0.02) -> None:
+    """Wait until every rank of the round has reached the Gloo rendezvous, before
+    ``hvd.init()``: an elastic job runs Gloo with a short timeout (the launcher's
+    ELASTIC_GLOO_TIMEOUT), which would otherwise also bound how long a rank waits for a
+    peer still starting (importing MXNet takes seconds). Each rank stores a key in the
+    rendezvous' own store (dist_gluon.launch.rendezvous) and waits for all of them.
+    Raises RoundEnded when the launcher ends the round meanwhile (a peer was lost)."""
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return
+    rank, size = int(os.environ.get("HOROVOD_RANK", 0)), int(os.environ.get("HOROVOD_SIZE", 1))
+    # the C++ client's URL form, token included (see rendezvous.py)
+    base = f"http://{addr}:{port}/dg_ready"
+    request = urllib.request.Request(f"{base}/{rank}", data=b"1", method="PUT")
+    urllib.request.urlopen(request, timeout=10).close()
+    reporter = jobcontrol.reporter()
+    current = int(os.environ.get("DG_RESTART", "0") or 0)
+    waiting = set(range(size)) - {rank}
+    while waiting:
+        for peer in sorted(waiting):
+            try:
+                urllib.request.urlopen(f"{base}/{peer}", timeout=10).close()
+                waiting.discard(peer)
+            except (urllib.error.URLError, OSError):
+                break
+        if not waiting:
+            return
+        ended = reporter.round_aborted() if reporter is not None else None
+        if ended is not None and ended >= current:
+            raise RoundEnded(f"round {current} ended before ranks "
+                             f"{', '.join(map(str, sorted(waiting)))} reached its rendezvous")
+        time.sleep(poll)
+
+
 def started_by_horovod(environ=os.environ) -> bool:
     """True when this process was started for horovod: by horovodrun, mpirun or
     ``srun --mpi=pmix``, or by ``dist_gluon.launch --backend horovod``.
@@ -76,11 +138,60 @@ class Horovod(Backend):
 
     def __init__(self):
         self._hvd = _import_horovod()
+        # the sockets of this process's Gloo contexts (their /proc link names), which
+        # _abort breaks
+        self._gloo_sockets: frozenset[str] = frozenset()
         if not self._hvd.is_initialized():
             report_connect(self._type)
             _tune_openmpi()
-            self._hvd.init()
+            self._init()
         super().__init__()
+
+    def _init(self) -> None:
+        if os.environ.get("DG_ELASTIC") == "1":
+            _meet_at_rendezvous()
+        before = set(_socket_links().values())
+        self._hvd.init()
+        # Gloo connects every pair of ranks inside hvd.init(): what opened there is its
+        self._gloo_sockets = frozenset(set(_socket_links().values()) - before)
+
+    def _can_reform(self) -> bool:
+        # over Gloo, with a rendezvous the launcher renews each round; MPI's world is
+        # fixed once the processes start
+        return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
+    def _abort(self) -> None:
+        """Break every collective pending on this process's Gloo connections: their
+        sockets are shut down, so horovod's background thread fails at once (and so do
+        the peers reading from them) instead of waiting out Gloo's timeout for a peer
+        that is gone. Called from another thread than the one blocked in the engine."""
+        for fd, link in _socket_links().items():
+            if link not in self._gloo_sockets:
+                continue
+            try:
+                with socket.socket(fileno=os.dup(fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _leave(self) -> None:
+        """Shut horovod down on every rank together: each rank's request reaches the
+        others through horovod's own negotiation, so no collective is left waiting."""
+        self._hvd.shutdown()
+
+    def _reform(self, environ: dict[str, str]) -> None:
+        """Leave this round's horovod and join the next one in the same process:
+        ``hvd.shutdown()``, the next round's HOROVOD_* variables (rank, size, Gloo
+        rendezvous), ``hvd.init()``, as horovod's elastic mode does for PyTorch."""
+        self._hvd.shutdown()
+        os.environ.update(environ)
+        self._in_flight.clear()
+        report_connect(self._type)
+        self._init()
+        # hvd.init() registered horovod's shutdown at exit again: ours must run first
+        # (it finishes what is in flight and waits for the launcher's verdict)
+        atexit.unregister(self._atexit)
+        atexit.register(self._atexit)
 
     @property
     def rank(self) -> int:

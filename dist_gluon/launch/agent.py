@@ -84,6 +84,7 @@ class Agent:
         self._join_deadline = time.monotonic() + config.join_timeout
         self._backoff = Backoff()
         self._welcomed = False          # the host took this node in on the current link
+        self.kept: Node | None = None   # this node's processes kept for the next round
 
     @property
     def master_at(self) -> str:
@@ -143,6 +144,7 @@ class Agent:
             self.out.say(str(err))
             return 1
         finally:
+            self._end_kept()
             if link is not None:
                 link.close()
             if listener is not None:
@@ -181,6 +183,11 @@ class Agent:
         return NotAdmitted(f"the job's host at {self.master_at} {how} before it took this "
                            "node in (too busy to read its hello in time, or gone)")
 
+    def _end_kept(self) -> None:
+        if self.kept is not None:
+            self.kept.terminate()
+            self.kept = None
+
     # ------------------------------------------------------------------ succession
     def _lost(self, link: Link) -> HostLost | None:
         """The host's loss, to elect the next one; None when this node cannot."""
@@ -216,7 +223,8 @@ class Agent:
         host = dataclasses.replace(config, master_addr=self.addr, master_port=listener.port)
         takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
                                        listener)
-        return Master(host, self.out, self.preemption, takeover).run()
+        kept, self.kept = self.kept, None
+        return Master(host, self.out, self.preemption, takeover, kept).run()
 
     def _idle(self, link: Link) -> int:
         """Between rounds: wait for a start (or the end), beating and watching."""
@@ -303,12 +311,17 @@ class Agent:
     def _round(self, spec: RoundSpec, link: Link) -> tuple[int, bool]:
         """Run one round of this node's processes: (exit status, whether another round
         follows)."""
-        node = Node(self.config, spec.nodes.index(self.config.node_rank), spec)
+        node = Node(self.config, spec.nodes.index(self.config.node_rank), spec, self.kept)
+        self.kept = None
         grace = TERM_GRACE
         try:
             node.start()
             return self._watch(node, link)
         except HostLost:
+            if spec.backend == "horovod" and spec.transport == "gloo" and node.keeps():
+                # they go on under the next host (dist_gluon.elastic.run)
+                node.end_round()
+                self.kept = node
             # workers blocked in a collective with the lost host run no handler
             grace = KILL_GRACE
             raise
@@ -317,7 +330,8 @@ class Agent:
                          "this node's processes")
             return 128 + stop.signum, False
         finally:
-            node.terminate(grace)
+            if self.kept is not node:
+                node.terminate(grace)
 
     def _watch(self, node: Node, link: Link) -> tuple[int, bool]:
         """Report this node's ranks to node 0 and carry out what it asks, until the
@@ -376,7 +390,12 @@ class Agent:
                                  if terminated else message.report)
                 # the host waits for Stopped while this node is heard from
                 with Beating([link], config.heartbeat, Idle()):
-                    node.terminate(TERM_GRACE if message.grace is None else message.grace)
+                    if message.keep and message.again:
+                        node.end_round()
+                        self.kept = node
+                    else:
+                        node.terminate(TERM_GRACE if message.grace is None
+                                       else message.grace)
                 link.send(Stopped())
                 if message.handover:
                     if self._told or not succession.can_succeed(self.config, self.spec):

@@ -28,7 +28,7 @@ class Master:
     this node's address and port as the master's."""
 
     def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
-                 takeover: Takeover | None = None):
+                 takeover: Takeover | None = None, kept: Node | None = None):
         self.config, self.out, self.preemption = config, out, preemption
         self.takeover = takeover
         self.formation = Formation(config, out, preemption,
@@ -38,6 +38,8 @@ class Master:
         self.listen_addr = ""
         # the node ranks of the last round, when each node knows every other's address
         self.last_formation: tuple[int, ...] = ()
+        # this node's processes of the round before, kept for the next (keep_workers)
+        self.kept = kept
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -46,6 +48,8 @@ class Master:
             self.listen_addr = channel.listen_address(config.master_addr)
             status = self._take_over()
             if status is not None:
+                if self.kept is not None:
+                    self.kept.terminate()
                 self.formation.close()
                 return status
         elif config.several_nodes:
@@ -73,6 +77,8 @@ class Master:
                     return status
                 self.ledger.runs += 1
         finally:
+            if self.kept is not None:
+                self.kept.terminate()
             self.formation.close()
 
     def _standing(self) -> Standing:
@@ -122,7 +128,8 @@ class Master:
         ledger.reformations += 1
         formation.admit_waiting()
         news = "\n".join(r for r in (decision.report, took,
-                                     policy.formation_news(end, self._standing(), True))
+                                     policy.formation_news(end, self._standing(), True,
+                                                           keep=self.kept is not None))
                          if r)
         self.out.say(news)
         channel.broadcast([p.link for p in formation.members.values()], News(news))
@@ -150,7 +157,8 @@ class Master:
             rendezvous_port=port if horovod else None,
             scheduler_port=None if horovod else port,
             addresses=addresses,
-            restarts=self.ledger.restarts if addresses else None)
+            restarts=self.ledger.restarts if addresses else None,
+            keep=True if self.kept is not None else None)
         return spec, policy.round_problem(slots, servers, config.backend)
 
     def _round(self, spec: RoundSpec, deadline: float | None) -> int | None:
@@ -167,7 +175,7 @@ class Master:
                                                               spec.to_wire()),
                 self.out.say)
             rendezvous.start()
-        node = Node(config, 0, spec)
+        node, self.kept = Node(config, 0, spec, self.kept), None
         self.last_formation = tuple(spec.nodes) if spec.addresses else ()
         links = {n: p.link for n, p in formation.members.items()}
         view = JobView(node, links, self.out)
@@ -187,7 +195,8 @@ class Master:
                            f"interrupted by {signal.Signals(stop.signum).name}")
         finally:
             decision, end = self._decide(end, tuple(view.preempted))
-            unconfirmed = self._end_round(node, end, decision)
+            keep = keep_workers(config, spec, end, decision, view.states())
+            unconfirmed = self._end_round(node, end, decision, keep)
             if rendezvous is not None:
                 rendezvous.stop()
         if decision.handover:
@@ -214,9 +223,11 @@ class Master:
             self.ledger.restarts += 1
         return decision, end
 
-    def _end_round(self, node: Node, end: RoundEnd, decision: Decision) -> list[int]:
-        """Tell every node how the round ends, end this node's processes and wait for
-        the others' to end; the nodes that did not confirm."""
+    def _end_round(self, node: Node, end: RoundEnd, decision: Decision,
+                   keep: bool = False) -> list[int]:
+        """Tell every node how the round ends, end this node's processes (``keep``: but
+        its workers that keep theirs, for the next round) and wait for the others' to
+        end; the nodes that did not confirm."""
         config, formation = self.config, self.formation
         terminated = policy.terminated(end, decision)
         grace = policy.kill_grace(end, decision, config.elastic)
@@ -225,7 +236,8 @@ class Master:
                 peer.link.send(End(0, False, decision.leaving[n]))
             else:
                 peer.link.send(End(decision.status, decision.again, decision.report,
-                                   terminated, grace, decision.handover or None))
+                                   terminated, grace, decision.handover or None,
+                                   keep or None))
         if decision.report:
             self.out.say(decision.report + "\nterminated the rest of the job." if terminated
                          else decision.report)
@@ -237,7 +249,11 @@ class Master:
                      + [p.link for p in formation.waiting.values()], config.heartbeat, Tick()):
             # ending processes can take longer than --silence-limit (SIGTERM, then
             # SIGKILL after the grace): the other nodes go on hearing from the host
-            node.terminate(grace)
+            if keep:
+                node.end_round()
+                self.kept = node
+            else:
+                node.terminate(grace)
             unconfirmed = _wait_stopped({n: p.link for n, p in formation.members.items()
                                          if n not in gone}, self.out,
                                         config.silence_limit if config.elastic
@@ -281,10 +297,23 @@ class Master:
         changed = set(formation.members) != before
         if changed:
             self.ledger.reformations += 1
-        message = policy.formation_news(end, self._standing(), changed)
+        message = policy.formation_news(end, self._standing(), changed,
+                                        keep=self.kept is not None)
         self.out.say(message)
         channel.broadcast([p.link for p in formation.members.values()], News(message))
         return None
+
+
+def keep_workers(config: LaunchConfig, spec: RoundSpec, end: RoundEnd,
+                 decision: Decision, states: list[dict]) -> bool:
+    """Whether the next round keeps the workers' processes: an elastic horovod job over
+    Gloo whose every worker runs under dist_gluon.elastic.run (its record says so)
+    re-forms around the live ones after a lost node, a failed rank or a planned change;
+    new workers then get the state from them. Other jobs restart every worker."""
+    return bool(config.elastic and decision.again and not decision.handover
+                and spec.backend == "horovod" and spec.transport == "gloo"
+                and end.outcome in (Outcome.LOST, Outcome.FAILED, Outcome.STOPPED)
+                and states and all(s.get("keeps") for s in states))
 
 
 def _wait_stopped(links: dict[int, Link], out, timeout: float, preempted: list[int],

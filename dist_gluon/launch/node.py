@@ -18,6 +18,14 @@ from .processes import TERM_GRACE, Process, terminate
 from .protocol import RoundSpec
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
+KEPT_GRACE = 1.0        # seconds from SIGTERM to SIGKILL for what a kept round ends
+# Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS) in elastic horovod jobs: how long a
+# collective may wait for a peer. A survivor's horovod thread can be left waiting in a
+# Gloo send to a peer that vanished, which no broken socket wakes (measured: the whole
+# default 30 s); joining the next round in the same process waits for that thread.
+# Every worker of such a job first meets the others at the rendezvous
+# (dist_gluon.backends.horovod), so hvd.init() itself never waits for a slow starter.
+ELASTIC_GLOO_TIMEOUT = 5
 # --compat byteps: stand-ins for the peers' packages (dist_gluon/compat/_shims), first on
 # the workers' PYTHONPATH, so that an unchanged `import byteps.mxnet` finds
 # dist_gluon.compat.byteps
@@ -45,18 +53,25 @@ class Node:
     ``spec`` is what node 0 decided for this run, the same on every node
     (:class:`~dist_gluon.launch.protocol.RoundSpec`); ``node_rank`` is this node's
     position in the formation; ``config`` this launcher's settings (the worker command,
-    --iface, the job secret).
+    --iface, the job secret). ``kept``: the node's processes of the round before, kept
+    through the re-formation (:meth:`end_round`): its live workers that keep their
+    process (dist_gluon.elastic.run) are handed this round in place of new ones.
     """
 
-    def __init__(self, config: LaunchConfig, node_rank: int, spec: RoundSpec):
+    def __init__(self, config: LaunchConfig, node_rank: int, spec: RoundSpec,
+                 kept: Node | None = None):
         self.config, self.node_rank, self.spec = config, node_rank, spec
         self.host = socket.gethostname()
         self.processes: list[Process] = []
         self._records: dict[int, jobcontrol.Record] = {}
+        self._stacks_files: dict[int, str] = {}
         self._stack_offsets: dict[int, int] = {}
         self._control_dir = tempfile.mkdtemp(prefix="dg-control-",
                                               dir="/dev/shm" if os.path.isdir("/dev/shm")
                                               else None)
+        # a kept worker's record stays in its first round's directory
+        self._dirs = [self._control_dir] + (kept._dirs if kept is not None else [])
+        self._kept = kept
 
     @property
     def nproc(self) -> int:
@@ -90,18 +105,72 @@ class Node:
         if base.get(COMPAT_ENV):
             base["PYTHONPATH"] = os.pathsep.join(
                 p for p in (_COMPAT_SHIMS, base.get("PYTHONPATH")) if p)
-        if spec.backend == "horovod":
-            self._start_horovod(base)
-        else:
-            self._start_pslite(base)
+        if spec.keep:
+            # the new workers of a round that keeps the others get their state from them
+            base["DG_ELASTIC_HEAL"] = "1"
+        kept, self._kept = self._adoptable(), None
+        try:
+            if spec.backend == "horovod":
+                self._start_horovod(base, kept)
+            else:
+                self._start_pslite(base)
+        finally:
+            terminate([p for p, _, _ in kept.values()], KEPT_GRACE)
 
     def _worker_env(self, base, local_rank):
         rank = self.first_rank + local_rank
         path = jobcontrol.create_record(self._control_dir, rank)
         self._records[rank] = jobcontrol.Record(path)
+        self._stacks_files[rank] = jobcontrol.stacks_path(self._control_dir, rank)
         return rank, dict(base, DG_RANK=str(rank), DG_LOCAL_RANK=str(local_rank))
 
-    def _start_horovod(self, base):
+    # ------------------------------------------------------------------ kept workers
+    def _adoptable(self) -> dict[int, tuple[Process, jobcontrol.Record, str]]:
+        """The kept round's live workers that keep their process, by local rank; its
+        other processes end (ps-lite's services, a worker that failed)."""
+        kept = self._kept
+        if kept is None:
+            return {}
+        found, rest = {}, []
+        for p in kept.processes:
+            record = kept._records.get(p.rank) if p.role == "worker" else None
+            if record is not None and p.returncode is None and record.attached \
+                    and record.keeps and record.exception is None:
+                found[p.local_rank] = (p, record, kept._stacks_files[p.rank])
+            else:
+                rest.append(p)
+        terminate(rest, KEPT_GRACE)
+        return found
+
+    def _adopt(self, kept, base, local_rank: int, environ: dict) -> None:
+        """Hand a kept worker this round: its rank, and the round's variables."""
+        p, record, stacks = kept.pop(local_rank)
+        rank = self.first_rank + local_rank
+        env = {k: v for k, v in base.items() if k.startswith("DG_")
+               and k not in (jobcontrol.ENV_DIR, "DG_ELASTIC_HEAL")}
+        env.update(environ, DG_RANK=str(rank), DG_LOCAL_RANK=str(local_rank))
+        p.rank, p.label = rank, str(rank)
+        self._records[rank], self._stacks_files[rank] = record, stacks
+        self.processes.append(p)
+        record.hand_round(self.spec.restart, env)
+
+    def end_round(self) -> None:
+        """End the round for workers that keep their process: they break the round's
+        pending collectives, go back to their last commit and wait for the next round
+        (dist_gluon.elastic.run). The node's other processes end."""
+        others = [p for p in self.processes if p.role != "worker"
+                  or not self._records[p.rank].keeps]
+        terminate(others, KEPT_GRACE)
+        for p in self.workers:
+            if p.returncode is None and self._records[p.rank].keeps:
+                self._records[p.rank].end_round(self.spec.restart)
+
+    def keeps(self) -> bool:
+        """Whether this node's live workers all keep their processes."""
+        live = [p for p in self.workers if p.returncode is None]
+        return bool(live) and all(self._records[p.rank].keeps for p in live)
+
+    def _start_horovod(self, base, kept):
         spec = self.spec
         if spec.transport == "mpi":
             mpi.start(self, base)
@@ -116,13 +185,20 @@ class Node:
             iface = self.config.iface or _gloo_iface(addr)
             label = self.host
         for local_rank in range(nproc):
-            rank, env = self._worker_env(base, local_rank)
             layout = jobenv.worker_layout([nproc] * nnodes, self.node_rank, local_rank)
-            env.update(jobenv.horovod_worker_env(
+            horovod = jobenv.horovod_worker_env(
                 addr, spec.rendezvous_port, iface, label, **layout._asdict(),
                 rendezvous_token=secret.rendezvous_token(self.config.job_secret,
-                                                         spec.to_wire())))
+                                                         spec.to_wire()),
+                timeout_seconds=ELASTIC_GLOO_TIMEOUT if spec.elastic
+                and "HOROVOD_GLOO_TIMEOUT_SECONDS" not in base else None)
+            if local_rank in kept:
+                self._adopt(kept, base, local_rank, horovod)
+                continue
+            rank, env = self._worker_env(base, local_rank)
+            env.update(horovod)
             self._spawn(str(rank), "worker", rank, list(self.config.command), env)
+            self.processes[-1].local_rank = local_rank
 
     def _start_pslite(self, base):
         spec = self.spec
@@ -192,6 +268,8 @@ class Node:
                 "key_next": record.key(hint + 1) if attached else None,
                 "key_last": record.key(count) if attached else None,
                 "acked": attached and record.stop_acknowledged,
+                "keeps": attached and record.keeps,
+                "parked": attached and record.parked is not None,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
             })
@@ -233,7 +311,7 @@ class Node:
         for p in self.workers:
             record = self._records[p.rank]
             if p.rank in ranks and record.attached and p.returncode is None:
-                path = jobcontrol.stacks_path(self._control_dir, p.rank)
+                path = self._stacks_files[p.rank]
                 self._stack_offsets[p.rank] = os.path.getsize(path)
                 try:
                     os.kill(record.pid, jobcontrol.stacks_signal())
@@ -244,7 +322,7 @@ class Node:
             time.sleep(STACKS_WAIT)
         found = {}
         for rank in asked:
-            with open(jobcontrol.stacks_path(self._control_dir, rank)) as f:
+            with open(self._stacks_files[rank]) as f:
                 f.seek(self._stack_offsets[rank])
                 found[rank] = f.read()
         return found
@@ -255,7 +333,8 @@ class Node:
         # from their launcher it means now
         self.request_stop(jobcontrol.TERMINATING)
         terminate(self.processes, grace)
-        shutil.rmtree(self._control_dir, ignore_errors=True)
+        for directory in self._dirs:
+            shutil.rmtree(directory, ignore_errors=True)
 
     def interrupt(self) -> None:
         for p in self.processes:

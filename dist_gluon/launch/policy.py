@@ -231,9 +231,11 @@ def kill_grace(end: RoundEnd, decision: Decision, elastic: bool) -> float:
     return TERM_GRACE
 
 
-def formation_news(end: RoundEnd, job: Standing, changed: bool) -> str:
-    """What every node says as the next round starts; ``job`` is the new formation."""
-    where = checkpoint_text(job.checkpoint)
+def formation_news(end: RoundEnd, job: Standing, changed: bool, keep: bool = False) -> str:
+    """What every node says as the next round starts; ``job`` is the new formation;
+    ``keep``: the workers keep their processes and state (dist_gluon.elastic.run)."""
+    where = ("the workers' last commit in memory (their processes stay; new workers get "
+             "the state from them)" if keep else checkpoint_text(job.checkpoint))
     if not job.elastic:
         return f"restarting the job on every node ({job.restarts} of {job.max_restarts})"
     used = (f"restart {job.restarts} of at most {job.max_restarts}"

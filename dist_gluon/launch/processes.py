@@ -42,6 +42,7 @@ class Process:
     def __init__(self, label: str, role: str, rank: int | None, argv, env,
                  stdin=subprocess.DEVNULL):
         self.label, self.role, self.rank = label, role, rank
+        self.local_rank: int | None = None      # a worker's, on its node
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.ended_at: float | None = None      # time.time() when it ended
         self.popen = subprocess.Popen(argv, env=env, stdin=stdin,
@@ -59,11 +60,12 @@ class Process:
         threading.Thread(target=self._wait, daemon=True).start()
 
     def _relay(self, pipe, to_stderr: bool, keep_tail: bool):
-        prefix = f"[{self.label}] " if self.label else ""
         for raw in iter(pipe.readline, b""):
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if keep_tail:
                 self.tail.append(line)
+            # read per line: a worker kept through a re-formation takes its new rank
+            prefix = f"[{self.label}] " if self.label else ""
             output.emit(prefix + line + "\n", to_stderr)
         pipe.close()
 

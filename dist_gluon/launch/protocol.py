@@ -56,7 +56,9 @@ class RoundSpec:
     ``scheduler_port``. An elastic round lists every node's ``addresses`` (in order: the
     address the others reach it at and the port its launcher would host the job on) and
     the ``restarts`` used of --max-restarts, so that the nodes that lose the host can
-    elect the next one and go on (policy.successor).
+    elect the next one and go on (policy.successor). ``keep``: the workers of the round
+    before keep their processes (dist_gluon.elastic.run) and are handed this round; the
+    new ones get their state from them.
     """
 
     backend: str
@@ -76,6 +78,7 @@ class RoundSpec:
     scheduler_port: int | None = None
     addresses: list[list] | None = None
     restarts: int | None = None
+    keep: bool | None = None
 
     @property
     def host(self) -> int:
@@ -93,7 +96,7 @@ class RoundSpec:
 
     def to_wire(self) -> dict[str, Any]:
         wire = dataclasses.asdict(self)
-        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts"):
+        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts", "keep"):
             if wire[port] is None:
                 del wire[port]
         return wire
@@ -220,7 +223,8 @@ class End(Message):
     """The round (``again``: and not the job) ends; the node exits with ``status``.
     ``terminated`` (default: status != 0) says whether to add that the node's processes
     were ended; ``grace`` is the seconds between their SIGTERM and SIGKILL; ``handover``:
-    the host leaves (preempted), the node goes on under the next host."""
+    the host leaves (preempted), the node goes on under the next host; ``keep``: the
+    workers that keep their processes stay for the next round (Node.end_round)."""
 
     TYPE: ClassVar[str] = "end"
     status: int
@@ -229,6 +233,7 @@ class End(Message):
     terminated: bool | None = _optional()
     grace: float | None = _optional()
     handover: bool | None = _optional()
+    keep: bool | None = _optional()
 
 
 @dataclass(frozen=True)
@@ -300,7 +305,8 @@ def from_master(wire: dict[str, Any]) -> Message | None:
         return News(wire["report"])
     if kind == "end":
         return End(wire["status"], wire.get("again", False), wire.get("report"),
-                   wire.get("terminated"), wire.get("grace"), wire.get("handover"))
+                   wire.get("terminated"), wire.get("grace"), wire.get("handover"),
+                   wire.get("keep"))
     if kind == "saved":
         return Saved(wire["epoch"], wire["step"])
     if kind == "redirect":

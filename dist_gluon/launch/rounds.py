@@ -185,6 +185,11 @@ class RoundWatch:
             if config.elastic:
                 self._planned_changes()
             states = view.states()
+            if config.elastic and states and all(s["acked"] and s.get("parked")
+                                                 for s in states):
+                # workers that keep their processes agreed to stop at a commit and wait
+                # for the next round (dist_gluon.elastic.run)
+                return RoundEnd(Outcome.STOPPED, lost=self.stop.leaving if self.stop else ())
             self._note_checkpoint(states)
             running = any(s["returncode"] is None for s in states)
             failure = view.service_failure(running)

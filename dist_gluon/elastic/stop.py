@@ -1,4 +1,4 @@
-"""Elastic training, the worker's side: stopping together when the launcher asks.
+"""Stopping together when the launcher asks (the checkpoint path of elastic jobs).
 
 A launcher started with ``--nnodes MIN:MAX`` (an elastic job, ``DG_ELASTIC=1`` in every
 worker's environment) re-forms the job when a node is lost, preempted (SIGTERM) or
@@ -15,8 +15,8 @@ import os
 
 import mxnet as mx
 
-from . import jobcontrol
-from .backends import Backend, resolve
+from .. import jobcontrol
+from ..backends import Backend, resolve
 
 # the key of the one-element sum; dist_gluon's reserved keys start with __dg
 _STOP_KEY = "__dg_stop"
@@ -73,7 +73,11 @@ def stop_requested(kv: Backend | str | None = None) -> bool:
     ...             sys.exit(0)                       # the launcher restarts the job
     ...     ckpt.save(net, trainer, epoch + 1, extra={'done': 0})
     """
-    backend = resolve(kv)
+    return _agreed_stop(resolve(kv))
+
+
+def _agreed_stop(backend: Backend) -> bool:
+    """stop_requested's answer for ``backend``; acknowledged in the record when True."""
     reporter = jobcontrol.reporter()
     asked = 1.0 if reporter is not None and reporter.stop_request() else 0.0
     if _elastic() and backend.num_workers > 1:
@@ -89,4 +93,3 @@ def stop_requested(kv: Backend | str | None = None) -> bool:
     return True
 
 
-__all__ = ["stop_requested"]

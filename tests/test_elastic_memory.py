@@ -1,0 +1,160 @@
+"""Elastic jobs whose workers keep their processes (dg.elastic.State, @dg.elastic.run)
+across emulated hosts: a lost node costs at most the step in flight, the survivors go
+on in the same processes from their last commit in memory, and a node that joins gets
+the state from a live peer. No checkpoint is written or read.
+
+The job is tests/workers/elastic_memory_train.py on 3 emulated hosts (one launcher
+each, --nnodes 2:3, horovod over Gloo); its final weights must equal
+tests/test_elastic.py's NumPy replay of the same schedule of world sizes, which holds
+only if no step was applied twice or skipped and no sample was trained twice in an
+epoch.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from test_elastic import WAIT, ElasticJob, assert_replayed, check_weights, make_jobs
+
+from conftest import REPO, process_env
+from test_launch import _marker_env, assert_nothing_left
+
+sys.path.insert(0, str(REPO / "tools"))
+import emulated_cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(emulated_cluster.skip_reason() is not None,
+                                 reason=str(emulated_cluster.skip_reason()))]
+
+SCRIPT = REPO / "tests" / "workers" / "elastic_memory_train.py"
+KEPT = "from the workers' last commit in memory (their processes stay"
+
+
+class MemoryJob(ElasticJob):
+    script = SCRIPT
+
+    def starts(self) -> list[dict]:
+        return [e for e in self.events() if e["event"] == "start"]
+
+    def wait_training(self, world: int, reformation: int, steps: int = 3) -> None:
+        """Until the round of ``reformation`` trains on ``world`` workers (node 0 may be
+        gone)."""
+        limit = time.monotonic() + WAIT
+        while time.monotonic() < limit:
+            p = self.progress()
+            if p.get("reformation") == reformation and p.get("steps", 0) >= steps:
+                assert p["world"] == world, self.report()
+                return
+            time.sleep(0.05)
+        pytest.fail(f"re-formation {reformation} never trained on {world} workers "
+                    f"(progress {self.progress()})\n{self.report()}")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with emulated_cluster.EmulatedCluster(num_hosts=3) as c:
+        yield c
+
+
+@pytest.fixture
+def memory_jobs(cluster, tmp_path):
+    yield from make_jobs(MemoryJob, cluster, tmp_path)
+
+
+def test_survivors_keep_their_processes_through_killed_hosts_and_heal_a_joiner(
+        memory_jobs):
+    job = memory_jobs("horovod")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+    first = job.starts()[0]["pids"]
+
+    # every process of host 2 killed: the survivors go on from memory
+    killed = time.time()
+    job.kill_host(2)
+    job.wait_training(world=2, reformation=1, steps=1)
+    print(f"host 2 killed -> first step of the re-formed job: "
+          f"{job.progress()['at'] - killed:.2f} s")
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
+    assert "(re-formation 1; restart 1 of at most 3)" in job.output(0), job.report()
+    assert KEPT in job.output(0) and KEPT in job.output(1), job.report()
+
+    # host 2 comes back: admitted at a commit, its new worker heals from rank 0
+    job.start(2)
+    job.wait_training(world=3, reformation=2)
+    grown = job.starts()[-1]["pids"]
+    assert grown[:2] == first[:2] and grown[2] not in first, job.report()
+    assert "(re-formation 2; planned: no restart used)" in job.output(0), job.report()
+
+    # node 0, the job's host, killed: node 1 takes over with the workers of nodes 1, 2
+    killed = time.time()
+    job.kill_host(0)
+    job.wait_training(world=2, reformation=3, steps=1)
+    print(f"node 0 killed -> first step under node 1: {job.progress()['at'] - killed:.2f} s")
+    assert job.starts()[-1]["pids"] == grown[1:], job.report()
+    assert "takes over as the job's host" in job.output(1), job.report()
+
+    job.finish()
+    assert job.wait_exit(1) == 0 and job.wait_exit(2) == 0, job.report()
+    check_weights(job)
+    assert not list(job.dir.glob("ckpt*")), job.report()
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memory_jobs):
+    job = memory_jobs("horovod")
+    for host in range(3):
+        job.start(host)
+    job.wait_training(world=3, reformation=0)
+    first = job.starts()[0]["pids"]
+
+    # node 2 preempted (SIGTERM to its launcher): the job re-forms at the next commit
+    job.procs[2][-1].send_signal(signal.SIGTERM)
+    assert job.wait_exit(2) == 0, job.report()
+    job.wait_training(world=2, reformation=1, steps=1)
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
+    assert "(re-formation 1; planned: no restart used)" in job.output(0), job.report()
+    job.start(2)
+    job.wait_training(world=3, reformation=2)
+
+    # host 2's link goes down: noticed after --silence-limit (3 s); then the survivors'
+    # collectives pending with it are broken and they go on
+    cut = time.time()
+    job.link(2, "down")
+    job.wait_training(world=2, reformation=3, steps=1)
+    print(f"link cut -> first step of the re-formed job: {job.progress()['at'] - cut:.2f} s")
+    assert job.starts()[-1]["pids"] == first[:2], job.report()
+
+    job.finish()
+    assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0, job.report()
+    assert job.wait_exit(2) == 1, job.report()      # cut off, it ends by itself
+    check_weights(job)
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
+
+
+def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path):
+    """One node, two workers (--nnodes 1:1): rank 1's process is SIGKILLed; rank 0 keeps
+    its process and state, a new rank 1 gets rank 0's state, and the weights equal the
+    replay of the schedule."""
+    marker = _marker_env()
+    (tmp_path / "finish").touch()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+         "--backend", "horovod", "--max-restarts", "1", "--", sys.executable, str(SCRIPT),
+         str(tmp_path), "--kill-rank-at", "1", "3"],
+        cwd=tmp_path, env=process_env(**marker), capture_output=True, text=True,
+        timeout=180)
+    report = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["world"] for s in starts] == [2, 2], report
+    assert starts[1]["pids"][0] == starts[0]["pids"][0], report
+    assert starts[1]["pids"][1] != starts[0]["pids"][1], report
+    assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
+    assert_replayed(events, report)
+    assert_nothing_left(marker["DG_TEST_MARKER"])

@@ -1,0 +1,160 @@
+"""dg.elastic.State on one process: what a commit keeps and a restore puts back, exactly,
+even after a failure MXNet stored on the arrays (as a collective that lost its peers
+leaves it). The distributed behaviour is tests/test_elastic_memory.py's."""
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+import pytest
+from mxnet import autograd, gluon
+
+import dist_gluon as dg
+
+
+class _Failing(mx.operator.CustomOp):
+    def forward(self, is_train, req, in_data, out_data, aux):
+        raise RuntimeError("the collective failed: its peer is gone")
+
+    def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
+        pass
+
+
+@mx.operator.register("dg_test_failing")
+class _FailingProp(mx.operator.CustomOpProp):
+    def infer_shape(self, in_shape):
+        return in_shape, in_shape, []
+
+    def create_operator(self, ctx, shapes, dtypes):
+        return _Failing()
+
+
+def _model(optimizer="sgd", params=None):
+    mx.random.seed(1)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(4, in_units=3), gluon.nn.BatchNorm(in_channels=4),
+            gluon.nn.Dense(1, in_units=4))
+    net.initialize(mx.init.Xavier())
+    trainer = dg.DistributedTrainer(net.collect_params(), optimizer,
+                                    params or {"learning_rate": 0.1, "momentum": 0.9},
+                                    kv="local")
+    return net, trainer
+
+
+def _step(net, trainer, seed):
+    data = mx.nd.array(np.random.RandomState(seed).uniform(-1, 1, (8, 3)))
+    with autograd.record():
+        loss = (net(data) ** 2).mean()
+    loss.backward()
+    trainer.step(8)
+
+
+def _snapshot(net, trainer):
+    weights = [p.data().asnumpy() for p in net.collect_params().values()]
+    states = {i: [a.asnumpy() for a in (s if isinstance(s, (list, tuple)) else [s])]
+              for i, s in trainer._updaters[0].states.items()}
+    return weights, states, trainer._optimizer.num_update
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0], b[0]):
+        np.testing.assert_array_equal(x, y)
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        for x, y in zip(a[1][i], b[1][i]):
+            np.testing.assert_array_equal(x, y)
+    assert a[2] == b[2]
+
+
+@pytest.mark.parametrize("optimizer,params", [
+    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}),
+    ("adam", {"learning_rate": 0.01})])
+def test_restore_puts_back_the_last_commit_exactly(optimizer, params):
+    net, trainer = _model(optimizer, params)
+    state = dg.elastic.State(net=net, trainer=trainer, epoch=0, seen=[])
+    state.sync()
+    for i in range(3):
+        _step(net, trainer, i)
+        state.seen.append(i)
+        state.commit()
+    kept = _snapshot(net, trainer)
+    for i in range(3, 5):               # steps after the commit, to be undone
+        _step(net, trainer, i)
+        state.seen.append(i)
+        state.epoch = 1
+    state.restore()
+    _assert_same(_snapshot(net, trainer), kept)
+    assert (state.epoch, state.seen) == (0, [0, 1, 2])
+    # and training goes on from there as it would have
+    _step(net, trainer, 3)
+    again = _snapshot(net, trainer)
+    other_net, other_trainer = _model(optimizer, params)
+    for i in range(4):
+        _step(other_net, other_trainer, i)
+    _assert_same(again, _snapshot(other_net, other_trainer))
+
+
+def test_a_failure_stored_on_the_arrays_is_cleared_and_the_last_clean_commit_restored():
+    net, trainer = _model()
+    state = dg.elastic.State(net=net, trainer=trainer, step=0)
+    state.sync()
+    for i in range(2):
+        _step(net, trainer, i)
+        state.step += 1
+        state.commit()
+    kept = _snapshot(net, trainer)
+    # a step whose gradient "sum" fails: MXNet stores the failure on the gradient, the
+    # update that reads it skips and passes it on to the weights and optimizer states,
+    # and the commit's copies of them carry it too
+    data = mx.nd.ones((8, 3))
+    with autograd.record():
+        loss = (net(data) ** 2).mean()
+    loss.backward()
+    weight = net[0].weight
+    mx.nd.Custom(weight.grad(), op_type="dg_test_failing", out=weight.grad())
+    trainer.step(8)
+    state.step += 1
+    with pytest.raises(mx.base.MXNetError, match="custom"):
+        state.commit()                  # its copies carry the step's failure
+    state.restore()
+    _assert_same(_snapshot(net, trainer), kept)
+    assert state.step == 2
+    _step(net, trainer, 2)              # nothing left over on any array
+    mx.nd.waitall()
+    state.commit()
+    state.commit()
+
+
+def test_the_state_names_its_values_and_refuses_others():
+    net, trainer = _model()
+    with pytest.raises(ValueError, match="the model .net=. or the trainer"):
+        dg.elastic.State()
+    with pytest.raises(ValueError, match="'commit' cannot be a value"):
+        dg.elastic.State(net=net, commit=1)
+    state = dg.elastic.State(net=net, trainer=trainer, epoch=3)
+    assert state.epoch == 3
+    with pytest.raises(AttributeError, match="'epochs' is not a value of this state"):
+        state.epochs = 4
+    with pytest.raises(AttributeError, match="no value 'batch'.*epoch"):
+        _ = state.batch
+    with pytest.raises(RuntimeError, match="restore.. before any commit"):
+        state.restore()
+
+
+def test_without_a_launcher_run_syncs_once_calls_back_never_and_returns():
+    net, trainer = _model()
+    state = dg.elastic.State(net=net, trainer=trainer, epoch=0)
+    calls = []
+    state.register_reset_callbacks([lambda: calls.append("reset")])
+
+    @dg.elastic.run
+    def train(state, epochs):
+        for epoch in range(state.epoch, epochs):
+            state.epoch = epoch
+            _step(net, trainer, epoch)
+            state.commit()
+        return state.epoch
+
+    assert train(state, 3) == 2
+    assert calls == [] and state.commits == 4      # sync's commit, then one per step
+    with pytest.raises(TypeError, match="must be a dist_gluon.elastic.State"):
+        train(None, 1)
