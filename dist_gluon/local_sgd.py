@@ -1,0 +1,226 @@
+"""Local SGD and DiLoCo: workers step alone and meet every ``sync_every`` steps.
+
+``DistributedTrainer(..., sync_every=H)`` (Local SGD; Lin et al., ICLR 2020, "Don't use
+large mini-batches, use local SGD") and ``DistributedTrainer(..., sync_every=H,
+outer_optimizer='nag', outer_optimizer_params={'learning_rate': 0.7, 'momentum': 0.9})``
+(DiLoCo; Douillard et al., 2023) run in rounds of H steps:
+
+1. At a round's first step every worker holds the same *global* parameters, kept here
+   as the round's anchor (one copy of the trainable parameters, on the first device).
+2. For H steps each worker steps its own optimizer on its own gradients, rescaled by
+   its own batch size: no collective at all. With several devices a worker still sums
+   its devices' gradients first (one process on all of its devices' samples).
+3. At the H-th step each worker computes its pseudo-gradient ``anchor - weights`` and
+   the workers average them (one sum per parameter, through the trainer's codec if it
+   has one, with its own residuals).
+4. Local SGD: ``anchor -= average``, which is the average of the workers' parameters.
+   DiLoCo: the outer optimizer (any MXNet optimizer, ``rescale_grad`` 1) updates the
+   anchor with the average as its gradient; ``outer_optimizer='sgd'`` with learning
+   rate 1 and no momentum is Local SGD.
+5. Every worker continues from the new anchor, on every device.
+
+Each worker's inner optimizer state (momentum, Adam's moments) is kept across a
+synchronisation, as in the DiLoCo paper: it is each worker's own from the first local
+step on, and only the parameters are replaced. With plain SGD (momentum and weight
+decay included, which are linear) ``sync_every=1`` is exactly today's per-step
+averaging of the gradients when the workers' batch sizes are equal.
+
+Post-local SGD: with ``local_sgd_warmup=K`` the first K steps synchronise the gradients
+every step as without ``sync_every`` (inner optimizer states then stay identical on
+every rank), and the rounds start after them.
+
+The parameters with ``grad_req='null'`` (BatchNorm's running statistics) are never
+averaged: each worker keeps its own, as it does with per-step averaging.
+
+All of it runs on MXNet's engine; a synchronisation queues the subtractions, the sums
+and the outer update without waiting for them.
+"""
+from __future__ import annotations
+
+import mxnet as mx
+import numpy as np
+
+from .averaging import _GradientAverager
+
+
+def check_sync_every(sync_every, warmup, outer_optimizer, outer_optimizer_params) -> None:
+    """Refuse, with a ValueError naming the argument, what a trainer cannot run."""
+    if isinstance(sync_every, bool) or not isinstance(sync_every, (int, np.integer)) \
+            or sync_every < 1:
+        raise ValueError(f"sync_every must be an int >= 1 (steps between two "
+                         f"synchronisations of the parameters), got {sync_every!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, (int, np.integer)) or warmup < 0:
+        raise ValueError(f"local_sgd_warmup must be an int >= 0 (steps synchronised every "
+                         f"step before Local SGD starts), got {warmup!r}")
+    if outer_optimizer is None and outer_optimizer_params:
+        raise ValueError("outer_optimizer_params was given without an outer_optimizer; "
+                         "pass outer_optimizer='nag' (DiLoCo) or 'sgd', for instance")
+    if warmup and sync_every == 1 and outer_optimizer is None:
+        raise ValueError(f"local_sgd_warmup={warmup} needs sync_every > 1 or an "
+                         "outer_optimizer: with neither, every step is synchronised anyway")
+
+
+def _outer(optimizer, params: dict | None) -> mx.optimizer.Optimizer:
+    """The outer optimizer, ``rescale_grad`` 1: its gradient is already an average."""
+    params = dict(params or {})
+    if isinstance(optimizer, mx.optimizer.Optimizer):
+        if params:
+            raise ValueError("outer_optimizer_params must be empty when outer_optimizer is "
+                             "an Optimizer instance (give its parameters to it)")
+        optimizer.rescale_grad = 1.0
+        return optimizer
+    if "rescale_grad" in params and params["rescale_grad"] != 1:
+        raise ValueError("the outer optimizer's gradient is the average of the workers' "
+                         "parameter deltas: leave its rescale_grad at 1")
+    params["rescale_grad"] = 1.0
+    try:
+        return mx.optimizer.create(optimizer, **params)
+    except (ValueError, TypeError, mx.base.MXNetError) as err:
+        raise ValueError(f"outer_optimizer={optimizer!r} with {params} cannot be created: "
+                         f"{err}") from None
+
+
+class LocalSGD:
+    """The rounds of one DistributedTrainer (see the module docstring).
+
+    Parameters
+    ----------
+    kv : Backend
+    prefix : str
+        The trainer's key prefix; the pseudo-gradients travel under
+        ``'<prefix>.outer.<position>'``.
+    sync_every : int
+        H, the steps of a round.
+    warmup : int
+        Steps synchronised every step before the first round.
+    outer_optimizer : str, Optimizer or None
+        None: Local SGD (the anchor moves to the workers' average).
+    outer_optimizer_params : dict, optional
+    compression : dict or None
+        From ``check_compression``: the pseudo-gradients travel compressed with a codec
+        of their own (its residuals are not the gradients').
+    """
+
+    def __init__(self, kv, prefix: str, sync_every: int, warmup: int = 0,
+                 outer_optimizer=None, outer_optimizer_params: dict | None = None,
+                 compression: dict | None = None):
+        # settings
+        self.sync_every = int(sync_every)
+        self.warmup = int(warmup)
+        self.kv = kv
+        self._averager = _GradientAverager(kv, f"{prefix}.outer", compression,
+                                           owner="DistributedTrainer (sync_every)")
+        self._outer = (None if outer_optimizer is None
+                       else mx.optimizer.get_updater(_outer(outer_optimizer,
+                                                            outer_optimizer_params)))
+        # position: steps the trainer took (warm-up included), local steps of this round
+        self.steps = 0
+        self.in_round = 0
+        # the global parameters at the round's start, by model position, on the first
+        # device; None until the first local step (taken there, lazily, so deferred
+        # parameters have their shapes by then)
+        self._anchors: dict[int, mx.nd.NDArray] | None = None
+        self._deltas: dict[int, mx.nd.NDArray] = {}     # the pseudo-gradients' buffers
+        self.synchronisations = 0
+
+    @property
+    def codec(self):
+        """The codec of the pseudo-gradients (its state is checkpointed), or None."""
+        return self._averager.codec
+
+    @property
+    def outer_updater(self):
+        """The outer optimizer's ``mx.optimizer.Updater`` (DiLoCo), or None."""
+        return self._outer
+
+    @property
+    def local(self) -> bool:
+        """Whether the next step is a worker's own (no per-step collective)."""
+        return self.steps >= self.warmup
+
+    def begin_step(self, params: list) -> None:
+        """Before a local step's update: a round's first step keeps the anchors."""
+        if self._anchors is None:
+            self._anchors = {i: p.list_data()[0].copy() for i, p in enumerate(params)
+                             if p.grad_req != "null"}
+
+    def end_step(self, params: list, was_local: bool) -> None:
+        """After every step: count it, and synchronise at a round's H-th local step."""
+        self.steps += 1
+        if was_local:
+            self.in_round += 1
+            if self.in_round >= self.sync_every:
+                self.synchronise(params)
+
+    def synchronise(self, params: list) -> None:
+        """Steps 3-5 of the module docstring; a collective, on every rank. Nothing
+        happens when no local step was taken since the last synchronisation."""
+        if self.in_round == 0 or self._anchors is None:
+            return
+        self.in_round = 0
+        self.synchronisations += 1
+        positions = sorted(self._anchors)
+        deltas = []
+        for i in positions:
+            delta = self._deltas.get(i)
+            anchor = self._anchors[i]
+            if delta is None:
+                delta = self._deltas[i] = mx.nd.zeros(anchor.shape, ctx=anchor.context,
+                                                      dtype=anchor.dtype)
+            mx.nd.elemwise_sub(anchor, params[i].list_data()[0], out=delta)
+            deltas.append(delta)
+        self._reduce(positions, deltas, params)
+        scale = 1.0 / self.kv.num_workers
+        for i, delta in zip(positions, deltas):
+            anchor = self._anchors[i]
+            if scale != 1.0:
+                delta *= scale
+            if self._outer is None:
+                anchor -= delta         # anchor - mean(anchor - w_r) == mean(w_r)
+            else:
+                self._outer(i, delta, anchor)
+            for data in params[i].list_data():
+                anchor.copyto(data)
+
+    def _reduce(self, positions: list[int], deltas: list, params: list) -> None:
+        averager = self._averager
+
+        def describe(i):
+            return f"parameter #{i} ({params[i].name!r})"
+
+        if not averager.distributed or (averager.codec is not None and averager.codec.batched):
+            averager.reduce(positions, deltas, describe=describe)
+        else:
+            for i, delta in zip(positions, deltas):
+                averager.reduce([i], [delta], describe=describe)
+
+    # ------------------------------------------------------------ checkpoints
+    def shared_state(self) -> dict:
+        """What is the same on every rank: the position, the anchors, the outer state
+        and the codec's shared state (NumPy arrays and picklable values)."""
+        anchors = None if self._anchors is None else \
+            {i: a.asnumpy() for i, a in self._anchors.items()}
+        codec = self.codec
+        return {"sync_every": self.sync_every, "warmup": self.warmup, "steps": self.steps,
+                "in_round": self.in_round, "synchronisations": self.synchronisations,
+                "anchors": anchors,
+                "outer": None if self._outer is None else self._outer.get_states(True),
+                "codec": None if codec is None else {"type": codec.name,
+                                                      "shared": codec.shared_state()}}
+
+    def load_shared_state(self, state: dict, ctx_of: dict) -> None:
+        """Restore :meth:`shared_state`; ``ctx_of[position]`` is the context of the
+        parameter's first device."""
+        self.steps = int(state["steps"])
+        self.in_round = int(state["in_round"])
+        self.synchronisations = int(state.get("synchronisations", 0))
+        anchors = state["anchors"]
+        self._anchors = None if anchors is None else {
+            i: mx.nd.array(a, ctx=ctx_of[i], dtype=a.dtype) for i, a in anchors.items()}
+        self._deltas = {}
+        if self._outer is not None and state["outer"] is not None:
+            self._outer.set_states(state["outer"])
+            self._outer.optimizer.rescale_grad = 1.0
+
+    def codec_local_state(self) -> dict | None:
+        return None if self.codec is None else self.codec.local_state()
