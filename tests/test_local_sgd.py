@@ -19,7 +19,7 @@ JOBS = {"horovod": ("horovod", []), "horovod_mpi": ("horovod", ["--transport", "
         "dist_sync": ("dist_sync", []), "p3": ("p3", [])}
 # every case against its replay, within float32 rounding
 EXACT = ["per_step", "sync1_outer_sgd", "local", "local_adam", "local_warmup",
-         "diloco_sgd1", "diloco_nag"]
+         "diloco_sgd1", "diloco_nag", "heads"]
 
 
 def _mpi_ready() -> bool:

@@ -44,14 +44,33 @@ CASES = {
     "diloco_nag": ("adam", ADAM, {"sync_every": H, "outer_optimizer": "nag",
                                   "outer_optimizer_params": NAG}),
     "local_fp16": ("sgd", SGD, {"sync_every": H, "compression": "fp16"}),
+    # worker r's samples go through head r only, stepped with ignore_stale_grad=True:
+    # in a local step each worker skips its stale head as gluon does (not even weight
+    # decay touches it); per-step warm-up steps update both heads everywhere
+    "heads": ("sgd", SGD, {"sync_every": H, "local_sgd_warmup": 2}),
 }
 
 
-def make_net(seed, contexts=None):
+class Heads(gluon.nn.HybridBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        with self.name_scope():
+            self.trunk = gluon.nn.Dense(8, in_units=FEATURES, activation="tanh")
+            self.head0 = gluon.nn.Dense(CLASSES, in_units=8)
+            self.head1 = gluon.nn.Dense(CLASSES, in_units=8)
+
+    def forward(self, x, head=0):
+        return (self.head0 if head == 0 else self.head1)(self.trunk(x))
+
+
+def make_net(seed, contexts=None, case=None):
     mx.random.seed(seed)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(8, in_units=FEATURES, activation="tanh"),
-            gluon.nn.Dense(CLASSES, in_units=8))
+    if case == "heads":
+        net = Heads()
+    else:
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Dense(8, in_units=FEATURES, activation="tanh"),
+                gluon.nn.Dense(CLASSES, in_units=8))
     net.initialize(mx.init.Xavier(), ctx=contexts or mx.cpu())
     return net
 
@@ -62,6 +81,11 @@ def weights(net):
 
 def forward_backward(net, step, rank, contexts=None):
     rows = slice(rank * B, (rank + 1) * B)
+    if isinstance(net, Heads):
+        with autograd.record():
+            loss = loss_fn(net(mx.nd.array(X[step, rows]), rank), mx.nd.array(Y[step, rows]))
+        loss.backward()
+        return
     if contexts is None:
         with autograd.record():
             loss = loss_fn(net(mx.nd.array(X[step, rows])), mx.nd.array(Y[step, rows]))
@@ -77,12 +101,12 @@ def forward_backward(net, step, rank, contexts=None):
 # ------------------------------------------------------------------------ N workers
 def train_case(dg, kv, case, contexts=None, checkpoint=None):
     optimizer, params, keywords = CASES[case]
-    net = make_net(100 + kv.rank, contexts)
+    net = make_net(100 + kv.rank, contexts, case)
     trainer = dg.DistributedTrainer(net.collect_params(), optimizer, params, kv=kv,
                                     **keywords)
     for step in range(STEPS):
         forward_backward(net, step, kv.rank, contexts)
-        trainer.step(B)
+        trainer.step(B, ignore_stale_grad=case == "heads")
         if checkpoint is not None and step + 1 == checkpoint[1]:
             checkpoint[0].save(net, trainer, 0, step=step + 1)
     trainer.sync_weights()      # the last round (steps 9-10) is cut short
@@ -138,8 +162,8 @@ def replay(case, workers):
     warmup = keywords.get("local_sgd_warmup", 0)
     outer = keywords.get("outer_optimizer")
     outer_params = keywords.get("outer_optimizer_params", {})
-    start = weights(make_net(100))
-    nets = [make_net(100) for _ in range(workers)]
+    start = weights(make_net(100, case=case))
+    nets = [make_net(100, case=case) for _ in range(workers)]
     trainers = [gluon.Trainer(n.collect_params(), optimizer, dict(params), kvstore=None)
                 for n in nets]
     anchor, momentum, in_round = None, None, 0
@@ -168,17 +192,21 @@ def replay(case, workers):
         for r, n in enumerate(nets):
             forward_backward(n, step, r)
         if step < warmup or (every == 1 and outer is None):
-            total = [sum(plist(n)[i].grad().asnumpy() for n in nets)
+            # the sum of the fresh gradients; fresh on any worker is fresh on all
+            fresh = [[p._data[0]._fresh_grad for p in plist(n)] for n in nets]
+            total = [sum(plist(n)[i].grad().asnumpy() for n, f in zip(nets, fresh) if f[i])
                      for i in range(len(start))]
             for n, t in zip(nets, trainers):
-                for p, g in zip(plist(n), total):
-                    p.grad()[:] = g
-                t.step(B * workers)
+                for i, (p, g) in enumerate(zip(plist(n), total)):
+                    if any(f[i] for f in fresh):
+                        p.grad()[:] = g
+                        p._data[0]._fresh_grad = True
+                t.step(B * workers, ignore_stale_grad=True)
             continue
         if anchor is None:
             anchor = weights(nets[0])
         for t in trainers:
-            t.step(B)
+            t.step(B, ignore_stale_grad=case == "heads")
         in_round += 1
         if in_round == every:
             synchronise()
