@@ -38,6 +38,12 @@ scheduler on host 0. In every cluster:
    takeover (host 0 only: the survivors end their workers, then elect), re-formation,
    worker start, model build, checkpoint load and first step, from the launchers' lines
    (stamped as they are read) and the workers' clocks.
+8. Slow links (``--only slow``; its own report, RESULTS-cluster-slow-links.md, and raw
+   numbers, results-cluster-slow-links.json, which runs of the other parts never
+   touch): ResNet-50 and VGG-16 on 2 hosts at 1 Gbit/s and at 100 Mbit/s, per-step
+   averaging against DiLoCo rounds (cluster/slow_links.py, horovod over Gloo); and the
+   MNIST example's final accuracy with Local SGD and DiLoCo against per-step averaging
+   on 2 and 4 workers (on one host: accuracy does not depend on the link).
 
 The report (cluster/report.py) goes to benchmarks/RESULTS-cluster.md, the raw numbers to
 benchmarks/results-cluster.json; --quick writes RESULTS-cluster-quick.md instead. Every
@@ -66,7 +72,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
-from cluster import report  # noqa: E402
+from cluster import report, slow_report  # noqa: E402
 
 PY = sys.executable
 RESULT_TAG = "BENCH "
@@ -169,6 +175,21 @@ PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "to
           ("worker start", "created"), ("model build", "built"),
           ("checkpoint load", "restored"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
+
+# Part 8: Local SGD and DiLoCo. Throughput on 2 hosts at each rate; the MNIST example's
+# final validation accuracy (mean over the seeds) for each H, on loopback.
+SLOW = {"hosts": 2, "rates": ("1gbit", "100mbit"),
+        "models": {"resnet50": {"batch": 16, "image": 112, "steps": 2},
+                   "vgg16": {"batch": 1, "image": 224, "steps": 2}},
+        "impls": ("compute", "per_step", "diloco:32", "diloco_fp16:32"),
+        "mnist": {"workers": (2, 4), "every": (1, 8, 32, 128), "diloco_every": (32,),
+                  "seeds": (42, 7, 1), "epochs": 12}}
+SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
+              "models": {"resnet50": {"batch": 4, "image": 64, "steps": 1}},
+              "impls": ("compute", "per_step", "diloco:8"),
+              "mnist": {"workers": (2,), "every": (1, 8), "diloco_every": (8,),
+                        "seeds": (42,), "epochs": 3}}
+SLOW_RESULTS = "RESULTS-cluster-slow-links.md"
 
 _ports = itertools.count(29700)
 
@@ -443,6 +464,67 @@ def run_async(cfg, timeout: float) -> dict:
                                "dist_gluon", "--slow-rank", "1"], timeout, Path(tmp))
             log(f"  ResNet-50, {backend}: {describe(payload)}")
             setting["jobs"][backend] = payload
+    setting["load_end"] = os.getloadavg()
+    return setting
+
+
+def run_mnist(every: int, workers: int, seed: int, epochs: int, outer_lr, timeout: float,
+              workdir: Path) -> dict:
+    """The MNIST example on ``workers`` local workers (horovod); its summary fields."""
+    argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
+            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "mnist" /
+                                                    "train_gluon.py"),
+            "--epochs", str(epochs), "--seed", str(seed), "--sync-every", str(every),
+            "--log-interval", "1000"]
+    if outer_lr is not None:
+        argv += ["--outer-lr", str(outer_lr)]
+    env = dict(worker_env(), PYTHONPATH=str(REPO))
+    started = time.monotonic()
+    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout + 60)
+    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] summary:")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]}
+    fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
+    return {"val_acc": float(fields["val_acc"]), "val_loss": float(fields["val_loss"]),
+            "seconds": time.monotonic() - started}
+
+
+def run_slow_links(cfg: dict, timeout: float) -> dict:
+    """Part 8: DiLoCo rounds against per-step averaging on emulated links, and the MNIST
+    example's accuracy for each H."""
+    setting = {"load_start": os.getloadavg(), "throughput": [], "mnist": []}
+    for rate in cfg["rates"]:
+        log(f"slow links: {cfg['hosts']} hosts at {rate}")
+        with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+                emulated_cluster.EmulatedCluster(num_hosts=cfg["hosts"], rate=rate) as cluster:
+            link = run_link(cluster, 16 if rate.endswith("mbit") else 64)
+            for model, opts in cfg["models"].items():
+                for impl in cfg["impls"]:
+                    args = [str(HERE / "cluster" / "slow_links.py"), "--model", model,
+                            "--impls", impl, *itertools.chain.from_iterable(
+                                (f"--{k}", str(v)) for k, v in opts.items())]
+                    payload = run_job(cluster, "horovod", "gloo" if launcher_has_transport()
+                                      else None, args, timeout, Path(tmp))
+                    log(f"  {model} {impl} at {rate}: {describe(payload)}")
+                    setting["throughput"].append({"rate": rate, "model": model,
+                                                  "impl": impl, "link": link,
+                                                  "load": os.getloadavg(), **payload})
+    mnist = cfg["mnist"]
+    runs = [(every, None) for every in mnist["every"]]
+    runs += [(every, 0.7) for every in mnist["diloco_every"]]
+    with tempfile.TemporaryDirectory(prefix="dg-bench-mnist-") as tmp:
+        for workers in mnist["workers"]:
+            for every, outer_lr in runs:
+                for seed in mnist["seeds"]:
+                    found = run_mnist(every, workers, seed, mnist["epochs"], outer_lr,
+                                      timeout, Path(tmp))
+                    log(f"  MNIST, {workers} workers, H={every}"
+                        + (f", DiLoCo outer lr {outer_lr}" if outer_lr else "")
+                        + f", seed {seed}: {found}")
+                    setting["mnist"].append({"workers": workers, "every": every,
+                                             "outer_lr": outer_lr, "seed": seed,
+                                             "epochs": mnist["epochs"], **found})
     setting["load_end"] = os.getloadavg()
     return setting
 
@@ -779,8 +861,8 @@ def parse_args(argv=None):
                              "given")
     parser.add_argument("--only", action="append",
                         choices=("comm", "train", "compress", "lm", "servers", "async",
-                                 "elastic"),
-                        help="run only this part (repeatable); default: all seven "
+                                 "elastic", "slow"),
+                        help="run only this part (repeatable); default: all eight "
                              "(compress and lm run in the 2 hosts at 1 Gbit/s setting, "
                              "servers on 4 hosts, async on 2, elastic on 3)")
     parser.add_argument("--setting", action="append", metavar="HOSTSxRATE",
@@ -815,7 +897,8 @@ def main(argv=None) -> int:
                   + ", ".join(known), file=sys.stderr)
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
-    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic"]
+    parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic",
+                          "slow"]
     if not set(parts) & {"comm", "train", "compress", "lm"}:
         cfg["settings"] = []
     elif not set(parts) & {"comm", "train"}:
@@ -856,6 +939,21 @@ def main(argv=None) -> int:
             results["async"] = run_async(cfg, args.job_timeout)
         if "elastic" in parts:
             results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host)
+        if "slow" in parts:
+            # its own files, whatever else runs: reruns of other parts never overwrite it
+            slow = {"command": results["command"], "machine": results["machine"],
+                    "config": SLOW_QUICK if args.quick else SLOW,
+                    "uptime_start": uptime()}
+            slow.update(run_slow_links(slow["config"], args.job_timeout))
+            slow["uptime_end"] = uptime()
+            slow_out = args.out.with_name(SLOW_RESULTS if not args.quick else
+                                          SLOW_RESULTS.replace(".md", "-quick.md"))
+            slow_report.write(slow, slow_out)
+            slow_out.with_name(slow_out.stem.lower() + ".json").write_text(
+                json.dumps(slow, indent=1, default=str))
+            log(f"wrote {slow_out}")
+            if parts == ["slow"]:
+                return 0
         if set(parts) & {"servers", "async", "elastic"}:
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()
