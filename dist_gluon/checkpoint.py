@@ -779,7 +779,7 @@ def _local_sgd_state(trainer, kv: Backend) -> dict | None:
         weights = {i: p.list_data()[0].asnumpy() for i, p in enumerate(trainer.model_params)
                    if p.grad_req != "null"}
     mine = {"inner": pickle.dumps(inner, protocol=4), "weights": weights,
-            "codec": rounds.codec_local_state()}
+            **rounds.local_state()}
     return {"shared": rounds.shared_state(),
             "local": kv.allgather_object(mine) if kv.num_workers > 1 else [mine]}
 
@@ -798,9 +798,10 @@ def _restore_local_sgd(trainer, saved: dict | None, kv: Backend, path: str) -> N
                 + (", and the first round starts now" if saved is None else ""), stacklevel=3)
         return
     model = trainer.model_params
-    rounds.load_shared_state(saved["shared"], {i: p.list_ctx()[0]
-                                               for i, p in enumerate(model)})
+    ctx_of = {i: p.list_ctx()[0] for i, p in enumerate(model)}
+    rounds.load_shared_state(saved["shared"], ctx_of)
     mine = saved["local"][kv.rank % len(saved["local"])]
+    rounds.load_local_state(mine, ctx_of)
     index_of = {position: i for i, position in enumerate(trainer.optimizer_positions())}
     inner = pickle.loads(mine["inner"])
     set_trainer_states(trainer, pickle.dumps(

@@ -366,6 +366,11 @@ class DistributedTrainer(TrainerBase):
     local_sgd_warmup : int, default 0
         Post-local SGD: the first this many steps average the gradients every step (as
         with ``sync_every=1``); the rounds of ``sync_every`` steps start after them.
+    sync_delay : int, default 0
+        Overlap: each synchronisation's sum runs while the workers take this many
+        (1 to ``sync_every``) further local steps, after which its update is added to
+        their parameters: the global update arrives that many steps late, on top of
+        their progress meanwhile (:mod:`dist_gluon.local_sgd`).
 
     Examples
     --------
@@ -394,9 +399,10 @@ class DistributedTrainer(TrainerBase):
     def __init__(self, params, optimizer, optimizer_params=None, kv=None, compression=None,
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None,
                  sync_every: int = 1, outer_optimizer=None,
-                 outer_optimizer_params: dict | None = None, local_sgd_warmup: int = 0):
+                 outer_optimizer_params: dict | None = None, local_sgd_warmup: int = 0,
+                 sync_delay: int = 0):
         check_sync_every(sync_every, local_sgd_warmup, outer_optimizer,
-                         outer_optimizer_params)
+                         outer_optimizer_params, sync_delay)
         compression = check_compression(compression)
         predivide = check_predivide(gradient_predivide_factor, compression)
         optimizer = _unwrap_distributed_optimizer(optimizer)
@@ -422,7 +428,8 @@ class DistributedTrainer(TrainerBase):
                                  "whose servers apply every worker's gradient as it arrives; "
                                  "use dist_sync, p3 or horovod for Local SGD and DiLoCo")
             self._local_sgd = LocalSGD(self._kv, self._prefix, sync_every, local_sgd_warmup,
-                                       outer_optimizer, outer_optimizer_params, compression)
+                                       outer_optimizer, outer_optimizer_params, compression,
+                                       sync_delay)
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
 

@@ -19,7 +19,8 @@ JOBS = {"horovod": ("horovod", []), "horovod_mpi": ("horovod", ["--transport", "
         "dist_sync": ("dist_sync", []), "p3": ("p3", [])}
 # every case against its replay, within float32 rounding
 EXACT = ["per_step", "sync1_outer_sgd", "local", "local_adam", "local_warmup",
-         "diloco_sgd1", "diloco_nag", "heads"]
+         "diloco_sgd1", "diloco_nag", "heads", "local_overlap", "diloco_overlap"]
+CHECKPOINTED = ["diloco_nag", "diloco_overlap"]
 
 
 def _mpi_ready() -> bool:
@@ -95,9 +96,16 @@ def test_workers_of_two_devices_each_run_the_same_rounds(job, replayed, case):
     assert _error(rank0, _params(replayed / f"{case}_replay.npz")) < 1e-5
 
 
-def test_a_checkpoint_restored_mid_round_continues_exactly(job):
+@pytest.mark.parametrize("case", CHECKPOINTED)
+def test_a_checkpoint_restored_mid_round_continues_exactly(job, case):
+    # diloco_overlap: saved while the first round's sum waits to be applied
     for rank in (0, 1):
-        assert _error(_case(job, "resumed", rank), _case(job, "straight", rank)) == 0.0
+        assert _error(_case(job, f"resumed_{case}", rank),
+                      _case(job, f"straight_{case}", rank)) == 0.0
+
+
+def test_an_overlapped_round_differs_from_the_waiting_one(job):
+    assert _error(_case(job, "diloco_overlap", 0), _case(job, "diloco_nag", 0)) > 1e-4
 
 
 def test_a_mid_round_checkpoint_restores_on_another_number_of_workers(job):
@@ -105,6 +113,9 @@ def test_a_mid_round_checkpoint_restores_on_another_number_of_workers(job):
     # outer optimizer state, and saved rank 0's own weights and optimizer states
     assert_ok(run([sys.executable, str(SCRIPT), str(job), "restore"], job))
     got = json.loads((job / "restored_on_one.json").read_text())
-    assert got == {"steps": 6, "in_round": 2, "saved_workers": 2,
-                   "weights_are_rank0s": True, "anchors_equal": True,
-                   "inner_are_rank0s": True, "outer_updates": 1}
+    expected = {"steps": 6, "in_round": 2, "saved_workers": 2, "weights_are_rank0s": True,
+                "anchors_equal": True, "inner_are_rank0s": True, "outer_updates": 1,
+                "pending": None, "pending_restored": True}
+    assert got["diloco_nag"] == expected
+    # the overlapped run's first outer step is still to come, its sum restored
+    assert got["diloco_overlap"] == dict(expected, outer_updates=0, pending="late")

@@ -6,8 +6,8 @@
                                       simulated workers with plain gluon.Trainers and
                                       NumPy averaging, in OUT/<case>_replay.npz
     local_sgd_cases.py OUT restore    one process: the N-worker job's mid-round
-                                      checkpoint (OUT/ckpt) restored, what it got in
-                                      OUT/restored_on_one.json
+                                      checkpoints (OUT/ckpt_<case>) restored, what it
+                                      got in OUT/restored_on_one.json
 
 Worker r of N trains on rows [r*B, (r+1)*B) of each step's data; everything starts from
 the same weights (rank 0's, seed 100).
@@ -31,6 +31,7 @@ X = rng.randn(STEPS, 8 * B, FEATURES).astype("float32")
 Y = rng.randint(0, CLASSES, (STEPS, 8 * B)).astype("float32")
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
+CHECKPOINTED = ("diloco_nag", "diloco_overlap")
 # case -> (inner optimizer, its parameters, trainer keywords)
 CASES = {
     "per_step": ("sgd", SGD, {}),
@@ -44,6 +45,10 @@ CASES = {
     "diloco_nag": ("adam", ADAM, {"sync_every": H, "outer_optimizer": "nag",
                                   "outer_optimizer_params": NAG}),
     "local_fp16": ("sgd", SGD, {"sync_every": H, "compression": "fp16"}),
+    # overlap: a round's update reaches the workers D local steps late
+    "local_overlap": ("sgd", SGD, {"sync_every": H, "sync_delay": H}),
+    "diloco_overlap": ("adam", ADAM, {"sync_every": H, "outer_optimizer": "nag",
+                                      "outer_optimizer_params": NAG, "sync_delay": 3}),
     # worker r's samples go through head r only, stepped with ignore_stale_grad=True:
     # in a local step each worker skips its stale head as gluon does (not even weight
     # decay touches it); per-step warm-up steps update both heads everywhere
@@ -135,21 +140,23 @@ def train_all():
     save("diloco_nag_2dev", weights(net), kv.rank)
 
     # a checkpoint 2 steps into the second round (step 6 of 10), then a new model and
-    # trainer restored from it that take steps 7-10: the same weights as straight on
-    ckpt = dg.Checkpointer(os.path.join(OUT, "ckpt"), kv=kv)
-    net, trainer = train_case(dg, kv, "diloco_nag", checkpoint=(ckpt, 6))
-    save("straight", weights(net), kv.rank)
-    optimizer, params, keywords = CASES["diloco_nag"]
-    net = make_net(300 + kv.rank)
-    trainer = dg.DistributedTrainer(net.collect_params(), optimizer, params, kv=kv,
-                                    **keywords)
-    state = ckpt.restore(net, trainer)
-    assert state["step"] == 6 and trainer._local_sgd.in_round == 2, state
-    for step in range(6, STEPS):
-        forward_backward(net, step, kv.rank)
-        trainer.step(B)
-    trainer.sync_weights()
-    save("resumed", weights(net), kv.rank)
+    # trainer restored from it that take steps 7-10: the same weights as straight on.
+    # With the overlap (D = 3) the first round's sum is still to be applied then.
+    for case in CHECKPOINTED:
+        ckpt = dg.Checkpointer(os.path.join(OUT, f"ckpt_{case}"), kv=kv)
+        net, trainer = train_case(dg, kv, case, checkpoint=(ckpt, 6))
+        save(f"straight_{case}", weights(net), kv.rank)
+        optimizer, params, keywords = CASES[case]
+        net = make_net(300 + kv.rank)
+        trainer = dg.DistributedTrainer(net.collect_params(), optimizer, params, kv=kv,
+                                        **keywords)
+        state = ckpt.restore(net, trainer)
+        assert state["step"] == 6 and trainer._local_sgd.in_round == 2, state
+        for step in range(6, STEPS):
+            forward_backward(net, step, kv.rank)
+            trainer.step(B)
+        trainer.sync_weights()
+        save(f"resumed_{case}", weights(net), kv.rank)
     print("cases done", flush=True)
 
 
@@ -162,31 +169,39 @@ def replay(case, workers):
     warmup = keywords.get("local_sgd_warmup", 0)
     outer = keywords.get("outer_optimizer")
     outer_params = keywords.get("outer_optimizer_params", {})
+    delay = keywords.get("sync_delay", 0)
     start = weights(make_net(100, case=case))
     nets = [make_net(100, case=case) for _ in range(workers)]
     trainers = [gluon.Trainer(n.collect_params(), optimizer, dict(params), kvstore=None)
                 for n in nets]
     anchor, momentum, in_round = None, None, 0
+    pending = None      # (mean pseudo-gradient, each worker's weights at the sync)
 
     def plist(net):
         return list(net.collect_params().values())
 
-    def synchronise():
-        nonlocal anchor, momentum, in_round
-        mean = [np.mean([weights(n)[i] for n in nets], axis=0) for i in range(len(start))]
+    def begin_sync():
+        nonlocal pending, in_round
+        at = [weights(n) for n in nets]
+        grad = [np.mean([anchor[i] - w[i] for w in at], axis=0) for i in range(len(start))]
+        pending, in_round = (grad, at), 0
+
+    def apply(now):
+        nonlocal anchor, momentum, pending
+        grad, at = pending
+        pending = None
         if outer is None or (outer == "sgd" and outer_params["learning_rate"] == 1.0):
-            anchor = mean
+            anchor = [a - g for a, g in zip(anchor, grad)]
         else:
             lr, mu = outer_params["learning_rate"], outer_params["momentum"]
-            grad = [a - m for a, m in zip(anchor, mean)]
             if momentum is None:
                 momentum = [np.zeros_like(g) for g in grad]
             momentum = [mu * m + g for m, g in zip(momentum, grad)]
             anchor = [a - lr * (g + mu * m) for a, g, m in zip(anchor, grad, momentum)]
-        for n in nets:
-            for p, value in zip(plist(n), anchor):
+        for n, mine in zip(nets, at):
+            for i, p in enumerate(plist(n)):
+                value = anchor[i] if now else p.data().asnumpy() + (anchor[i] - mine[i])
                 p.set_data(mx.nd.array(value))
-        in_round = 0
 
     for step in range(STEPS):
         for r, n in enumerate(nets):
@@ -208,20 +223,28 @@ def replay(case, workers):
         for t in trainers:
             t.step(B, ignore_stale_grad=case == "heads")
         in_round += 1
+        if pending is not None and in_round >= delay:
+            apply(now=False)
         if in_round == every:
-            synchronise()
+            begin_sync()
+            if delay == 0:
+                apply(now=True)
+    if pending is not None:
+        apply(now=False)
     if in_round:
-        synchronise()
+        begin_sync()
+        apply(now=True)
     return weights(nets[0])
 
 
-def restore_on_one(directory):
+def restore_on_one(case, directory):
     """The N-worker job's mid-round checkpoint on one process: its position, anchor and
-    outer state, and saved rank 0's own weights and inner optimizer states."""
+    outer state, and saved rank 0's own weights and inner optimizer states (and, with
+    a sum pending, that sum and rank 0's weights at the synchronisation)."""
     import dist_gluon as dg
 
     kv = dg.create("local")
-    optimizer, params, keywords = CASES["diloco_nag"]
+    optimizer, params, keywords = CASES[case]
     net = make_net(7)
     trainer = dg.DistributedTrainer(net.collect_params(), optimizer, params, kv=kv,
                                     **keywords)
@@ -245,6 +268,12 @@ def restore_on_one(directory):
             np.array_equal(state[0].asnumpy(), inner[position[i]][0].asnumpy())
             for i, state in mine.items()),
         "outer_updates": rounds.outer_updater.optimizer.num_update,
+        "pending": rounds._pending,
+        "pending_restored": saved["shared"]["pending"] is None or (all(
+            np.array_equal(rounds._deltas[i].asnumpy(), d)
+            for i, d in saved["shared"]["pending"].items()) and all(
+            np.array_equal(rounds._at_sync[i].asnumpy(), a)
+            for i, a in rank0["at_sync"].items())),
     }
 
 
@@ -259,4 +288,5 @@ if __name__ == "__main__":
                      **{str(i): a for i, a in enumerate(replay(case, workers))})
     else:
         with open(os.path.join(OUT, "restored_on_one.json"), "w") as f:
-            json.dump(restore_on_one(os.path.join(OUT, "ckpt")), f)
+            json.dump({case: restore_on_one(case, os.path.join(OUT, f"ckpt_{case}"))
+                       for case in CHECKPOINTED}, f)
