@@ -181,12 +181,13 @@ TOOK_OVER = "takes over as the job's host"
 SLOW = {"hosts": 2, "rates": ("1gbit", "100mbit"),
         "models": {"resnet50": {"batch": 16, "image": 112, "steps": 2},
                    "vgg16": {"batch": 1, "image": 224, "steps": 2}},
-        "impls": ("compute", "per_step", "diloco:32", "diloco_fp16:32"),
+        "impls": ("compute", "per_step", "diloco:32", "diloco_fp16:32",
+                  "diloco_fp16_overlap:32"),
         "mnist": {"workers": (2, 4), "every": (1, 8, 32, 128), "diloco_every": (32,),
                   "seeds": (42, 7, 1), "epochs": 12}}
 SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
               "models": {"resnet50": {"batch": 4, "image": 64, "steps": 1}},
-              "impls": ("compute", "per_step", "diloco:8"),
+              "impls": ("compute", "per_step", "diloco:8", "diloco_fp16_overlap:8"),
               "mnist": {"workers": (2,), "every": (1, 8), "diloco_every": (8,),
                         "seeds": (42,), "epochs": 3}}
 SLOW_RESULTS = "RESULTS-cluster-slow-links.md"

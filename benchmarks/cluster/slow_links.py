@@ -12,12 +12,17 @@ copy of the parameters and of their deltas):
 - ``diloco:H`` / ``diloco_fp16:H``: DiLoCo (outer Nesterov, lr 0.7, momentum 0.9) every H
   steps, the pseudo-gradients in float32 / float16. Local SGD puts the same bytes on
   the wire at the same moments (only the outer update differs), so it is not timed
-  apart.
+  apart;
+- ``diloco_fp16_overlap:H``: the same with ``sync_delay=H``: each round's sum runs
+  during the next round, whose last step applies it.
 
 A round is timed whole: H consecutive steps beginning right after a synchronisation,
 the last of which synchronises, waiting for the engine only at the block's ends (so
 the synchronisation's sum may overlap nothing but itself: the next forward needs its
-result). The synchronisation alone (after one local step) is timed too.
+result). The synchronisation alone (after one local step) is timed too. With the
+overlap one untimed round comes first, so that the timed one begins with a sum in
+flight and ends when the parameters are ready (its own sum still in flight): the
+steady state.
 
 Prints one ``BENCH {json}`` line on rank 0 (see ../_common.py).
 """
@@ -62,14 +67,21 @@ def main():
         loss.backward()
         trainer.step(args.batch)
 
-    def timed(trainer, count):
-        """Seconds per step, CPU seconds per step and the machine's busy share."""
-        mx.nd.waitall()
+    def timed(trainer, count, steady=False):
+        """Seconds per step, CPU seconds per step and the machine's busy share. With
+        ``steady`` whatever is in flight stays so, at both ends: the block ends when
+        the parameters are ready."""
+        if not steady:
+            mx.nd.waitall()
         kv.barrier()
         t0, cpu0, machine0 = time.perf_counter(), time.process_time(), machine_ticks()
         for _ in range(count):
             one_step(trainer)
-        mx.nd.waitall()
+        if steady:
+            for p in params.values():
+                p.data().wait_to_read()
+        else:
+            mx.nd.waitall()
         return {"seconds": (time.perf_counter() - t0) / count,
                 "cpu_seconds": (time.process_time() - cpu0) / count,
                 "machine_busy": busy_share(machine0, machine_ticks())}
@@ -85,10 +97,17 @@ def main():
             trainer = dg.DistributedTrainer(
                 params, INNER[0], dict(INNER[1]), kv=kv, sync_every=int(every),
                 outer_optimizer="nag", outer_optimizer_params=dict(OUTER),
-                compression="fp16" if name == "diloco_fp16" else None)
+                compression="fp16" if name.startswith("diloco_fp16") else None,
+                sync_delay=int(every) if name.endswith("overlap") else 0)
         one_step(trainer)                   # untimed: the optimizer's states, the keys
         if name in ("compute", "per_step"):
             results[impl] = timed(trainer, args.steps)
+        elif name.endswith("overlap"):
+            trainer.sync_weights()
+            for _ in range(int(every)):     # untimed: a round whose sum is in flight
+                one_step(trainer)
+            results[impl] = {"round": timed(trainer, int(every), steady=True),
+                             "every": int(every), "sync_seconds": None}
         else:
             trainer.sync_weights()          # the first synchronisation, untimed
             results[impl] = {"round": timed(trainer, int(every)), "every": int(every)}

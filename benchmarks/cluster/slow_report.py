@@ -16,7 +16,7 @@ def _round_figures(entry: dict) -> dict | None:
     every = found["every"]
     step = found["round"]["seconds"]
     sync = found["sync_seconds"]
-    local = max(step - sync / every, 0.0)
+    local = step if sync is None else max(step - sync / every, 0.0)
     return {"every": every, "step": step, "sync": sync, "local": local,
             "busy": found["round"]["machine_busy"]}
 
@@ -44,15 +44,19 @@ def _throughput(rows: list[dict]) -> list[str]:
                 continue
             figures = _round_figures(entry)
             wire = "float16" if impl.startswith("diloco_fp16") else "float32"
+            if "overlap" in impl:
+                wire += ", overlapped with the next round (sync_delay = H)"
             if figures is None or not compute:
                 lines.append(f"| {model} | {rate} | – | {base} | {impl} | "
                              f"{entry.get('error', 'no result')[:80]} | | | |")
                 continue
-            derived = figures["local"] + figures["sync"] / 128
+            sync = "–" if figures["sync"] is None else f"{figures['sync']:.1f} s"
+            derived = "–" if figures["sync"] is None else \
+                f"{compute / (figures['local'] + figures['sync'] / 128):.0%}"
             lines.append(
                 f"| {model} | {rate} | {compute:.2f} s | {base} | {figures['every']}, {wire} | "
-                f"{figures['step']:.2f} s | {figures['sync']:.1f} s | "
-                f"{compute / figures['step']:.0%} | {compute / derived:.0%} |")
+                f"{figures['step']:.2f} s | {sync} | "
+                f"{compute / figures['step']:.0%} | {derived} |")
     return lines
 
 
@@ -93,7 +97,7 @@ def write(results: dict, path: Path) -> None:
     text = [
         "# bench-cluster part 8: Local SGD and DiLoCo on slow links",
         "",
-        f"`{results['command']} --only slow`, {machine.get('date')}, "
+        f"`{results['command']}`, {machine.get('date')}, "
         f"{machine.get('cpu', machine.get('cpu_model', '?'))}, {machine.get('cores')} cores "
         "shared by every emulated host (and by whatever else ran on the machine).",
         f"Load at the start: `{results['uptime_start']}`; at the end: "
