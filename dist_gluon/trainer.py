@@ -522,6 +522,10 @@ class DistributedTrainer(TrainerBase):
         """A Local SGD step's update: this worker's gradients (its devices' sum) rescaled
         by its own batch size, gluon's stale-gradient semantics; then the round's count,
         and its synchronisation at the H-th step."""
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
         self._local_sgd.begin_step(self._model_params)
         self._alone = True
         try:

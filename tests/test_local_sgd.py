@@ -6,11 +6,12 @@ import json
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, launcher, run
+from conftest import REPO, assert_ok, launcher, process_env, run
 
 WORKERS = REPO / "tests" / "workers"
 SCRIPT = WORKERS / "local_sgd_cases.py"
@@ -119,3 +120,62 @@ def test_a_mid_round_checkpoint_restores_on_another_number_of_workers(job):
     assert got["diloco_nag"] == expected
     # the overlapped run's first outer step is still to come, its sum restored
     assert got["diloco_overlap"] == dict(expected, outer_updates=0, pending="late")
+
+
+ARGUMENTS = """
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import dist_gluon as dg
+
+    kv = dg.create("local")
+    for kwargs in ({"sync_every": 0}, {"sync_every": 2.5},
+                   {"outer_optimizer_params": {"learning_rate": 0.7}},
+                   {"sync_every": 4, "sync_delay": 5}, {"local_sgd_warmup": 10},
+                   {"sync_every": 4, "local_sgd_warmup": -1},
+                   {"sync_every": 4, "outer_optimizer": "nosuch"},
+                   {"sync_every": 4, "outer_optimizer": "nag",
+                    "outer_optimizer_params": {"rescale_grad": 0.5}}):
+        net = gluon.nn.Dense(2, in_units=3)
+        net.initialize()
+        try:
+            dg.DistributedTrainer(net.collect_params(), "sgd", kv=kv, **kwargs)
+            print("accepted", sorted(kwargs))
+        except ValueError as err:
+            print("refused", sorted(kwargs), " ".join(str(err).split()))
+    # one process: a round averages one worker, so Local SGD is plain training
+    results = []
+    for kwargs in ({}, {"sync_every": 3}):
+        mx.random.seed(1)
+        net = gluon.nn.Dense(2, in_units=3)
+        net.initialize()
+        trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
+                                        {"learning_rate": 0.1, "momentum": 0.9}, kv=kv,
+                                        **kwargs)
+        for step in range(7):
+            with autograd.record():
+                loss = net(mx.nd.ones((4, 3)) * step).sum()
+            loss.backward()
+            trainer.allreduce_grads()
+            trainer.update(4)
+        trainer.sync_weights()
+        results.append(net.weight.data().asnumpy())
+    print("one process difference", float(abs(results[0] - results[1]).max()))
+"""
+
+
+@pytest.mark.spawns
+def test_bad_round_arguments_are_value_errors_and_one_process_trains_plainly(tmp_path):
+    script = tmp_path / "arguments.py"
+    script.write_text(textwrap.dedent(ARGUMENTS))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=process_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert_ok(proc)
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines[:8]] == ["refused"] * 8, proc.stdout
+    assert "sync_every must be an int >= 1" in lines[0]
+    assert "outer_optimizer_params was given without an outer_optimizer" in lines[2]
+    assert "sync_delay must be an int from 0 to sync_every (4)" in lines[3]
+    assert "local_sgd_warmup=10 needs sync_every > 1" in lines[4]
+    assert "outer_optimizer='nosuch'" in lines[6]
+    assert "leave its rescale_grad at 1" in lines[7]
+    assert float(lines[8].split()[-1]) < 1e-6
