@@ -120,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "workers' weight deltas (default: none, Local SGD)")
     parser.add_argument("--outer-momentum", type=float, default=0.9,
                         help="momentum of the outer step with --outer-lr (default: 0.9)")
+    parser.add_argument("--sync-delay", type=int, default=0, metavar="D",
+                        help="overlap each synchronisation's sum with the next D local steps "
+                             "(1 to --sync-every): its update arrives D steps late "
+                             "(default: 0, no overlap)")
     parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="STEPS",
                         help="post-local SGD: average the gradients every step for this many "
                              "steps before the rounds of --sync-every start (default: 0)")
@@ -160,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--sync-every must be at least 1 and --local-sgd-warmup at least 0")
     if args.local_sgd_warmup and args.sync_every == 1 and args.outer_lr is None:
         parser.error("--local-sgd-warmup needs --sync-every > 1 or --outer-lr")
+    if not 0 <= args.sync_delay <= args.sync_every:
+        parser.error("--sync-delay must be from 0 to --sync-every")
     if args.lr is None:
         args.lr = 20.0 if args.optimizer == "sgd" else 0.002
     if args.lr <= 0 or args.clip <= 0:
@@ -309,7 +315,8 @@ def main(argv=None) -> None:
     lr = args.lr * workers if args.scale_lr else args.lr
     rounds = {}
     if args.sync_every > 1 or args.outer_lr is not None:
-        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup}
+        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
+                  "sync_delay": args.sync_delay}
     if args.outer_lr is not None:
         rounds.update(outer_optimizer="nag", outer_optimizer_params={
             "learning_rate": args.outer_lr, "momentum": args.outer_momentum})

@@ -91,6 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(default: none, Local SGD)")
     parser.add_argument("--outer-momentum", type=float, default=0.9,
                         help="momentum of the outer step with --outer-lr (default: 0.9)")
+    parser.add_argument("--sync-delay", type=int, default=0, metavar="D",
+                        help="overlap each synchronisation's sum with the next D local steps "
+                             "(1 to --sync-every): its update arrives D steps late "
+                             "(default: 0, no overlap)")
     parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="STEPS",
                         help="post-local SGD: average the gradients every step for this many "
                              "steps before the rounds of --sync-every start (default: 0)")
@@ -140,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--sync-every must be at least 1 and --local-sgd-warmup at least 0")
     if args.local_sgd_warmup and args.sync_every == 1 and args.outer_lr is None:
         parser.error("--local-sgd-warmup needs --sync-every > 1 or --outer-lr")
+    if not 0 <= args.sync_delay <= args.sync_every:
+        parser.error("--sync-delay must be from 0 to --sync-every")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     return args
@@ -271,7 +277,8 @@ def main(argv=None) -> None:
         warmup_steps=warmup_steps, warmup_begin_lr=min(args.lr, lr))
     rounds = {}
     if args.sync_every > 1 or args.outer_lr is not None:
-        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup}
+        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
+                  "sync_delay": args.sync_delay}
     if args.outer_lr is not None:
         rounds.update(outer_optimizer="nag", outer_optimizer_params={
             "learning_rate": args.outer_lr, "momentum": args.outer_momentum})
@@ -290,7 +297,9 @@ def main(argv=None) -> None:
         log(f"rounds: weights synchronised every {args.sync_every} steps after "
             f"{args.local_sgd_warmup} steps synchronised every step; "
             + (f"DiLoCo, outer Nesterov lr {args.outer_lr:g} momentum "
-               f"{args.outer_momentum:g}" if args.outer_lr is not None else "Local SGD"))
+               f"{args.outer_momentum:g}" if args.outer_lr is not None else "Local SGD")
+            + (f"; each sum overlaps the next {args.sync_delay} local steps"
+               if args.sync_delay else ""))
 
     history: list[dict] = []
     start_epoch = 0
