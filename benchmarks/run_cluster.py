@@ -191,6 +191,10 @@ SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
               "mnist": {"workers": (2,), "every": (1, 8), "diloco_every": (8,),
                         "seeds": (42,), "epochs": 3}}
 SLOW_RESULTS = "RESULTS-cluster-slow-links.md"
+# At 100 Mbit/s VGG-16's first Dense weight (392 MiB) takes 33 s to send, longer than
+# Gloo's default of 30 s for one operation ("Timed out waiting 30000ms for send
+# operation to complete"), with or without rounds.
+SLOW_ENV = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
 
 _ports = itertools.count(29700)
 
@@ -506,7 +510,7 @@ def run_slow_links(cfg: dict, timeout: float) -> dict:
                             "--impls", impl, *itertools.chain.from_iterable(
                                 (f"--{k}", str(v)) for k, v in opts.items())]
                     payload = run_job(cluster, "horovod", "gloo" if launcher_has_transport()
-                                      else None, args, timeout, Path(tmp))
+                                      else None, args, timeout, Path(tmp), env=SLOW_ENV)
                     log(f"  {model} {impl} at {rate}: {describe(payload)}")
                     setting["throughput"].append({"rate": rate, "model": model,
                                                   "impl": impl, "link": link,
