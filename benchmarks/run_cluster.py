@@ -181,15 +181,23 @@ TOOK_OVER = "takes over as the job's host"
 SLOW = {"hosts": 2, "rates": ("1gbit", "100mbit"),
         "models": {"resnet50": {"batch": 16, "image": 112, "steps": 2},
                    "vgg16": {"batch": 1, "image": 224, "steps": 2}},
-        "impls": ("compute", "per_step", "diloco:32", "diloco_fp16:32",
-                  "diloco_fp16_overlap:32"),
-        "mnist": {"workers": (2, 4), "every": (1, 8, 32, 128), "diloco_every": (32,),
-                  "seeds": (42, 7, 1), "epochs": 12}}
+        "impls": ("per_step", "diloco:32", "diloco_fp16:32", "diloco_fp16_overlap:32"),
+        "mnist": {"workers": (2, 4), "seeds": (42, 7, 1), "epochs": 12,
+                  # the example's flags of each run; () is per-step averaging
+                  "runs": ((), ("--sync-every", "8"), ("--sync-every", "32"),
+                           ("--sync-every", "128"),
+                           ("--sync-every", "32", "--outer-lr", "0.7"),
+                           ("--sync-every", "32", "--outer-lr", "0.7",
+                            "--outer-momentum", "0.5"),
+                           ("--sync-every", "32", "--local-sgd-warmup", "24"),
+                           ("--sync-every", "32", "--compression", "fp16"),
+                           ("--sync-every", "32", "--sync-delay", "32"))}}
 SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
               "models": {"resnet50": {"batch": 4, "image": 64, "steps": 1}},
-              "impls": ("compute", "per_step", "diloco:8", "diloco_fp16_overlap:8"),
-              "mnist": {"workers": (2,), "every": (1, 8), "diloco_every": (8,),
-                        "seeds": (42,), "epochs": 3}}
+              "impls": ("per_step", "diloco:8", "diloco_fp16_overlap:8"),
+              "mnist": {"workers": (2,), "seeds": (42,), "epochs": 3,
+                        "runs": ((), ("--sync-every", "8"),
+                                 ("--sync-every", "8", "--outer-lr", "0.7"))}}
 SLOW_RESULTS = "RESULTS-cluster-slow-links.md"
 # At 100 Mbit/s VGG-16's first Dense weight (392 MiB) takes 33 s to send, longer than
 # Gloo's default of 30 s for one operation ("Timed out waiting 30000ms for send
@@ -473,16 +481,14 @@ def run_async(cfg, timeout: float) -> dict:
     return setting
 
 
-def run_mnist(every: int, workers: int, seed: int, epochs: int, outer_lr, timeout: float,
+def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
               workdir: Path) -> dict:
-    """The MNIST example on ``workers`` local workers (horovod); its summary fields."""
+    """The MNIST example with ``flags`` on ``workers`` local workers (horovod); its
+    summary fields."""
     argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
             "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "mnist" /
                                                     "train_gluon.py"),
-            "--epochs", str(epochs), "--seed", str(seed), "--sync-every", str(every),
-            "--log-interval", "1000"]
-    if outer_lr is not None:
-        argv += ["--outer-lr", str(outer_lr)]
+            "--epochs", str(epochs), "--seed", str(seed), "--log-interval", "1000", *flags]
     env = dict(worker_env(), PYTHONPATH=str(REPO))
     started = time.monotonic()
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
@@ -516,22 +522,54 @@ def run_slow_links(cfg: dict, timeout: float) -> dict:
                                                   "impl": impl, "link": link,
                                                   "load": os.getloadavg(), **payload})
     mnist = cfg["mnist"]
-    runs = [(every, None) for every in mnist["every"]]
-    runs += [(every, 0.7) for every in mnist["diloco_every"]]
     with tempfile.TemporaryDirectory(prefix="dg-bench-mnist-") as tmp:
         for workers in mnist["workers"]:
-            for every, outer_lr in runs:
+            for flags in mnist["runs"]:
                 for seed in mnist["seeds"]:
-                    found = run_mnist(every, workers, seed, mnist["epochs"], outer_lr,
-                                      timeout, Path(tmp))
-                    log(f"  MNIST, {workers} workers, H={every}"
-                        + (f", DiLoCo outer lr {outer_lr}" if outer_lr else "")
-                        + f", seed {seed}: {found}")
-                    setting["mnist"].append({"workers": workers, "every": every,
-                                             "outer_lr": outer_lr, "seed": seed,
-                                             "epochs": mnist["epochs"], **found})
+                    found = run_mnist(flags, workers, seed, mnist["epochs"], timeout,
+                                      Path(tmp))
+                    log(f"  MNIST, {workers} workers, {' '.join(flags) or 'per step'}, "
+                        f"seed {seed}: {found}")
+                    setting["mnist"].append({"workers": workers, "flags": list(flags),
+                                             "seed": seed, "epochs": mnist["epochs"],
+                                             **found})
     setting["load_end"] = os.getloadavg()
     return setting
+
+
+def run_slow_part(args, results: dict, out: Path) -> None:
+    """Part 8 into its own files. ``--slow-only``, ``--slow-rate`` and ``--slow-model``
+    measure a piece of it again: that piece's entries in the raw file are replaced,
+    the others kept, and the report says which run measured what."""
+    cfg = json.loads(json.dumps(SLOW_QUICK if args.quick else SLOW))
+    pieces = set(args.slow_only or ("throughput", "mnist"))
+    if args.slow_rate:
+        cfg["rates"] = [r for r in cfg["rates"] if r in args.slow_rate]
+    if args.slow_model:
+        cfg["models"] = {m: o for m, o in cfg["models"].items() if m in args.slow_model}
+    if "throughput" not in pieces:
+        cfg["rates"] = []
+    if "mnist" not in pieces:
+        cfg["mnist"]["workers"] = []
+    raw = out.with_name(out.stem.lower() + ".json")
+    partial = bool(args.slow_only or args.slow_rate or args.slow_model)
+    slow = json.loads(raw.read_text()) if partial and raw.exists() else \
+        {"machine": results["machine"], "config": cfg, "throughput": [], "mnist": [],
+         "runs": []}
+    run = {"command": results["command"], "uptime_start": uptime(), "measured": {
+        "rates": cfg["rates"], "models": list(cfg["models"]),
+        "mnist_workers": cfg["mnist"]["workers"]}}
+    found = run_slow_links(cfg, args.job_timeout)
+    run["uptime_end"] = uptime()
+    measured = {(t["rate"], t["model"]) for t in found["throughput"]}
+    slow["throughput"] = [t for t in slow["throughput"]
+                          if (t["rate"], t["model"]) not in measured] + found["throughput"]
+    if found["mnist"]:
+        slow["mnist"] = found["mnist"]
+    slow["runs"].append(run)
+    slow_report.write(slow, out)
+    raw.write_text(json.dumps(slow, indent=1, default=str))
+    log(f"wrote {out} and {raw}")
 
 
 def uptime() -> str:
@@ -876,6 +914,13 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="where to write the report")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
+    parser.add_argument("--slow-only", action="append", choices=("throughput", "mnist"),
+                        help="part 8: measure only this piece (repeatable), replacing its "
+                             "entries in results-cluster-slow-links.json")
+    parser.add_argument("--slow-rate", action="append", metavar="RATE",
+                        help="part 8: only this link rate (e.g. 100mbit; repeatable)")
+    parser.add_argument("--slow-model", action="append", choices=("resnet50", "vgg16"),
+                        help="part 8: only this model (repeatable)")
     parser.add_argument("--lost-host", action="append", type=int,
                         choices=ELASTIC["lost_hosts"], metavar="HOST",
                         help="part 7 (elastic): break only this host (repeatable); "
@@ -946,17 +991,9 @@ def main(argv=None) -> int:
             results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host)
         if "slow" in parts:
             # its own files, whatever else runs: reruns of other parts never overwrite it
-            slow = {"command": results["command"], "machine": results["machine"],
-                    "config": SLOW_QUICK if args.quick else SLOW,
-                    "uptime_start": uptime()}
-            slow.update(run_slow_links(slow["config"], args.job_timeout))
-            slow["uptime_end"] = uptime()
             slow_out = args.out.with_name(SLOW_RESULTS if not args.quick else
                                           SLOW_RESULTS.replace(".md", "-quick.md"))
-            slow_report.write(slow, slow_out)
-            slow_out.with_name(slow_out.stem.lower() + ".json").write_text(
-                json.dumps(slow, indent=1, default=str))
-            log(f"wrote {slow_out}")
+            run_slow_part(args, results, slow_out)
             if parts == ["slow"]:
                 return 0
         if set(parts) & {"servers", "async", "elastic"}:

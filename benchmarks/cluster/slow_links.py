@@ -7,7 +7,9 @@ worker, SGD with momentum as the inner optimizer, and one trainer at a time
 copy of the parameters and of their deltas):
 
 - ``compute``: ``gluon.Trainer(kvstore=None)`` while the other workers do the same: the
-  step of perfect scaling on this machine;
+  step of perfect scaling on this machine. Every job also times it right before and
+  right after its trainer (``compute_seconds``, their mean), so that each trainer's
+  scaling compares two figures taken under the same load;
 - ``per_step``: ``dg.DistributedTrainer`` averaging the gradients every step;
 - ``diloco:H`` / ``diloco_fp16:H``: DiLoCo (outer Nesterov, lr 0.7, momentum 0.9) every H
   steps, the pseudo-gradients in float32 / float16. Local SGD puts the same bytes on
@@ -86,8 +88,11 @@ def main():
                 "cpu_seconds": (time.process_time() - cpu0) / count,
                 "machine_busy": busy_share(machine0, machine_ticks())}
 
+    compute = gluon.Trainer(params, *INNER, kvstore=None)
+    one_step(compute)
     results = {}
     for impl in args.impls.split(","):
+        before = timed(compute, args.steps)["seconds"]
         name, _, every = impl.partition(":")
         if name == "compute":
             trainer = gluon.Trainer(params, *INNER, kvstore=None)
@@ -118,6 +123,7 @@ def main():
             trainer.sync_weights()
             mx.nd.waitall()
             results[impl]["sync_seconds"] = time.perf_counter() - t0
+        results[impl]["compute_seconds"] = (before + timed(compute, args.steps)["seconds"]) / 2
         del trainer
         gc.collect()
     plist = [p for p in params.values() if p.grad_req != "null"]

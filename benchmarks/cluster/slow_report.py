@@ -21,73 +21,86 @@ def _round_figures(entry: dict) -> dict | None:
             "busy": found["round"]["machine_busy"]}
 
 
+def _compute(entry: dict) -> float | None:
+    """The compute-only step timed in the same job, before and after the trainer."""
+    found = entry.get("results", {}).get(entry.get("impl"))
+    return None if not found else found.get("compute_seconds")
+
+
 def _step(entry: dict) -> float | None:
     found = entry.get("results", {}).get(entry["impl"])
     return None if not found else found["seconds"]
 
 
 def _throughput(rows: list[dict]) -> list[str]:
-    lines = ["| model | link | compute-only step | per-step averaging: step, scaling | "
-             "DiLoCo H, pseudo-gradient | round / H | synchronisation alone | scaling | "
-             "derived: scaling at H = 128 |",
+    lines = ["| model | link | per-step averaging: compute-only step; step, scaling | "
+             "compute-only step | DiLoCo H, pseudo-gradient | round / H | "
+             "synchronisation alone | scaling | derived: scaling at H = 128 |",
              "|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["model"], r["rate"]) for r in rows},
                   key=lambda k: (k[0], -len(k[1]), k[1]))
     for model, rate in keys:
         mine = {r["impl"]: r for r in rows if (r["model"], r["rate"]) == (model, rate)}
-        compute = _step(mine["compute"]) if "compute" in mine else None
         per_step = _step(mine["per_step"]) if "per_step" in mine else None
-        base = (f"{per_step:.2f} s, {compute / per_step:.0%}" if per_step and compute
-                else mine.get("per_step", {}).get("error", "–")[:80])
+        compute = _compute(mine.get("per_step", {}))
+        base = (f"{compute:.2f} s; {per_step:.2f} s, {compute / per_step:.0%}"
+                if per_step and compute else
+                mine.get("per_step", {}).get("error", "–")[:80])
         for impl, entry in mine.items():
             if not impl.startswith("diloco"):
                 continue
+            compute = _compute(entry)
             figures = _round_figures(entry)
             wire = "float16" if impl.startswith("diloco_fp16") else "float32"
             if "overlap" in impl:
                 wire += ", overlapped with the next round (sync_delay = H)"
             if figures is None or not compute:
-                lines.append(f"| {model} | {rate} | – | {base} | {impl} | "
+                lines.append(f"| {model} | {rate} | {base} | – | {impl} | "
                              f"{entry.get('error', 'no result')[:80]} | | | |")
                 continue
             sync = "–" if figures["sync"] is None else f"{figures['sync']:.1f} s"
             derived = "–" if figures["sync"] is None else \
                 f"{compute / (figures['local'] + figures['sync'] / 128):.0%}"
             lines.append(
-                f"| {model} | {rate} | {compute:.2f} s | {base} | {figures['every']}, {wire} | "
+                f"| {model} | {rate} | {base} | {compute:.2f} s | {figures['every']}, {wire} | "
                 f"{figures['step']:.2f} s | {sync} | "
                 f"{compute / figures['step']:.0%} | {derived} |")
     return lines
 
 
 def _mnist(rows: list[dict]) -> list[str]:
-    lines = ["| workers | synchronisation | val_acc, mean of seeds | min - max | "
-             "against per-step (points) | runs |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| workers | the example's flags | val_acc, mean of seeds | each seed | "
+             "against per-step (points) |",
+             "|---|---|---|---|---|"]
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["workers"], r["every"], r["outer_lr"]), []).append(r)
-    for workers in sorted({k[0] for k in groups}):
-        base = [r["val_acc"] for r in groups.get((workers, 1, None), []) if "val_acc" in r]
-        base_mean = statistics.mean(base) if base else None
-        for key in sorted((k for k in groups if k[0] == workers),
-                          key=lambda k: (k[2] is not None, k[1])):
-            _, every, outer = key
-            accs = [r["val_acc"] for r in groups[key] if "val_acc" in r]
-            errors = [r["error"] for r in groups[key] if "error" in r]
-            what = ("per step" if every == 1 and outer is None else
-                    f"Local SGD, H = {every}" if outer is None else
-                    f"DiLoCo, H = {every}, outer NAG lr {outer} momentum 0.9")
-            if not accs:
-                lines.append(f"| {workers} | {what} | failed: {errors[0][:80]} | | | 0 |")
-                continue
-            mean = statistics.mean(accs)
-            delta = "–" if base_mean is None or key == (workers, 1, None) else \
-                f"{(mean - base_mean) * 100:+.2f}"
-            lines.append(f"| {workers} | {what} | {mean:.4f} | {min(accs):.4f} - "
-                         f"{max(accs):.4f} | {delta} | {len(accs)}"
-                         + (f" ({len(errors)} failed)" if errors else "") + " |")
+        groups.setdefault((r["workers"], tuple(r["flags"])), []).append(r)
+    for key in groups:
+        workers, flags = key
+        base = [r.get("val_acc", float("nan")) for r in groups.get((workers, ()), [])]
+        runs = groups[key]
+        accs = [r["val_acc"] for r in runs if "val_acc" in r]
+        seeds = ", ".join(f"{r['val_acc']:.4f}" if "val_acc" in r else "failed"
+                          for r in runs)
+        what = " ".join(flags) or "(per-step averaging)"
+        if len(accs) != len(runs) or not accs:
+            lines.append(f"| {workers} | `{what}` | – | {seeds} | – |")
+            continue
+        mean = statistics.mean(accs)
+        delta = "–" if not flags or not base else \
+            f"{(mean - statistics.mean(base)) * 100:+.2f}"
+        lines.append(f"| {workers} | `{what}` | {mean:.4f} | {seeds} | {delta} |")
     return lines
+
+
+def _measured(what: dict) -> str:
+    parts = []
+    if what["rates"]:
+        parts.append(f"throughput of {', '.join(what['models'])} at "
+                     f"{', '.join(what['rates'])}")
+    if what["mnist_workers"]:
+        parts.append(f"MNIST on {', '.join(map(str, what['mnist_workers']))} workers")
+    return " and ".join(parts) or "nothing"
 
 
 def write(results: dict, path: Path) -> None:
@@ -97,18 +110,22 @@ def write(results: dict, path: Path) -> None:
     text = [
         "# bench-cluster part 8: Local SGD and DiLoCo on slow links",
         "",
-        f"`{results['command']}`, {machine.get('date')}, "
         f"{machine.get('cpu', machine.get('cpu_model', '?'))}, {machine.get('cores')} cores "
-        "shared by every emulated host (and by whatever else ran on the machine).",
-        f"Load at the start: `{results['uptime_start']}`; at the end: "
-        f"`{results['uptime_end']}`.",
+        "shared by every emulated host and by whatever else ran on the machine (other "
+        "engineers' tests: the load below). The runs that measured this report, each "
+        "replacing what it measured:",
+        "",
+        *[f"- `{run['command']}`: {_measured(run['measured'])}; load at the start "
+          f"`{run['uptime_start']}`, at the end `{run['uptime_end']}`."
+          for run in results["runs"]],
         "",
         "## Throughput",
         "",
         f"{cfg['hosts']} emulated hosts (tools/emulated_cluster.py), one worker each, "
         "horovod over Gloo; SGD momentum 0.9 inside, DiLoCo's outer step NAG lr 0.7 "
-        "momentum 0.9. Scaling is the compute-only step (the same job with no "
-        "communication, gluon.Trainer(kvstore=None)) over the step. A round's H steps are "
+        "momentum 0.9. Scaling is the compute-only step (gluon.Trainer(kvstore=None), no "
+        "communication, timed in the same job right before and after the trainer, the "
+        "mean of both) over the step. A round's H steps are "
         "timed whole, its last step synchronising; the synchronisation is also timed "
         "alone. The last column is derived, not measured: the local step this round "
         "implies (round / H minus the synchronisation's share) plus 1/128 of the "
@@ -120,9 +137,11 @@ def write(results: dict, path: Path) -> None:
         "",
         f"examples/mnist/train_gluon.py (the scikit-learn digits: 1,437 training and 360 "
         f"validation images, so one image is 0.28 points), {mnist['epochs']} epochs, batch "
-        f"32 per worker, the example's defaults otherwise, seeds {list(mnist['seeds'])}, "
-        "horovod on one host. The accuracy is the summary line's, after the last "
-        "(shortened) round's synchronisation.",
+        f"32 per worker, the example's defaults otherwise (learning rate 0.02 x workers "
+        f"after a 1-epoch warm-up, momentum 0.9, cosine decay), seeds "
+        f"{list(mnist['seeds'])}, horovod on one host. The accuracy is the summary line's, "
+        "after the last (shortened) round's synchronisation. A diverged run (NaN loss, "
+        "chance accuracy) counts in the mean as it ended.",
         "",
         *_mnist(results["mnist"]),
         "",
