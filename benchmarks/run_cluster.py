@@ -38,6 +38,12 @@ scheduler on host 0. In every cluster:
    takeover (host 0 only: the survivors end their workers, then elect), re-formation,
    worker start, model build, checkpoint load and first step, from the launchers' lines
    (stamped as they are read) and the workers' clocks.
+8. Slow links (``--only slow``; its own report, RESULTS-cluster-slow-links.md, and raw
+   numbers, results-cluster-slow-links.json, which runs of the other parts never
+   touch): ResNet-50 and VGG-16 on 2 hosts at 1 Gbit/s and at 100 Mbit/s, per-step
+   averaging against DiLoCo rounds (cluster/slow_links.py, horovod over Gloo); and the
+   MNIST example's final accuracy with Local SGD and DiLoCo against per-step averaging
+   on 2 and 4 workers (on one host: accuracy does not depend on the link).
 9. Scale: the launchers' control plane against the number of nodes, 4 to 256 hosts with
    a light worker each, static and elastic: formation, re-formation after a lost
    worker or node, node 0's CPU and bytes per second and every launcher's CPU per node
@@ -75,7 +81,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
-from cluster import report, scale  # noqa: E402
+from cluster import report, scale, slow_report  # noqa: E402
 
 PY = sys.executable
 RESULT_TAG = "BENCH "
@@ -186,6 +192,34 @@ PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "to
           ("worker start", "created"), ("model build", "built"),
           ("checkpoint load", "restored"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
+
+# Part 8: Local SGD and DiLoCo. Throughput on 2 hosts at each rate; the MNIST example's
+# final validation accuracy (mean over the seeds) for each H, on loopback.
+SLOW = {"hosts": 2, "rates": ("1gbit", "100mbit"),
+        "models": {"resnet50": {"batch": 16, "image": 112, "steps": 2},
+                   "vgg16": {"batch": 1, "image": 224, "steps": 2}},
+        "impls": ("per_step", "diloco:32", "diloco_fp16:32", "diloco_fp16_overlap:32"),
+        "mnist": {"workers": (2, 4), "seeds": (42, 7, 1), "epochs": 12,
+                  # the example's flags of each run; () is per-step averaging
+                  "runs": ((), ("--sync-every", "8"), ("--sync-every", "32"),
+                           ("--sync-every", "128"),
+                           ("--sync-every", "32", "--outer-lr", "0.7"),
+                           ("--sync-every", "32", "--outer-lr", "0.7",
+                            "--outer-momentum", "0.5"),
+                           ("--sync-every", "32", "--local-sgd-warmup", "24"),
+                           ("--sync-every", "32", "--compression", "fp16"),
+                           ("--sync-every", "32", "--sync-delay", "32"))}}
+SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
+              "models": {"resnet50": {"batch": 4, "image": 64, "steps": 1}},
+              "impls": ("per_step", "diloco:8", "diloco_fp16_overlap:8"),
+              "mnist": {"workers": (2,), "seeds": (42,), "epochs": 3,
+                        "runs": ((), ("--sync-every", "8"),
+                                 ("--sync-every", "8", "--outer-lr", "0.7"))}}
+SLOW_RESULTS = "RESULTS-cluster-slow-links.md"
+# At 100 Mbit/s VGG-16's first Dense weight (392 MiB) takes 33 s to send, longer than
+# Gloo's default of 30 s for one operation ("Timed out waiting 30000ms for send
+# operation to complete"), with or without rounds.
+SLOW_ENV = {"HOROVOD_GLOO_TIMEOUT_SECONDS": "600"}
 
 _ports = itertools.count(29700)
 
@@ -462,6 +496,97 @@ def run_async(cfg, timeout: float) -> dict:
             setting["jobs"][backend] = payload
     setting["load_end"] = os.getloadavg()
     return setting
+
+
+def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
+              workdir: Path) -> dict:
+    """The MNIST example with ``flags`` on ``workers`` local workers (horovod); its
+    summary fields."""
+    argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
+            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "mnist" /
+                                                    "train_gluon.py"),
+            "--epochs", str(epochs), "--seed", str(seed), "--log-interval", "1000", *flags]
+    env = dict(worker_env(), PYTHONPATH=str(REPO))
+    started = time.monotonic()
+    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout + 60)
+    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] summary:")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]}
+    fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
+    return {"val_acc": float(fields["val_acc"]), "val_loss": float(fields["val_loss"]),
+            "seconds": time.monotonic() - started}
+
+
+def run_slow_links(cfg: dict, timeout: float) -> dict:
+    """Part 8: DiLoCo rounds against per-step averaging on emulated links, and the MNIST
+    example's accuracy for each H."""
+    setting = {"load_start": os.getloadavg(), "throughput": [], "mnist": []}
+    for rate in cfg["rates"]:
+        log(f"slow links: {cfg['hosts']} hosts at {rate}")
+        with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
+                emulated_cluster.EmulatedCluster(num_hosts=cfg["hosts"], rate=rate) as cluster:
+            link = run_link(cluster, 16 if rate.endswith("mbit") else 64)
+            for model, opts in cfg["models"].items():
+                for impl in cfg["impls"]:
+                    args = [str(HERE / "cluster" / "slow_links.py"), "--model", model,
+                            "--impls", impl, *itertools.chain.from_iterable(
+                                (f"--{k}", str(v)) for k, v in opts.items())]
+                    payload = run_job(cluster, "horovod", "gloo" if launcher_has_transport()
+                                      else None, args, timeout, Path(tmp), env=SLOW_ENV)
+                    log(f"  {model} {impl} at {rate}: {describe(payload)}")
+                    setting["throughput"].append({"rate": rate, "model": model,
+                                                  "impl": impl, "link": link,
+                                                  "load": os.getloadavg(), **payload})
+    mnist = cfg["mnist"]
+    with tempfile.TemporaryDirectory(prefix="dg-bench-mnist-") as tmp:
+        for workers in mnist["workers"]:
+            for flags in mnist["runs"]:
+                for seed in mnist["seeds"]:
+                    found = run_mnist(flags, workers, seed, mnist["epochs"], timeout,
+                                      Path(tmp))
+                    log(f"  MNIST, {workers} workers, {' '.join(flags) or 'per step'}, "
+                        f"seed {seed}: {found}")
+                    setting["mnist"].append({"workers": workers, "flags": list(flags),
+                                             "seed": seed, "epochs": mnist["epochs"],
+                                             **found})
+    setting["load_end"] = os.getloadavg()
+    return setting
+
+
+def run_slow_part(args, results: dict, out: Path) -> None:
+    """Part 8 into its own files. ``--slow-only``, ``--slow-rate`` and ``--slow-model``
+    measure a piece of it again: that piece's entries in the raw file are replaced,
+    the others kept, and the report says which run measured what."""
+    cfg = json.loads(json.dumps(SLOW_QUICK if args.quick else SLOW))
+    pieces = set(args.slow_only or ("throughput", "mnist"))
+    if args.slow_rate:
+        cfg["rates"] = [r for r in cfg["rates"] if r in args.slow_rate]
+    if args.slow_model:
+        cfg["models"] = {m: o for m, o in cfg["models"].items() if m in args.slow_model}
+    if "throughput" not in pieces:
+        cfg["rates"] = []
+    if "mnist" not in pieces:
+        cfg["mnist"]["workers"] = []
+    raw = out.with_name(out.stem.lower() + ".json")
+    partial = bool(args.slow_only or args.slow_rate or args.slow_model)
+    slow = json.loads(raw.read_text()) if partial and raw.exists() else \
+        {"machine": results["machine"], "config": cfg, "throughput": [], "mnist": [],
+         "runs": []}
+    run = {"command": results["command"], "uptime_start": uptime(), "measured": {
+        "rates": cfg["rates"], "models": list(cfg["models"]),
+        "mnist_workers": cfg["mnist"]["workers"]}}
+    found = run_slow_links(cfg, args.job_timeout)
+    run["uptime_end"] = uptime()
+    measured = {(t["rate"], t["model"]) for t in found["throughput"]}
+    slow["throughput"] = [t for t in slow["throughput"]
+                          if (t["rate"], t["model"]) not in measured] + found["throughput"]
+    if found["mnist"]:
+        slow["mnist"] = found["mnist"]
+    slow["runs"].append(run)
+    slow_report.write(slow, out)
+    raw.write_text(json.dumps(slow, indent=1, default=str))
+    log(f"wrote {out} and {raw}")
 
 
 def uptime() -> str:
@@ -821,8 +946,9 @@ def write_reports(results: dict, parts, out: Path | None) -> list[Path]:
     if out is not None:
         jobs = [(results, out)]
     else:
-        jobs = [(own, HERE / PART_FILES[part]) for part in parts
-                if (own := part_results(results, part)) is not None]
+        # (parts 8 and 9 write their own reports)
+        jobs = [(own, HERE / PART_FILES[part]) for part in parts if part in PART_FILES
+                and (own := part_results(results, part)) is not None]
     for own, path in jobs:
         report.write(own, path)
         raw_path(path).write_text(json.dumps(own, indent=1, default=str))
@@ -860,7 +986,7 @@ def parse_args(argv=None):
                              "given")
     parser.add_argument("--only", action="append",
                         choices=("comm", "train", "compress", "lm", "servers", "async",
-                                 "elastic", "scale"),
+                                 "elastic", "slow", "scale"),
                         help="run only this part (repeatable); default: all of them "
                              "(compress and lm run in the 2 hosts at 1 Gbit/s setting, "
                              "servers on 4 hosts, async on 2, elastic on 3, scale on 4 "
@@ -884,6 +1010,13 @@ def parse_args(argv=None):
                              "would otherwise lose its other rows")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
+    parser.add_argument("--slow-only", action="append", choices=("throughput", "mnist"),
+                        help="part 8: measure only this piece (repeatable), replacing its "
+                             "entries in results-cluster-slow-links.json")
+    parser.add_argument("--slow-rate", action="append", metavar="RATE",
+                        help="part 8: only this link rate (e.g. 100mbit; repeatable)")
+    parser.add_argument("--slow-model", action="append", choices=("resnet50", "vgg16"),
+                        help="part 8: only this model (repeatable)")
     parser.add_argument("--lost-host", action="append", type=int,
                         choices=ELASTIC["lost_hosts"], metavar="HOST",
                         help="part 7 (elastic): break only this host (repeatable); "
@@ -919,11 +1052,11 @@ def main(argv=None) -> int:
             return 2
         cfg["settings"] = [known[name] for name in args.setting]
     parts = args.only or ["comm", "train", "compress", "lm", "servers", "async", "elastic",
-                          "scale"]
+                          "slow", "scale"]
     if "scale" in parts:
         run_scale(args, argv)
-    if not set(parts) & {"comm", "train", "compress", "lm", "servers", "async", "elastic"}:
-        return 0
+        if not set(parts) - {"scale"}:
+            return 0
     if not set(parts) & {"comm", "train", "compress", "lm"}:
         cfg["settings"] = []
     elif not set(parts) & {"comm", "train"}:
@@ -969,6 +1102,13 @@ def main(argv=None) -> int:
             results["async"] = run_async(cfg, args.job_timeout)
         if "elastic" in parts:
             results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host)
+        if "slow" in parts:
+            # its own files, whatever else runs: reruns of other parts never overwrite it
+            slow_out = HERE / (SLOW_RESULTS if not args.quick else
+                               SLOW_RESULTS.replace(".md", "-quick.md"))
+            run_slow_part(args, results, slow_out)
+            if not set(parts) - {"slow", "scale"}:
+                return 0
         if set(parts) & {"servers", "async", "elastic"}:
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()

@@ -22,6 +22,16 @@ One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save 
     ``r, r + N', r + 2N', ...`` (``N'`` the new count): what every residual held back
     is sent once, by someone. On one process nothing is compressed and residuals are
     dropped.
+``local_sgd.pkl``
+    With a Local SGD or DiLoCo trainer (``sync_every``, :mod:`dist_gluon.local_sgd`):
+    the position (steps taken, local steps of the round under way), the round's anchor
+    (the global parameters), the outer optimizer and its states, the pseudo-gradient
+    codec's state, and every rank's own optimizer states and, mid-round, its own
+    parameters (trainer.states and params.npz hold rank 0's). Restored on the same
+    number of workers, every rank continues exactly; on another number, new rank ``r``
+    continues from saved rank ``r % N``'s parameters and optimizer states (``N`` the
+    saved count), with the position, anchor and outer state unchanged, and residuals
+    merged as for ``compression.pkl``.
 ``state.pkl``
     A pickle of ``{'epoch', 'step', 'extra', 'rng'}``; ``rng`` holds the state of
     Python's ``random`` and NumPy's global generator of every rank.
@@ -72,6 +82,7 @@ _PARAMS = "params.npz"
 _TRAINER = "trainer.states"
 _STATE = "state.pkl"
 _COMPRESSION = "compression.pkl"
+_LOCAL_SGD = "local_sgd.pkl"
 # Arrays of these dtypes travel as tensors of their own dtype (one collective each);
 # anything else in the optimizer states travels pickled with the small objects.
 _TENSOR_DTYPES = {np.dtype(t) for t in ("float16", "float32", "float64", "uint8", "int8",
@@ -234,6 +245,7 @@ class Checkpointer:
                            "shared": codec.shared_state(),
                            "local": (self._kv.allgather_object(local)
                                      if self._kv.num_workers > 1 else [local])}
+        local_sgd = _local_sgd_state(trainer, self._kv)
         number, untrained = None, None
         if self._node_local and self._kv.num_workers > 1:
             found = self._checkpoints() if self._writes() else []
@@ -243,7 +255,7 @@ class Checkpointer:
         if self._writes():
             try:
                 status = ("ok", self._write(params, trainer, epoch, step, extra, rng,
-                                            compression, number, untrained))
+                                            compression, number, untrained, local_sgd))
             except Exception as err:  # every rank must hear about it, or they would hang
                 status = ("error", f"rank {self._kv.rank} could not save a checkpoint in "
                                    f"{self._directory!r}: {type(err).__name__}: {err}")
@@ -276,7 +288,7 @@ class Checkpointer:
 
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
                compression, number: int | None = None,
-               untrained: dict | None = None) -> str:
+               untrained: dict | None = None, local_sgd: dict | None = None) -> str:
         arrays = {}
         for i, p in enumerate(params):
             if p._data is None:
@@ -295,7 +307,8 @@ class Checkpointer:
         temp = os.path.join(self._directory, f"{_TEMP_PREFIX}{number:06d}-{os.getpid()}")
         os.mkdir(temp)
         try:
-            self._fill(temp, params, arrays, trainer, epoch, step, extra, rng, compression)
+            self._fill(temp, params, arrays, trainer, epoch, step, extra, rng, compression,
+                       local_sgd)
             os.rename(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
@@ -305,7 +318,7 @@ class Checkpointer:
         return final
 
     def _fill(self, temp: str, params: list, arrays: dict, trainer, epoch: int, step: int,
-              extra, rng, compression=None) -> None:
+              extra, rng, compression=None, local_sgd=None) -> None:
         """Write and fsync every file of a checkpoint into ``temp``, meta.json last."""
         files = {}
         with open(os.path.join(temp, _PARAMS), "wb") as f:
@@ -320,6 +333,10 @@ class Checkpointer:
             with open(os.path.join(temp, _COMPRESSION), "wb") as f:
                 pickle.dump(compression, f, protocol=4)
             files[_COMPRESSION] = _seal(os.path.join(temp, _COMPRESSION))
+        if local_sgd is not None:
+            with open(os.path.join(temp, _LOCAL_SGD), "wb") as f:
+                pickle.dump(local_sgd, f, protocol=4)
+            files[_LOCAL_SGD] = _seal(os.path.join(temp, _LOCAL_SGD))
         state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng}
         with open(os.path.join(temp, _STATE), "wb") as f:
             pickle.dump(state, f, protocol=4)
@@ -446,6 +463,7 @@ class Checkpointer:
                     states = remap_states(states, mapping)
                 set_trainer_states(trainer, pickle.dumps(states, protocol=4))
             _restore_codec(trainer, content.get("compression"), kv, content["path"])
+            _restore_local_sgd(trainer, content.get("local_sgd"), kv, content["path"])
         rng = content["rng"]
         if kv.rank < len(rng):
             _set_rng_state(rng[kv.rank])
@@ -607,6 +625,7 @@ def _load(path: str) -> tuple[tuple, list]:
     arrays = parse(_PARAMS, read_params)
     state = parse(_STATE, read_state)
     compression = parse(_COMPRESSION, pickle.loads) if _COMPRESSION in data else None
+    local_sgd = parse(_LOCAL_SGD, pickle.loads) if _LOCAL_SGD in data else None
     trainer = None
     if _TRAINER in data:
         states, optimizer = parse(_TRAINER, pickle.loads)
@@ -614,7 +633,7 @@ def _load(path: str) -> tuple[tuple, list]:
     content = {"path": path, "epoch": state["epoch"], "step": state["step"],
                "extra": state["extra"], "rng": state["rng"],
                "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
-               "compression": compression, "version": version,
+               "compression": compression, "local_sgd": local_sgd, "version": version,
                "trainer_positions": meta.get("trainer_positions"),
                "arrays": [(a.shape, a.dtype.name) for a in arrays]}
     return ("ok", content), arrays
@@ -728,16 +747,78 @@ def _restore_codec(trainer, saved: dict | None, kv: Backend, path: str) -> None:
                           f"this trainer uses {codec.name}, which starts afresh",
                           stacklevel=3)
         return
+    codec.load_state(saved["shared"], _merged_residuals(saved["local"], kv))
+
+
+def _merged_residuals(saved_local: list[dict], kv: Backend) -> dict:
+    """This rank's codec residuals: the sum of those of saved ranks ``rank, rank + N',
+    ...`` (``N'`` this job's worker count)."""
     workers = max(kv.num_workers, 1)
     local: dict = {}
-    for old_rank, state in enumerate(saved["local"]):
+    for old_rank, state in enumerate(saved_local):
         if old_rank % workers != kv.rank:
             continue
         for field, values in state.items():
             merged = local.setdefault(field, {})
             for index, value in values.items():
                 merged[index] = merged[index] + value if index in merged else np.array(value)
-    codec.load_state(saved["shared"], local)
+    return local
+
+
+def _local_sgd_state(trainer, kv: Backend) -> dict | None:
+    """A Local SGD trainer's state (local_sgd.pkl): what every rank shares, and every
+    rank's own optimizer states (by model position) and, mid-round, parameters."""
+    rounds = getattr(trainer, "_local_sgd", None)
+    if rounds is None:
+        return None
+    positions = trainer.optimizer_positions()
+    inner = {positions[i]: state for i, state in trainer._updaters[0].states.items()
+             if positions[i] is not None}
+    weights = None
+    if rounds.in_round > 0:
+        weights = {i: p.list_data()[0].asnumpy() for i, p in enumerate(trainer.model_params)
+                   if p.grad_req != "null"}
+    mine = {"inner": pickle.dumps(inner, protocol=4), "weights": weights,
+            **rounds.local_state()}
+    return {"shared": rounds.shared_state(),
+            "local": kv.allgather_object(mine) if kv.num_workers > 1 else [mine]}
+
+
+def _restore_local_sgd(trainer, saved: dict | None, kv: Backend, path: str) -> None:
+    """Give a Local SGD trainer its position, anchor and outer state, and this rank its
+    saved rank's parameters and optimizer states (module docstring)."""
+    rounds = getattr(trainer, "_local_sgd", None)
+    if rounds is None or saved is None:
+        if kv.rank == 0 and (rounds is not None or saved is not None):
+            warnings.warn(
+                f"checkpoint {path} was saved " + ("without" if saved is None else "with")
+                + " Local SGD (sync_every) and this trainer runs "
+                + ("with" if saved is None else "without") + " it: every rank continues from "
+                "rank 0's parameters and optimizer states"
+                + (", and the first round starts now" if saved is None else ""), stacklevel=3)
+        return
+    model = trainer.model_params
+    ctx_of = {i: p.list_ctx()[0] for i, p in enumerate(model)}
+    rounds.load_shared_state(saved["shared"], ctx_of)
+    mine = saved["local"][kv.rank % len(saved["local"])]
+    rounds.load_local_state(mine, ctx_of)
+    index_of = {position: i for i, position in enumerate(trainer.optimizer_positions())}
+    inner = pickle.loads(mine["inner"])
+    set_trainer_states(trainer, pickle.dumps(
+        {index_of[position]: state for position, state in inner.items()}, protocol=4))
+    for position, value in (mine["weights"] or {}).items():
+        param = model[position]
+        if param._data is None and kv.num_workers > 1:
+            warnings.warn(f"{param.name!r} is not initialised yet (deferred): rank "
+                          f"{kv.rank} continues the round from rank 0's value of it; "
+                          "restore after the first forward to continue each rank's own",
+                          stacklevel=3)
+        param.set_data(mx.nd.array(value, dtype=value.dtype))
+    codec = rounds.codec
+    shared_codec = saved["shared"].get("codec")
+    if codec is not None and shared_codec is not None and shared_codec["type"] == codec.name:
+        codec.load_state(shared_codec["shared"],
+                         _merged_residuals([m["codec"] or {} for m in saved["local"]], kv))
 
 
 def _number(name: str) -> int:

@@ -16,6 +16,7 @@ from .backends import resolve
 from .broadcast import ParameterSync, parameter_list
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
+from .local_sgd import LocalSGD, check_sync_every
 from .syncheck import SyncCheck
 
 # Tensors with more elements than this are updated one per optimizer call; smaller ones
@@ -70,6 +71,9 @@ class TrainerBase(gluon.Trainer):
         self._fresh_counts = None
         # DG_CHECK_SYNC: the ranks compare their weights every N steps (syncheck.py)
         self._sync_check = SyncCheck(self._kv, f"{averager.prefix}.sync")
+        # a Local SGD step is this worker's own: gradients summed over its devices only,
+        # gluon's freshness semantics (dist_gluon.local_sgd)
+        self._alone = False
 
     @property
     def kv(self):
@@ -117,7 +121,7 @@ class TrainerBase(gluon.Trainer):
         array (queued on the engine: nothing waits here). Where several gradients are
         summed (devices or ranks), a stale one is zeroed first: it counts zero."""
         fresh = self._freshness()
-        summed = self._kv.num_workers > 1
+        summed = self._kv.num_workers > 1 and not self._alone
         entries = []
         for i, param in enumerate(self._model_params):
             if param.grad_req == "null":
@@ -154,7 +158,7 @@ class TrainerBase(gluon.Trainer):
 
     def _update(self, ignore_stale_grad=False):
         try:
-            if self._kv.num_workers > 1:
+            if self._kv.num_workers > 1 and not self._alone:
                 if self._fresh_counts is None:
                     if self._header is None:
                         self._submit_header()
@@ -171,8 +175,10 @@ class TrainerBase(gluon.Trainer):
             self._step_fresh = self._header = self._fresh_counts = None
         with _timeline.span("optimizer update", "update"):
             super()._update(ignore_stale_grad)
-        self._sync_check.after_step(self._model_params, self._optimizer_states,
-                                    self._describe)
+        if not self._alone:
+            # a Local SGD worker's own steps differ between ranks by design
+            self._sync_check.after_step(self._model_params, self._optimizer_states,
+                                        self._describe)
 
     def _optimizer_states(self) -> dict[int, list]:
         """The optimizer state arrays of each parameter, by model position."""
@@ -375,6 +381,28 @@ class DistributedTrainer(TrainerBase):
         trainers in one program stay apart; a prefix already used in this process is a
         ValueError. By default trainers are numbered in construction order (which must
         be the same on every rank).
+    sync_every : int, default 1
+        H > 1: Local SGD (:mod:`dist_gluon.local_sgd`). Each worker steps its own
+        optimizer on its own gradients, rescaled by its own batch size, with no
+        collective; every H steps the parameters are averaged over the workers (their
+        deltas since the last synchronisation travel, compressed by ``compression`` if
+        given, with a codec of their own). Each worker's optimizer state is its own and
+        is kept across a synchronisation. Not on ``dist_async``.
+    outer_optimizer : str or mx.optimizer.Optimizer, optional
+        DiLoCo: every ``sync_every`` steps this optimizer (any MXNet optimizer; the
+        paper's is ``'nag'``) takes the global parameters minus the workers' average as
+        its gradient (``rescale_grad`` 1) and updates the global parameters, which every
+        worker then continues from. ``'sgd'`` with learning rate 1 is Local SGD.
+    outer_optimizer_params : dict, optional
+        Its parameters, e.g. ``{'learning_rate': 0.7, 'momentum': 0.9}``.
+    local_sgd_warmup : int, default 0
+        Post-local SGD: the first this many steps average the gradients every step (as
+        with ``sync_every=1``); the rounds of ``sync_every`` steps start after them.
+    sync_delay : int, default 0
+        Overlap: each synchronisation's sum runs while the workers take this many
+        (1 to ``sync_every``) further local steps, after which its update is added to
+        their parameters: the global update arrives that many steps late, on top of
+        their progress meanwhile (:mod:`dist_gluon.local_sgd`).
 
     Examples
     --------
@@ -390,10 +418,23 @@ class DistributedTrainer(TrainerBase):
     >>> trainer.allreduce_grads()          # every rank: the sum of all gradients
     >>> gluon.utils.clip_global_norm([p.grad() for p in params], max_norm)
     >>> trainer.update(data.shape[0])
+
+    DiLoCo over slow links, 32 local steps between synchronisations:
+
+    >>> trainer = dg.DistributedTrainer(net.collect_params(), 'adam',
+    ...                                 {'learning_rate': 1e-3}, sync_every=32,
+    ...                                 outer_optimizer='nag',
+    ...                                 outer_optimizer_params={'learning_rate': 0.7,
+    ...                                                         'momentum': 0.9})
     """
 
     def __init__(self, params, optimizer, optimizer_params=None, kv=None, compression=None,
-                 gradient_predivide_factor: float = 1.0, prefix: str | None = None):
+                 gradient_predivide_factor: float = 1.0, prefix: str | None = None,
+                 sync_every: int = 1, outer_optimizer=None,
+                 outer_optimizer_params: dict | None = None, local_sgd_warmup: int = 0,
+                 sync_delay: int = 0):
+        check_sync_every(sync_every, local_sgd_warmup, outer_optimizer,
+                         outer_optimizer_params, sync_delay)
         compression = check_compression(compression)
         predivide = check_predivide(gradient_predivide_factor, compression)
         optimizer = _unwrap_distributed_optimizer(optimizer)
@@ -412,6 +453,15 @@ class DistributedTrainer(TrainerBase):
                 f"on dist_async the servers update one copy of the weights per worker, but "
                 f"the parameters live on {self._contexts}; use one device per worker there "
                 "(or dist_sync, which sums a worker's devices first)")
+        self._local_sgd = None
+        if sync_every > 1 or outer_optimizer is not None:
+            if self._server_updates is not None:
+                raise ValueError("sync_every and outer_optimizer do not apply on dist_async, "
+                                 "whose servers apply every worker's gradient as it arrives; "
+                                 "use dist_sync, p3 or horovod for Local SGD and DiLoCo")
+            self._local_sgd = LocalSGD(self._kv, self._prefix, sync_every, local_sgd_warmup,
+                                       outer_optimizer, outer_optimizer_params, compression,
+                                       sync_delay)
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
 
@@ -454,6 +504,11 @@ class DistributedTrainer(TrainerBase):
             return
         _timeline.begin_step(self._last_grad_written)
         samples = batch_size
+        if self._local_sgd is not None and self._local_sgd.local:
+            self._allreduce_grads()         # this worker's devices only
+            self._local_update(batch_size, ignore_stale_grad)
+            _timeline.end_step(samples)
+            return
         if self._averager.distributed:
             self._submit_header(batch_size)
         self._allreduce_grads()
@@ -463,6 +518,7 @@ class DistributedTrainer(TrainerBase):
             batch_size = self._read_header()
         self._check_and_rescale_grad(self._scale / batch_size)
         self._update(ignore_stale_grad)
+        self._end_step(was_local=False)
         _timeline.end_step(samples)
 
     def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
@@ -477,15 +533,47 @@ class DistributedTrainer(TrainerBase):
             As in :meth:`step`.
         """
         self._refuse_on_servers("update")
+        if self._local_sgd is not None and self._local_sgd.local:
+            self._local_update(batch_size, ignore_stale_grad)
+            return
         if self._averager.distributed:
             self._submit_header(batch_size)
             batch_size = self._read_header()
         super().update(batch_size, ignore_stale_grad)
+        self._end_step(was_local=False)
 
     def allreduce_grads(self) -> None:
-        """Sum the gradients over the workers in place (see :meth:`update`)."""
+        """Sum the gradients over the workers in place (see :meth:`update`). In a Local
+        SGD step (``sync_every``) over this worker's devices only."""
         self._refuse_on_servers("allreduce_grads")
         super().allreduce_grads()
+
+    @property
+    def sync_every(self) -> int:
+        """Steps between two synchronisations of the parameters (1: every step's
+        gradients are averaged)."""
+        return 1 if self._local_sgd is None else self._local_sgd.sync_every
+
+    def _local_update(self, batch_size: float, ignore_stale_grad: bool) -> None:
+        """A Local SGD step's update: this worker's gradients (its devices' sum) rescaled
+        by its own batch size, gluon's stale-gradient semantics; then the round's count,
+        and its synchronisation at the H-th step."""
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        self._local_sgd.begin_step(self._model_params)
+        self._alone = True
+        try:
+            self._check_and_rescale_grad(self._scale / batch_size)
+            self._update(ignore_stale_grad)
+        finally:
+            self._alone = False
+        self._end_step(was_local=True)
+
+    def _end_step(self, was_local: bool) -> None:
+        if self._local_sgd is not None:
+            self._local_sgd.end_step(self._model_params, was_local)
 
     def set_learning_rate(self, lr: float) -> None:
         """As ``gluon.Trainer.set_learning_rate``. On ``dist_async`` only before the first
@@ -501,8 +589,12 @@ class DistributedTrainer(TrainerBase):
     def sync_weights(self) -> None:
         """On ``dist_async``: wait until every worker's pushes so far are applied on the
         servers, then pull their weights, so that every rank holds the same (before an
-        evaluation, for instance). Every rank must call it. Elsewhere every rank always
-        holds the same weights and nothing happens."""
+        evaluation, for instance). With ``sync_every``: synchronise now if a round is
+        under way (the average, or DiLoCo's outer step, of a round cut short; the next
+        round has ``sync_every`` steps again). Every rank must call it. Elsewhere every
+        rank always holds the same weights and nothing happens."""
+        if self._local_sgd is not None:
+            self._local_sgd.synchronise(self._model_params)
         if self._server_updates is not None:
             entries = [(i, param.list_data()[0]) for i, param in enumerate(self._model_params)
                        if param.grad_req != "null"]
@@ -518,6 +610,14 @@ class DistributedTrainer(TrainerBase):
                 "clipping, give the optimizer clip_gradient")
 
     def _allreduce_grads(self):
+        if self._local_sgd is not None and self._local_sgd.local:
+            self._alone = True
+            try:
+                self._grad_entries()        # sums the devices, zeroes stale ones there
+            finally:
+                self._alone = False
+            self._spread_grads()
+            return
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()

@@ -30,6 +30,11 @@ What makes it distributed (everything else is a plain Gluon training loop):
 - the validation stream is sharded the same way and the loss sums and word counts are
   summed over the workers with ``dg.reduce_metric``: the perplexity is that of every
   validation word, exactly;
+- over slow links, ``--sync-every H`` trains with Local SGD (each worker steps alone on
+  its own clipped gradient, the weights are averaged every H steps) and ``--outer-lr``
+  with DiLoCo (an outer Nesterov step on the workers' average every H steps); the last
+  round of an epoch is cut short, so that every epoch's validation perplexity is that
+  of the weights every worker agrees on (see docs/slow-links.md);
 - ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it
   exactly (dropout is seeded per epoch and rank, so a resumed epoch draws the masks an
   uninterrupted run would);
@@ -106,6 +111,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient compression: none or fp16 (every gradient, the "
                              "embedding's rows too, travels as float16); 2-bit and PowerSGD "
                              "take dense gradients only (default: none)")
+    parser.add_argument("--sync-every", type=int, default=1, metavar="H",
+                        help="Local SGD: each worker steps on its own gradients and the "
+                             "weights are averaged every H steps (default: 1, the gradients "
+                             "are averaged every step)")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="DiLoCo: every --sync-every steps an outer Nesterov step of this "
+                             "learning rate (momentum --outer-momentum) on the average of the "
+                             "workers' weight deltas (default: none, Local SGD)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="momentum of the outer step with --outer-lr (default: 0.9)")
+    parser.add_argument("--sync-delay", type=int, default=0, metavar="D",
+                        help="overlap each synchronisation's sum with the next D local steps "
+                             "(1 to --sync-every): its update arrives D steps late "
+                             "(default: 0, no overlap)")
+    parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="STEPS",
+                        help="post-local SGD: average the gradients every step for this many "
+                             "steps before the rounds of --sync-every start (default: 0)")
     parser.add_argument("--val-fraction", type=float, default=0.05,
                         help="share of the corpus's words held out for validation, in "
                              "whole documents (default: 0.05)")
@@ -139,6 +161,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dropout must be in [0, 1), got {args.dropout}")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
+    if args.sync_every < 1 or args.local_sgd_warmup < 0:
+        parser.error("--sync-every must be at least 1 and --local-sgd-warmup at least 0")
+    if args.local_sgd_warmup and args.sync_every == 1 and args.outer_lr is None:
+        parser.error("--local-sgd-warmup needs --sync-every > 1 or --outer-lr")
+    if not 0 <= args.sync_delay <= args.sync_every:
+        parser.error("--sync-delay must be from 0 to --sync-every")
     if args.lr is None:
         args.lr = 20.0 if args.optimizer == "sgd" else 0.002
     if args.lr <= 0 or args.clip <= 0:
@@ -286,15 +314,27 @@ def main(argv=None) -> None:
     net.hybridize()
     params = list(net.collect_params().values())
     lr = args.lr * workers if args.scale_lr else args.lr
+    rounds = {}
+    if args.sync_every > 1 or args.outer_lr is not None:
+        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
+                  "sync_delay": args.sync_delay}
+    if args.outer_lr is not None:
+        rounds.update(outer_optimizer="nag", outer_optimizer_params={
+            "learning_rate": args.outer_lr, "momentum": args.outer_momentum})
     trainer = dg.DistributedTrainer(net.collect_params(), args.optimizer,
                                     {"learning_rate": lr},
-                                    kv=kv, compression=args.compression)
+                                    kv=kv, compression=args.compression, **rounds)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     log(f"model: {sum(p.data().size for p in params)} parameters, embedding {vocab} x "
         f"{args.emsize} with row_sparse gradients; {args.optimizer}, lr {lr:g}"
         + (f" ({args.lr:g} x {workers} workers)" if args.scale_lr else "")
         + f", global batch {args.batch_size * workers} columns, clip {args.clip:g}; "
-        f"compression: {args.compression}")
+        f"compression: {args.compression}"
+        + (f"; weights synchronised every {args.sync_every} steps after "
+           f"{args.local_sgd_warmup} synchronised every step, "
+           + (f"DiLoCo (outer Nesterov lr {args.outer_lr:g}, momentum "
+              f"{args.outer_momentum:g})" if args.outer_lr is not None else "Local SGD")
+           if rounds else ""))
 
     history: list[dict] = []
     best_val = math.inf
@@ -347,9 +387,11 @@ def main(argv=None) -> None:
                 loss = word_losses(loss_fn, output, targets)
             loss.backward()
             # The gradients are summed over every worker's words; clipping the sum at
-            # clip x (all workers' words) clips their average at clip.
+            # clip x (all workers' words) clips their average at clip. In a Local SGD
+            # step a worker's gradient is its own words' sum.
+            local = rounds and trainer.optimizer.num_update >= args.local_sgd_warmup
             trainer.allreduce_grads()
-            clip_global_norm(params, args.clip * loss.size * workers)
+            clip_global_norm(params, args.clip * loss.size * (1 if local else workers))
             trainer.update(loss.size)
             metric.update(None, [loss])
             words_seen += loss.size * workers
@@ -374,6 +416,7 @@ def main(argv=None) -> None:
                    "exiting without a checkpoint (no --checkpoint-dir): the restart "
                    "begins afresh"))
             return
+        trainer.sync_weights()      # with --sync-every: the epoch's last round, cut short
         mx.nd.waitall()
         elapsed = max(time.time() - tic, 1e-9)
         train_time += elapsed
@@ -417,6 +460,7 @@ def main(argv=None) -> None:
     speed = words_seen / train_time if train_time else float("nan")
     log(f"summary: val_ppl={final['val_ppl']:.2f} val_loss={final['val_loss']:.4f} "
         f"epochs={final['epoch']} vocab={vocab} backend={kv.type} workers={workers} "
+        f"sync_every={args.sync_every} "
         f"words/s={speed:.0f} time={time.time() - started:.1f}s")
 
 

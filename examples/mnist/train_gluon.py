@@ -22,6 +22,12 @@ What makes it distributed (everything else is a plain Gluon training loop):
   the learning rate grows with the number of workers too (``--scale-lr``, the linear
   scaling rule), after a linear warmup;
 - ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it;
+- over slow links, ``--sync-every H`` trains with Local SGD (each worker steps alone,
+  the weights are averaged every H steps) and ``--outer-lr`` with DiLoCo (an outer
+  Nesterov step on the workers' average every H steps); see docs/slow-links.md. The
+  epochs' validation figures are then those of each worker's own weights in the middle
+  of a round; the summary line's are those of the weights every worker agrees on, after
+  a last synchronisation;
 - elastic jobs (``dist_gluon.launch --nnodes MIN:MAX``): after every step
   ``dg.stop_requested()`` tells every worker at once that the launcher wants to re-form
   the job; the script then saves a checkpoint at that step and exits, and the restarted
@@ -80,6 +86,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
                              "or powersgd "
                              "(rank 4) (default: none)")
+    parser.add_argument("--sync-every", type=int, default=1, metavar="H",
+                        help="Local SGD: each worker steps on its own gradients and the "
+                             "weights are averaged every H steps (default: 1, the gradients "
+                             "are averaged every step)")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="DiLoCo: every --sync-every steps an outer Nesterov step of this "
+                             "learning rate (momentum --outer-momentum) on the average of the "
+                             "workers' weight deltas; 1 with --outer-momentum 0 is Local SGD "
+                             "(default: none, Local SGD)")
+    parser.add_argument("--outer-momentum", type=float, default=0.9,
+                        help="momentum of the outer step with --outer-lr (default: 0.9)")
+    parser.add_argument("--sync-delay", type=int, default=0, metavar="D",
+                        help="overlap each synchronisation's sum with the next D local steps "
+                             "(1 to --sync-every): its update arrives D steps late "
+                             "(default: 0, no overlap)")
+    parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="STEPS",
+                        help="post-local SGD: average the gradients every step for this many "
+                             "steps before the rounds of --sync-every start (default: 0)")
     parser.add_argument("--warmup-epochs", type=float, default=1.0,
                         help="epochs of linear warmup from --lr to the scaled rate "
                              "(default: 1)")
@@ -122,6 +146,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--resume needs --checkpoint-dir")
     if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
         parser.error("--epochs, --batch-size and --log-interval must be at least 1")
+    if args.sync_every < 1 or args.local_sgd_warmup < 0:
+        parser.error("--sync-every must be at least 1 and --local-sgd-warmup at least 0")
+    if args.local_sgd_warmup and args.sync_every == 1 and args.outer_lr is None:
+        parser.error("--local-sgd-warmup needs --sync-every > 1 or --outer-lr")
+    if not 0 <= args.sync_delay <= args.sync_every:
+        parser.error("--sync-delay must be from 0 to --sync-every")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     return args
@@ -251,10 +281,17 @@ def main(argv=None) -> None:
     schedule = mx.lr_scheduler.CosineScheduler(
         max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
         warmup_steps=warmup_steps, warmup_begin_lr=min(args.lr, lr))
+    rounds = {}
+    if args.sync_every > 1 or args.outer_lr is not None:
+        rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
+                  "sync_delay": args.sync_delay}
+    if args.outer_lr is not None:
+        rounds.update(outer_optimizer="nag", outer_optimizer_params={
+            "learning_rate": args.outer_lr, "momentum": args.outer_momentum})
     trainer = dg.DistributedTrainer(
         net.collect_params(), "sgd",
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
-         "lr_scheduler": schedule}, kv=kv, compression=args.compression)
+         "lr_scheduler": schedule}, kv=kv, compression=args.compression, **rounds)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     scaling = "/" if kv.type == "dist_async" else "x" if args.scale_lr else "on"
     log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, global batch "
@@ -262,6 +299,13 @@ def main(argv=None) -> None:
         f"{warmup_steps} warmup steps, "
         f"cosine decay over {total_steps} steps; compression: {args.compression}; "
         f"devices per worker: {', '.join(map(str, devices))}")
+    if rounds:
+        log(f"rounds: weights synchronised every {args.sync_every} steps after "
+            f"{args.local_sgd_warmup} steps synchronised every step; "
+            + (f"DiLoCo, outer Nesterov lr {args.outer_lr:g} momentum "
+               f"{args.outer_momentum:g}" if args.outer_lr is not None else "Local SGD")
+            + (f"; each sum overlaps the next {args.sync_delay} local steps"
+               if args.sync_delay else ""))
 
     history: list[dict] = []
     start_epoch = 0
@@ -337,7 +381,10 @@ def main(argv=None) -> None:
             return
         mx.nd.waitall()
         elapsed = max(time.time() - tic, 1e-9)
-        trainer.sync_weights()      # dist_async: every rank evaluates the servers' weights
+        if not rounds:
+            # dist_async: every rank evaluates the servers' weights. (With rounds this
+            # would cut the round short: each worker evaluates its own weights instead.)
+            trainer.sync_weights()
         train_time += elapsed
         (_, train_loss), (_, train_acc) = (m.get() for m in
                                            dg.reduce_metric(metric, kv=kv).metrics)
@@ -359,6 +406,12 @@ def main(argv=None) -> None:
                 f"{epoch + 1}; exiting for the restart (--resume)")
             return
 
+    if rounds and history:
+        # the last round, cut short: the weights every worker agrees on
+        trainer.sync_weights()
+        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
+        history[-1].update(val_loss=val_loss, val_acc=val_acc)
+        log(f"synchronised: val_loss={val_loss:.4f} val_acc={val_acc:.4f}")
     if start_epoch >= args.epochs or not history:
         log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
             "nothing to train, evaluating it")
@@ -372,6 +425,7 @@ def main(argv=None) -> None:
     speed = samples / train_time if train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
         f"epochs={final['epoch']} backend={kv.type} workers={workers} "
+        f"sync_every={args.sync_every} "
         f"samples/s={speed:.0f} time={time.time() - started:.1f}s")
 
 
