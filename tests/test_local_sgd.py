@@ -47,7 +47,11 @@ def job(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     argv = launcher(backend, SCRIPT, out, "train")
     argv[argv.index("--"):argv.index("--")] = extra
-    assert_ok(run(argv, out))
+    # DG_CHECK_SYNC=1: the replicas are compared at every step that should leave them
+    # equal (per-step averaging, the warm-up), never inside a worker's own local steps
+    # (the check would end the job with a DivergenceError there)
+    assert_ok(subprocess.run(argv, cwd=out, env=process_env(DG_CHECK_SYNC="1"),
+                             capture_output=True, text=True, timeout=240))
     return out
 
 
