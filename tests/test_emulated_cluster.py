@@ -139,6 +139,53 @@ def test_the_rate_limits_what_each_host_sends_and_receives():
         assert transfer["seconds"] >= 0.6 * theory, transfer
 
 
+REACH = """
+import socket, sys
+conn = socket.socket()
+conn.settimeout(1.0)
+try:
+    conn.connect((sys.argv[1], 9))
+    print("reached")
+except ConnectionRefusedError:     # the host answered: nothing listens on port 9
+    print("reached")
+except TimeoutError:
+    print("cut")
+"""
+
+
+def reachable(cluster) -> set[tuple[int, int]]:
+    """Which (from, to) pairs of hosts reach each other."""
+    return {(i, j) for i in range(len(cluster.hosts)) for j in range(len(cluster.hosts))
+            if i != j and cluster.run(i, [PY, "-c", REACH, cluster.hosts[j].address],
+                                      capture_output=True, text=True).stdout == "reached\n"}
+
+
+@needs_root
+def test_a_partition_drops_what_crosses_it_both_ways_and_heal_undoes_it():
+    with EmulatedCluster(num_hosts=4, rate="1gbit") as c:
+        every = {(i, j) for i in range(4) for j in range(4) if i != j}
+        c.partition([0, 1], [2, 3])
+        assert reachable(c) == {(0, 1), (1, 0), (2, 3), (3, 2)}
+        c.heal()
+        c.cut(0, 1)                      # one link only
+        assert reachable(c) == every - {(0, 1), (1, 0)}
+        c.heal()
+        c.partition([0], [1, 2, 3])
+        assert reachable(c) == every - {(0, j) for j in (1, 2, 3)} - \
+            {(j, 0) for j in (1, 2, 3)}
+        c.heal()
+        assert reachable(c) == every
+        with pytest.raises(ValueError, match="host 1 is in two groups"):
+            c.partition([0, 1], [1, 2])
+        # host 1's ingress limit (now under the class that passes packets) still holds:
+        # two senders of 50 MB share its 1 Gbit/s, 0.8 s at least
+        receiver = receive(c, host=1, port=5104, senders=2)
+        for sender in (0, 2):
+            send(c, host=sender, to=1, port=5104, size=50_000_000)
+        moved = json.loads(receiver.communicate(timeout=60)[0])
+        assert moved["bytes"] == 100_000_000 and moved["seconds"] >= 0.6 * 0.8, moved
+
+
 @needs_root
 def test_ssh_from_host_0_runs_commands_on_each_host_with_sshds_environment(cluster):
     if not cluster.sshd:

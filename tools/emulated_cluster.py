@@ -23,6 +23,8 @@ Usage::
         host0, host1 = cluster.hosts                # Host(index, name, address, namespace)
         server = cluster.popen(1, ["python3", "-m", "http.server"])
         cluster.run(0, cluster.ssh_argv(1) + ["hostname"])   # ssh clients run on a host
+        cluster.partition([0], [1])                 # packets between the groups dropped
+        cluster.heal()
 
     python tools/emulated_cluster.py up --hosts 2 [--rate 1gbit] [--sshd]  # until Ctrl-C
     python tools/emulated_cluster.py down [--all]   # remove dead runs' clusters [or all]
@@ -66,6 +68,8 @@ _SUBNET_BASE = ipaddress.ip_network("10.213.0.0/16")   # /24s (or larger) of it 
 _RATE_RE = re.compile(r"^\d+(?:\.\d+)?(?:[kmgt]i?)?(?:bit|bps)$", re.IGNORECASE)
 _BASE_TOOLS = ("ip", "tc", "nsenter", "unshare", "hostname")
 _SSH_TOOLS = ("ssh", "ssh-keygen")
+# tc filter preferences of cut links: this plus the index of the host cut off
+_CUT_PREF = 1000
 _ROUTE_TYPES = ("unicast", "local", "broadcast", "multicast", "throw", "unreachable",
                 "prohibit", "blackhole", "nat", "anycast")
 
@@ -155,6 +159,7 @@ class EmulatedCluster:
         self.hosts: list[Host] = []
         self._state: Path | None = None
         self._processes: list[subprocess.Popen] = []
+        self._droppable: list[Host] = []   # hosts whose veth can drop a cut link's packets
         self._lock = threading.RLock()   # a signal handler may close during close()
 
     # -- life cycle ---------------------------------------------------------------------
@@ -271,6 +276,67 @@ class EmulatedCluster:
         if not 0 <= i < len(self.hosts):
             raise IndexError(f"host index must be 0 to {len(self.hosts) - 1}, got {i}")
         return self.hosts[i]
+
+    # -- partitions -----------------------------------------------------------------------
+
+    def partition(self, *groups: Sequence[int]) -> None:
+        """Cut the network between ``groups`` of hosts (lists of host indices): no
+        packet from a host of one group reaches a host of another, both ways, while
+        every group's own hosts still reach each other. A real partition: the packets
+        are dropped at the bridge, silently (nothing is refused or reset; TCP
+        retransmits until it gives up). ``partition([0, 1], [2, 3])``; hosts in no group
+        keep every link. Undo with :meth:`heal`."""
+        seen: list[int] = []
+        for group in groups:
+            for i in group:
+                self._host(i)
+                if i in seen:
+                    raise ValueError(f"host {i} is in two groups of {groups!r}")
+                seen.append(i)
+        for a, group in enumerate(groups):
+            for other in groups[a + 1:]:
+                for i in group:
+                    for j in other:
+                        self.cut(i, j)
+
+    def cut(self, a: int, b: int) -> None:
+        """Cut the link between hosts ``a`` and ``b`` only, both ways (as a broken
+        cable between two switches would: each still reaches every other host)."""
+        ha, hb = self._host(a), self._host(b)
+        if a == b:
+            raise ValueError(f"a host cannot be cut from itself (host {a})")
+        for src, dst in ((ha, hb), (hb, ha)):
+            self._drop_filters(dst)
+            # the root-side end of dst's veth sends what the bridge delivers to dst:
+            # packets from src go to the class whose queue holds nothing
+            _run(["tc", "filter", "replace", "dev", dst.name, "parent", "1:", "protocol",
+                  "ip", "pref", str(_CUT_PREF + src.index), "u32", "match", "ip", "src",
+                  f"{src.address}/32", "flowid", "1:2"])
+
+    def heal(self) -> None:
+        """Undo every :meth:`partition` and :meth:`cut`: every host reaches every other
+        again (a link set down with ``ip link`` stays down)."""
+        for host in self._droppable:
+            _run(["tc", "filter", "del", "dev", host.name, "parent", "1:"])
+
+    def _drop_filters(self, host: Host) -> None:
+        """Give the root-side end of ``host``'s veth an HTB root whose class 1:2 drops
+        every packet (a pfifo of no room: this kernel has no tc drop action) and whose
+        default class 1:1 passes the rest (through the host's rate limit, if any)."""
+        if host in self._droppable:
+            return
+        dev = host.name
+        _run(["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb",
+              "default", "1"])
+        _run(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+              "rate", "100gbit", "quantum", "200000"])
+        _run(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:2", "htb",
+              "rate", "1mbit", "quantum", "1514"])
+        _run(["tc", "qdisc", "add", "dev", dev, "parent", "1:2", "pfifo", "limit", "0"])
+        if self.rate:
+            _run(["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "tbf", "rate",
+                  self.rate, "burst", TBF_BURST, "latency", TBF_LATENCY])
+        self._droppable.append(host)
 
     # -- ssh ------------------------------------------------------------------------------
 
