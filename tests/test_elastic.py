@@ -48,6 +48,7 @@ class ElasticJob:
     """One elastic job's launchers on the cluster's hosts, started one by one."""
 
     script = SCRIPT
+    nnodes = "2:3"
 
     def __init__(self, cluster, directory: Path, backend: str):
         self.cluster, self.dir, self.backend = cluster, directory, backend
@@ -64,7 +65,7 @@ class ElasticJob:
                **self.marker}
         where = where or ["--node-rank", str(host), "--master-addr",
                           self.cluster.hosts[0].address]
-        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "2:3", *where,
+        argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", self.nnodes, *where,
                 "--master-port", self.port, "-n", "1", "--backend", self.backend,
                 "--max-restarts", "3", "--heartbeat", "0.3", "--silence-limit", "3",
                 "--last-call", "2", "--preempt-grace", "60",
@@ -144,7 +145,8 @@ class ElasticJob:
 
 def make_jobs(job_class, cluster, tmp_path):
     """A job_factory fixture's body: yields ``make(backend)``, which starts a
-    ``job_class`` job; afterwards closes every job made and brings every link back up."""
+    ``job_class`` job; afterwards closes every job made and brings every link back up
+    (partitions healed)."""
     jobs = []
 
     def make(backend):
@@ -154,8 +156,9 @@ def make_jobs(job_class, cluster, tmp_path):
     yield make
     for job in jobs:
         job.close()
-        for host in range(3):
+        for host in range(len(cluster.hosts)):
             job.link(host, "up")
+    cluster.heal()
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ on in the same processes from their last commit in memory, and a node that joins
 the state from a live peer. No checkpoint is written or read.
 
 The job is tests/workers/elastic_memory_train.py on 3 emulated hosts (one launcher
-each, --nnodes 2:3, horovod over Gloo); its final weights must equal
+each, --nnodes 2:3, horovod over Gloo), or on 4 (--nnodes 1:4) cut into two sides, of
+which exactly one trains on; its final weights must equal
 tests/test_elastic.py's NumPy replay of the same schedule of world sizes, which holds
 only if no step was applied twice or skipped and no sample was trained twice in an
 epoch.
@@ -56,7 +57,8 @@ class MemoryJob(ElasticJob):
 
 @pytest.fixture(scope="module")
 def cluster():
-    with emulated_cluster.EmulatedCluster(num_hosts=3) as c:
+    # 4 hosts: the partitions need them; the other tests use hosts 0 to 2
+    with emulated_cluster.EmulatedCluster(num_hosts=4) as c:
         yield c
 
 
@@ -158,3 +160,44 @@ def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path
     assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
     assert_replayed(events, report)
     assert_nothing_left(marker["DG_TEST_MARKER"])
+
+
+MINORITY = "not a majority"
+
+
+@pytest.mark.parametrize("groups, survivors", [
+    pytest.param([[0, 1], [2, 3]], [0, 1], id="01|23"),      # halves: node 0's goes on
+    pytest.param([[0], [1, 2, 3]], [1, 2, 3], id="0|123"),   # node 1 takes over
+    pytest.param([[0, 1]], [0, 2, 3], id="cut01"),          # one link: node 1 ends
+])
+def test_a_partition_leaves_one_side_training_in_its_processes_and_the_other_ends(
+        memory_jobs, groups, survivors):
+    job = memory_jobs("horovod")
+    job.nnodes = "1:4"      # a side of one node could go on: only the quorum ends it
+    for host in range(4):
+        job.start(host)
+    job.wait_training(world=4, reformation=0)
+    first = job.starts()[0]["pids"]
+
+    cut = time.time()
+    if len(groups) == 1:
+        job.cluster.cut(*groups[0])
+    else:
+        job.cluster.partition(*groups)
+    job.wait_training(world=len(survivors), reformation=1, steps=1)
+    print(f"{groups} -> first step of the re-formed job: "
+          f"{job.progress()['at'] - cut:.2f} s")
+    # the survivors' processes stay, ranked over the new formation in node order
+    assert job.starts()[-1]["pids"] == [first[h] for h in survivors], job.report()
+    for host in sorted(set(range(4)) - set(survivors)):
+        assert job.wait_exit(host) == 1, job.report()
+        assert MINORITY in job.output(host), job.report()
+    for host in survivors:
+        assert KEPT in job.output(host), job.report()
+
+    job.finish()
+    for host in survivors:
+        assert job.wait_exit(host) == 0, job.report()
+    events = check_weights(job)
+    assert [e["world"] for e in events if e["event"] == "start"] == [4, len(survivors)]
+    assert_nothing_left(job.marker["DG_TEST_MARKER"])
