@@ -6,14 +6,21 @@ another."""
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import REPO, assert_ok, process_env, worker_lines
+from test_launch import _marker_env, assert_nothing_left
+
+# what a launcher says when it re-forms a job around workers that keep their processes
+KEPT = "from the workers' last commit in memory (their processes stay"
 
 EXAMPLES = REPO / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -104,6 +111,60 @@ def test_mnist_gluon_learns_digits_on_horovod_and_resumes_on_dist_sync(tmp_path)
     result = summary(resumed)
     assert float(result["val_acc"]) >= 0.9
     assert result["backend"] == "dist_sync"
+
+
+def _kill_rank(marker: str, rank: int) -> int:
+    """SIGKILL the worker of ``rank`` among the processes whose environment holds
+    DG_TEST_MARKER=``marker``; its pid."""
+    needle = f"DG_TEST_MARKER={marker}".encode()
+    for entry in os.scandir("/proc"):
+        try:
+            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.name.isdigit() and needle in environ and \
+                f"DG_RANK={rank}".encode() in environ:
+            os.kill(int(entry.name), signal.SIGKILL)
+            return int(entry.name)
+    raise AssertionError(f"no worker of rank {rank} found")
+
+
+def test_mnist_gluon_with_elastic_memory_outlives_a_killed_worker_without_checkpoints(
+        tmp_path):
+    """--elastic-memory on an elastic horovod job (--nnodes 1:1, 2 workers): rank 1 is
+    SIGKILLed in the first epoch; rank 0 keeps its process and its state in memory, the
+    launcher starts a new rank 1, which takes rank 0's state, and the job trains to the
+    end with a sane accuracy. No checkpoint directory is given."""
+    marker = _marker_env()
+    argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+            "--backend", "horovod", "--max-restarts", "1", "--",
+            sys.executable, str(EXAMPLES / "mnist/train_gluon.py"), "--epochs", "3",
+            "--elastic-memory", "--log-interval", "5"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=process_env(**marker), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if "epoch 1/3 [ 10/23]" in line:
+                _kill_rank(marker["DG_TEST_MARKER"], 1)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "\n".join(lines)
+    assert proc.returncode == 0, output[-5000:]
+    rank0 = worker_lines(output, 0)
+    assert worker_lines(output, 1) == [], output[-3000:]
+    assert any(line.startswith("re-formed: 2 worker(s) go on") for line in rank0), output
+    assert KEPT in output, output[-5000:]
+    assert [line.split(":")[0] for line in epoch_lines(rank0)] == \
+        ["epoch 1/3", "epoch 2/3", "epoch 3/3"], output[-3000:]
+    result = summary(rank0)
+    assert float(result["val_acc"]) >= 0.85, result
+    assert (result["backend"], result["workers"]) == ("horovod", "2")
+    assert not list(tmp_path.iterdir())            # nothing written: no checkpoint
+    assert_nothing_left(marker["DG_TEST_MARKER"])
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,11 @@ What makes it distributed (everything else is a plain Gluon training loop):
   the job; the script then saves a checkpoint at that step and exits, and the restarted
   workers (``--resume``) continue inside the epoch on their new number, exactly where
   the others stopped (``ShardSampler.set_epoch(epoch, skip=...)``);
+- or, with ``--elastic-memory`` (horovod), the loop runs as a ``@dg.elastic.run``
+  function on a ``dg.elastic.State`` committed after every step (with the position in
+  the epoch): a lost node costs the step in flight, the survivors go on in their
+  processes, a joining node's worker gets the state from rank 0, and no checkpoint is
+  needed (``--checkpoint-dir`` still serves restarts of the whole job);
 - ``dist_gluon.timeline.data(train_loader)`` counts the time each batch takes to arrive
   as waiting for data in the launcher's report, and ``timeline.expect_steps`` lets its
   progress line (on a terminal) show the time left; with ``--plot``, rank 0 also draws
@@ -126,6 +131,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest checkpoint in --checkpoint-dir, if "
                              "any, inside its epoch when it was saved at a stop (give it "
                              "from the first run of an elastic job)")
+    parser.add_argument("--elastic-memory", action="store_true",
+                        help="elastic jobs on horovod: keep the training state in memory "
+                             "(dg.elastic.State, committed after every step) so that the "
+                             "workers keep their processes when a node is lost or joins, "
+                             "losing at most the step in flight, with no checkpoint "
+                             "(docs/elastic.md); elsewhere the same as without it")
     parser.add_argument("--devices", default="cpu",
                         help="the devices each worker drives: cpu (default), gpu (GPU number "
                              "local rank: start one worker per GPU), gpu:0,1,2,3 (one "
@@ -225,11 +236,50 @@ def save_plot(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+class Progress:
+    """Where the training loop is (epoch, positions of it done, history, counters) when
+    the job keeps nothing in memory: a restart resumes from a checkpoint instead.
+    ``dg.elastic.State`` (--elastic-memory) has the same attributes and keeps them."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def commit(self) -> None:
+        """Nothing to keep between steps without --elastic-memory."""
+
+
+def make_schedule(args, kv, steps_per_epoch: int):
+    """(schedule, lr, warmup steps, total steps) for the current number of workers.
+
+    N workers train on N times the batch, so they take N times the step (Goyal et al.,
+    2017; --scale-lr), reached by a linear warmup from the one-worker rate, then a
+    cosine decay. The schedule counts steps: after an elastic job re-forms with other
+    workers, an epoch has another number of them, and the schedule of the new formation
+    is laid out over its own steps from the optimizer's step count on.
+    On dist_async each worker's push is one step of its own batch on the servers, which
+    run the schedule and count the pushes of all workers (N times the steps). A push's
+    gradient is about N updates old, so the one-worker rate is divided by that
+    staleness (Zhang et al., 2016, staleness-aware async SGD): at 0.02 with momentum
+    0.9, one run in six on 2 workers diverged; at 0.01 none did.
+    """
+    workers = kv.num_workers
+    pushes = workers if kv.type == "dist_async" else 1
+    total_steps = args.epochs * steps_per_epoch * pushes
+    warmup_steps = min(int(args.warmup_epochs * steps_per_epoch) * pushes, total_steps - 1)
+    if kv.type == "dist_async":
+        lr = args.lr / workers
+    else:
+        lr = args.lr * workers if args.scale_lr else args.lr
+    schedule = mx.lr_scheduler.CosineScheduler(
+        max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
+        warmup_steps=warmup_steps, warmup_begin_lr=min(args.lr, lr))
+    return schedule, lr, warmup_steps, total_steps
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
     kv = dg.create()
-    workers = kv.num_workers
 
     def log(message: str) -> None:
         if kv.rank == 0:
@@ -244,12 +294,15 @@ def main(argv=None) -> None:
             "scikit-learn (copied in examples/mnist/digits.npz; 8x8 scaled to 28x28); nothing "
             "is downloaded")
     log(f"data: {len(train_data)} training and {len(val_data)} validation images; "
-        f"backend {kv.type}, {workers} worker(s), batch {args.batch_size} per worker")
+        f"backend {kv.type}, {kv.num_workers} worker(s), batch {args.batch_size} per worker")
 
-    train_sampler = dg.ShardSampler(len(train_data), kv=kv, shuffle=True, seed=args.seed)
-    val_sampler = dg.ShardSampler(len(val_data), kv=kv, shuffle=False)
-    train_loader = gluon.data.DataLoader(train_data, args.batch_size, sampler=train_sampler)
-    val_loader = gluon.data.DataLoader(val_data, args.batch_size, sampler=val_sampler)
+    def loaders():
+        """Each worker's share of the data, for the current formation of the job."""
+        train_sampler = dg.ShardSampler(len(train_data), kv=kv, shuffle=True, seed=args.seed)
+        val_sampler = dg.ShardSampler(len(val_data), kv=kv, shuffle=False)
+        return (train_sampler, val_sampler,
+                gluon.data.DataLoader(train_data, args.batch_size, sampler=train_sampler),
+                gluon.data.DataLoader(val_data, args.batch_size, sampler=val_sampler))
 
     try:
         devices = dg.parse_devices(args.devices)
@@ -260,27 +313,7 @@ def main(argv=None) -> None:
     net.initialize(mx.init.Xavier(magnitude=2.24), ctx=devices)
     net.hybridize()
 
-    # N workers train on N times the batch, so they take N times the step (Goyal et al.,
-    # 2017; --scale-lr), reached by a linear warmup from the one-worker rate, then a
-    # cosine decay. The schedule counts steps: after an elastic job re-forms with other
-    # workers, an epoch has another number of them, and the schedule of the restarted
-    # run is laid out over its own steps from the restored step count on.
-    # On dist_async each worker's push is one step of its own batch on the servers, which
-    # run the schedule and count the pushes of all workers (N times the steps). A push's
-    # gradient is about N updates old, so the one-worker rate is divided by that
-    # staleness (Zhang et al., 2016, staleness-aware async SGD): at 0.02 with momentum
-    # 0.9, one run in six on 2 workers diverged; at 0.01 none did.
-    steps_per_epoch = len(train_loader)
-    pushes = workers if kv.type == "dist_async" else 1
-    total_steps = args.epochs * steps_per_epoch * pushes
-    warmup_steps = min(int(args.warmup_epochs * steps_per_epoch) * pushes, total_steps - 1)
-    if kv.type == "dist_async":
-        lr = args.lr / workers
-    else:
-        lr = args.lr * workers if args.scale_lr else args.lr
-    schedule = mx.lr_scheduler.CosineScheduler(
-        max_update=total_steps, base_lr=lr, final_lr=lr * 0.01,
-        warmup_steps=warmup_steps, warmup_begin_lr=min(args.lr, lr))
+    schedule, lr, warmup_steps, total_steps = make_schedule(args, kv, len(loaders()[2]))
     rounds = {}
     if args.sync_every > 1 or args.outer_lr is not None:
         rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
@@ -293,12 +326,16 @@ def main(argv=None) -> None:
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
          "lr_scheduler": schedule}, kv=kv, compression=args.compression, **rounds)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
-    scaling = "/" if kv.type == "dist_async" else "x" if args.scale_lr else "on"
-    log(f"lr: {args.lr} {scaling} {workers} worker(s) = {lr:g}, global batch "
-        f"{args.batch_size * workers}, momentum {args.momentum:g}, "
-        f"{warmup_steps} warmup steps, "
-        f"cosine decay over {total_steps} steps; compression: {args.compression}; "
-        f"devices per worker: {', '.join(map(str, devices))}")
+
+    def describe_lr() -> None:
+        scaling = "/" if kv.type == "dist_async" else "x" if args.scale_lr else "on"
+        log(f"lr: {args.lr} {scaling} {kv.num_workers} worker(s) = {lr:g}, global batch "
+            f"{args.batch_size * kv.num_workers}, momentum {args.momentum:g}, "
+            f"{warmup_steps} warmup steps, "
+            f"cosine decay over {total_steps} steps; compression: {args.compression}; "
+            f"devices per worker: {', '.join(map(str, devices))}")
+
+    describe_lr()
     if rounds:
         log(f"rounds: weights synchronised every {args.sync_every} steps after "
             f"{args.local_sgd_warmup} steps synchronised every step; "
@@ -307,124 +344,165 @@ def main(argv=None) -> None:
             + (f"; each sum overlaps the next {args.sync_delay} local steps"
                if args.sync_delay else ""))
 
-    history: list[dict] = []
-    start_epoch = 0
-    # positions of the start epoch's sample order already trained on (a stop mid-epoch)
-    done = 0
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
-    if checkpointer is not None and args.resume:
-        state = checkpointer.restore(net, trainer)
-        if state is None:
-            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
-        else:
-            start_epoch = state["epoch"]
-            # The restored optimizer carries the saved run's schedule; this run's
-            # arguments (e.g. more --epochs) decide, from the restored step count on.
+    # epoch: the epoch to train next; done: positions of its sample order already trained
+    # on (a stop or a fault inside it); resumed: the checkpoint was looked for
+    values = dict(epoch=0, done=0, history=[], samples=0, train_time=0.0, resumed=False)
+    if args.elastic_memory:
+        state = dg.elastic.State(net=net, trainer=trainer, **values)
+
+        def on_reset() -> None:
+            # the job re-formed: this formation's rate, laid out over its own steps
+            nonlocal schedule, lr, warmup_steps, total_steps
+            schedule, lr, warmup_steps, total_steps = make_schedule(
+                args, kv, len(loaders()[2]))
             trainer.optimizer.lr_scheduler = schedule
-            extra = state.get("extra") or {}
-            history = list(extra.get("history", []))
-            done = extra.get("done", 0)
-            where = (f"inside epoch {start_epoch + 1} after {done} of its "
-                     f"{len(train_data)} samples (saved by {state['num_workers']} "
-                     "worker(s))" if done else f"after epoch {start_epoch}")
-            log(f"resume: continuing {where} from {args.checkpoint_dir}")
+            log(f"re-formed: {kv.num_workers} worker(s) go on from the last step every "
+                "worker finished (its state kept in memory)")
+            describe_lr()
 
-    train_time = 0.0
-    samples = 0
-    # the launcher's progress line (on a terminal) shows the time left
-    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
-    for epoch in range(start_epoch, args.epochs):
-        skip = done if epoch == start_epoch else 0
-        train_sampler.set_epoch(epoch, skip=skip)
-        batches = len(train_loader)
-        metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"), mx.metric.Accuracy()])
-        tic = time.time()
-        stop_at = None
-        # timeline.data: the time each batch takes to arrive counts as waiting for data
-        # in the launcher's report and timeline
-        for batch, (images, labels) in enumerate(timeline.data(train_loader), start=1):
-            # each device takes a slice of the batch; a device left without one (a last
-            # batch smaller than the devices) must add nothing to the sum of gradients
-            used = devices[:images.shape[0]]
-            if len(used) < len(devices):
-                net.collect_params().zero_grad()
-            inputs = gluon.utils.split_and_load(to_input(images), used, even_split=False)
-            targets = gluon.utils.split_and_load(labels, used, even_split=False)
-            with autograd.record():
-                outputs = [net(x) for x in inputs]
-                losses = [loss_fn(out, y) for out, y in zip(outputs, targets)]
-            autograd.backward(losses)
-            trainer.step(images.shape[0])
-            metric.get_metric(0).update(None, losses)
-            metric.get_metric(1).update(targets, outputs)
-            samples += images.shape[0] * workers
-            if batch % args.log_interval == 0 or batch == batches:
-                (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
-                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{batches}] "
-                    f"loss {batch_loss:.4f} acc {batch_acc:.4f} lr {trainer.learning_rate:.4f}")
-            if dg.stop_requested(kv):       # the same answer on every worker
-                stop_at = batch
-                break
-        if stop_at is not None and stop_at < batches:
-            # Stop inside the epoch: worker r's batch j held positions (j*B + i)*N + r of
-            # the order after `skip`, so the first skip + stop_at*B*N are done.
-            done = skip + stop_at * args.batch_size * workers
+        state.register_reset_callbacks([on_reset])
+    else:
+        state = Progress(**values)
+
+    def resume() -> None:
+        """The newest checkpoint in --checkpoint-dir, if any, into the model, the trainer
+        and the loop's position (a collective: inside train, so that a worker that joins
+        an --elastic-memory job takes the state from its peers instead)."""
+        restored = checkpointer.restore(net, trainer)
+        if restored is None:
+            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
+            return
+        # The restored optimizer carries the saved run's schedule; this run's arguments
+        # (e.g. more --epochs) decide, from the restored step count on.
+        trainer.optimizer.lr_scheduler = schedule
+        extra = restored.get("extra") or {}
+        state.epoch = restored["epoch"]
+        state.history = list(extra.get("history", []))
+        state.done = extra.get("done", 0)
+        where = (f"inside epoch {state.epoch + 1} after {state.done} of its "
+                 f"{len(train_data)} samples (saved by {restored['num_workers']} "
+                 "worker(s))" if state.done else f"after epoch {state.epoch}")
+        log(f"resume: continuing {where} from {args.checkpoint_dir}")
+
+    def train(state) -> bool:
+        """The epochs from ``state.epoch`` on; False if the launcher asked the job to stop
+        (a restart from the checkpoint follows)."""
+        if args.resume and not state.resumed:
+            resume()
+            state.resumed = True
+            state.commit()
+        workers = kv.num_workers
+        train_sampler, val_sampler, train_loader, val_loader = loaders()
+        # the launcher's progress line (on a terminal) shows the time left
+        timeline.expect_steps((args.epochs - state.epoch) * len(train_loader))
+        for epoch in range(state.epoch, args.epochs):
+            skip = state.done
+            train_sampler.set_epoch(epoch, skip=skip)
+            batches = len(train_loader)
+            metric = mx.metric.CompositeEvalMetric([mx.metric.Loss("loss"),
+                                                    mx.metric.Accuracy()])
+            tic = time.time()
+            stop_at = None
+            # timeline.data: the time each batch takes to arrive counts as waiting for
+            # data in the launcher's report and timeline
+            for batch, (images, labels) in enumerate(timeline.data(train_loader), start=1):
+                # each device takes a slice of the batch; a device left without one (a
+                # last batch smaller than the devices) must add nothing to the sum
+                used = devices[:images.shape[0]]
+                if len(used) < len(devices):
+                    net.collect_params().zero_grad()
+                inputs = gluon.utils.split_and_load(to_input(images), used, even_split=False)
+                targets = gluon.utils.split_and_load(labels, used, even_split=False)
+                with autograd.record():
+                    outputs = [net(x) for x in inputs]
+                    losses = [loss_fn(out, y) for out, y in zip(outputs, targets)]
+                autograd.backward(losses)
+                trainer.step(images.shape[0])
+                metric.get_metric(0).update(None, losses)
+                metric.get_metric(1).update(targets, outputs)
+                state.samples += images.shape[0] * workers
+                # worker r's batch j held positions (j*B + i)*N + r of the order after
+                # `skip`, so the first skip + batch*B*N are done
+                state.done = min(len(train_data), skip + batch * args.batch_size * workers)
+                if batch % args.log_interval == 0 or batch == batches:
+                    (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
+                    log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{batches}] "
+                        f"loss {batch_loss:.4f} acc {batch_acc:.4f} "
+                        f"lr {trainer.learning_rate:.4f}")
+                if args.elastic_memory:
+                    # a step boundary: a lost node costs at most the step after it, and a
+                    # node joins or leaves here (the commit raises on every rank)
+                    state.commit()
+                elif dg.stop_requested(kv):       # the same answer on every worker
+                    stop_at = batch
+                    break
+            if stop_at is not None and stop_at < batches:
+                if checkpointer is not None:
+                    checkpointer.save(net, trainer, epoch, step=stop_at,
+                                      extra={"history": state.history, "done": state.done})
+                log("stop: the launcher asked the job to stop; "
+                    + (f"checkpoint of epoch {epoch + 1} after {state.done} of its "
+                       f"{len(train_data)} samples saved, exiting for the restart (--resume)"
+                       if checkpointer is not None else
+                       "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                       "begins afresh"))
+                return False
+            mx.nd.waitall()
+            elapsed = max(time.time() - tic, 1e-9)
+            if not rounds:
+                # dist_async: every rank evaluates the servers' weights. (With rounds this
+                # would cut the round short: each worker evaluates its own weights.)
+                trainer.sync_weights()
+            (_, train_loss), (_, train_acc) = (m.get() for m in
+                                               dg.reduce_metric(metric, kv=kv).metrics)
+            val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv,
+                                         devices[0])
+            speed = len(train_sampler) * workers / elapsed
+            state.train_time += elapsed
+            state.history = state.history + [{
+                "epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
+                "val_loss": val_loss, "val_acc": val_acc}]
+            state.epoch, state.done = epoch + 1, 0
+            state.commit()
+            log(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss:.4f} "
+                f"train_acc={train_acc:.4f} val_loss={val_loss:.4f} val_acc={val_acc:.4f} "
+                f"time={elapsed:.1f}s samples/s={speed:.0f}")
             if checkpointer is not None:
-                checkpointer.save(net, trainer, epoch, step=stop_at,
-                                  extra={"history": history, "done": done})
-            log("stop: the launcher asked the job to stop; "
-                + (f"checkpoint of epoch {epoch + 1} after {done} of its {len(train_data)} "
-                   "samples saved, exiting for the restart (--resume)"
-                   if checkpointer is not None else
-                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
-                   "begins afresh"))
-            return
-        mx.nd.waitall()
-        elapsed = max(time.time() - tic, 1e-9)
-        if not rounds:
-            # dist_async: every rank evaluates the servers' weights. (With rounds this
-            # would cut the round short: each worker evaluates its own weights instead.)
-            trainer.sync_weights()
-        train_time += elapsed
-        (_, train_loss), (_, train_acc) = (m.get() for m in
-                                           dg.reduce_metric(metric, kv=kv).metrics)
-        val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
-        speed = len(train_sampler) * workers / elapsed
-        history.append({"epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
-                        "val_loss": val_loss, "val_acc": val_acc})
-        log(f"epoch {epoch + 1}/{args.epochs}: train_loss={train_loss:.4f} "
-            f"train_acc={train_acc:.4f} val_loss={val_loss:.4f} val_acc={val_acc:.4f} "
-            f"time={elapsed:.1f}s samples/s={speed:.0f}")
-        if checkpointer is not None:
-            checkpointer.save(net, trainer, epoch + 1, extra={"history": history})
-        if args.plot and kv.rank == 0:
-            save_plot(history, args.plot)
-            # beside the curves: each rank's step time, split (docs/observability.md)
-            timeline.save_step_plot(timeline.steps_plot_path(args.plot))
-        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
-            log(f"stop: the launcher asked the job to stop at the end of epoch "
-                f"{epoch + 1}; exiting for the restart (--resume)")
-            return
+                checkpointer.save(net, trainer, epoch + 1, extra={"history": state.history})
+            if args.plot and kv.rank == 0:
+                save_plot(state.history, args.plot)
+                # beside the curves: each rank's step time, split (docs/observability.md)
+                timeline.save_step_plot(timeline.steps_plot_path(args.plot))
+            if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
+                log(f"stop: the launcher asked the job to stop at the end of epoch "
+                    f"{epoch + 1}; exiting for the restart (--resume)")
+                return False
+        return True
 
+    if not (dg.elastic.run(train) if args.elastic_memory else train)(state):
+        return
+    history = state.history
+    val_sampler, val_loader = loaders()[1::2]
     if rounds and history:
         # the last round, cut short: the weights every worker agrees on
         trainer.sync_weights()
         val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
         history[-1].update(val_loss=val_loss, val_acc=val_acc)
         log(f"synchronised: val_loss={val_loss:.4f} val_acc={val_acc:.4f}")
-    if start_epoch >= args.epochs or not history:
-        log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
+    if not history or state.train_time == 0:
+        log(f"the checkpoint is at epoch {state.epoch}, --epochs is {args.epochs}: "
             "nothing to train, evaluating it")
         val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv, devices[0])
-        history.append({"epoch": start_epoch, "val_loss": val_loss, "val_acc": val_acc})
+        history.append({"epoch": state.epoch, "val_loss": val_loss, "val_acc": val_acc})
     elif args.plot:
         steps = timeline.steps_plot_path(args.plot)
         log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
                                     if os.path.exists(steps) else ""))
     final = history[-1]
-    speed = samples / train_time if train_time else float("nan")
+    speed = state.samples / state.train_time if state.train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
-        f"epochs={final['epoch']} backend={kv.type} workers={workers} "
+        f"epochs={final['epoch']} backend={kv.type} workers={kv.num_workers} "
         f"sync_every={args.sync_every} "
         f"samples/s={speed:.0f} time={time.time() - started:.1f}s")
 
