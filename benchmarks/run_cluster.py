@@ -177,18 +177,26 @@ ASYNC = {"hosts": 2, "rate": "1gbit"}
 # (in another job) host 0, to a fault; the launchers keep their defaults (--silence-limit
 # 8, --heartbeat 0.5). Where host 0 is lost the checkpoints are node-local: its disk goes
 # with it, and a shared directory would hide what the survivors must hold themselves.
+# Two modes: "restart" (every worker restarts from the last checkpoint) and "memory"
+# (dg.elastic.State: the survivors keep their processes and their state in memory), the
+# latter on the backends of ELASTIC_MEMORY_BACKENDS by default (--elastic-backend and
+# --elastic-mode choose others).
 ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
-           "backends": ("horovod", "dist_sync", "p3"), "faults": ("kill", "link"),
+           "backends": ("horovod", "dist_sync", "p3"), "modes": ("restart", "memory"),
+           "faults": ("kill", "link"),
            "lost_hosts": (2, 0), "node_local": (0,),
            "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
+ELASTIC_MEMORY_BACKENDS = ("horovod",)
 ELASTIC_TAG = "ELASTIC "
 # the phases of a recovery, each named for the boundary that ends it; it begins at the
 # boundary before it that the recovery has ("electing" and "took" only where the host
 # was lost: its takeover is the survivors ending their workers, then the election)
-BOUNDS = ("fault", "lost", "electing", "took", "spawned", "created", "built", "restored",
-          "first_step")
+# In memory mode the survivors' processes stay: "reset" (horovod initialised again in
+# the new round, the last commit put back) and "entered" (rank 0's state synced)
+BOUNDS = ("fault", "lost", "electing", "took", "spawned", "reset", "created", "built",
+          "restored", "entered", "first_step")
 PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "took"),
-          ("re-formation", "spawned"),
+          ("re-formation", "spawned"), ("re-formation", "reset"), ("state sync", "entered"),
           ("worker start", "created"), ("model build", "built"),
           ("checkpoint load", "restored"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
@@ -641,8 +649,12 @@ class _Lines:
                          and text in line), None)
 
 
-def _fault_moment(events: list[dict], save_every: int) -> bool:
-    """The first round has saved a checkpoint and trained a step past it."""
+def _fault_moment(events: list[dict], save_every: int, memory: bool = False) -> bool:
+    """The first round has saved a checkpoint and trained a step past it (in memory
+    mode: has trained as many steps, committing each)."""
+    if memory:
+        return any(e["event"] == "step" and e["reformation"] == 0 and e["step"] > save_every
+                   for e in events)
     saved = [e["step"] for e in events if e["event"] == "saved" and e["reformation"] == 0]
     return bool(saved) and any(e["event"] == "step" and e["reformation"] == 0
                                and e["step"] > saved[0] for e in events)
@@ -752,14 +764,22 @@ def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
     bounds = {"fault": fault_at, "lost": max(seen.values()),
               **({"electing": max(e[0] for e in electing.values() if e)}
                  if any(electing.values()) else {}),
-              **({"took": took[0]} if took else {}),
-              "spawned": min(e["times"]["process"] for e in new),
-              **{name: max(e["times"][name] for e in new)
-                 for name in ("created", "built", "restored", "first_step")}}
+              **({"took": took[0]} if took else {})}
+    if all("reset" in e["times"] for e in new):     # the processes stayed (memory mode)
+        bounds.update({name: max(e["times"][name] for e in new)
+                       for name in ("reset", "entered", "first_step")})
+    else:
+        bounds.update(spawned=min(e["times"]["process"] for e in new),
+                      **{name: max(e["times"][name] for e in new)
+                         for name in ("created", "built", "restored", "first_step")})
     order = [b for b in BOUNDS if b in bounds]
     out.update(bounds=bounds, workers_after=new[0]["workers"],
                reform_after_lost=reform[0] - bounds["lost"] if reform else None,
                resumed_from=new[0]["resumed_from"],
+               # steps rank 0 had finished before the fault that the new round trains again
+               steps_lost=max([e["step"] for e in events if e["event"] == "step"
+                               and e["reformation"] == 0 and e["time"] < fault_at],
+                              default=0) - new[0]["resumed_from"],
                phases={name: bounds[end] - bounds[order[order.index(end) - 1]]
                        for name, end in PHASES if end in bounds},
                total=bounds["first_step"] - fault_at)
@@ -767,16 +787,20 @@ def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
 
 
 def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float,
-                    workdir: Path) -> dict:
+                    workdir: Path, mode: str = "restart") -> dict:
     """One elastic job on the cluster's 3 hosts: train, break host ``lost`` once the
     first round has saved a checkpoint and trained a step past it, and time the
-    recovery (node-local checkpoints where ELASTIC['node_local'] lists the host)."""
+    recovery (node-local checkpoints where ELASTIC['node_local'] lists the host). In
+    ``mode`` "memory" the job commits its state in memory instead, and the survivors
+    keep their processes."""
+    memory = mode == "memory"
     port = str(next(_ports))
     cfg = ELASTIC
     argv = [str(HERE / "cluster" / "elastic.py"), "--dir", str(workdir / f"ckpt-{port}"),
             "--batch", str(cfg["batch"]), "--image", str(cfg["image"]),
             "--save-every", str(cfg["save_every"]), "--steps-after", str(cfg["steps_after"]),
-            *(["--node-local"] if lost in cfg["node_local"] else [])]
+            *(["--memory"] if memory else
+              ["--node-local"] if lost in cfg["node_local"] else [])]
     stay = [h.index for h in cluster.hosts if h.index != lost]
     lines, procs = _Lines(), []
     for host in cluster.hosts:
@@ -796,11 +820,11 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
     fault_at = None
     try:
         with lines.changed:
-            while not _fault_moment(lines.events(), cfg["save_every"]):
+            while not _fault_moment(lines.events(), cfg["save_every"], memory):
                 if time.monotonic() > deadline or procs[0].poll() is not None:
                     break
                 lines.changed.wait(timeout=1.0)
-        if _fault_moment(lines.events(), cfg["save_every"]):
+        if _fault_moment(lines.events(), cfg["save_every"], memory):
             # the first round's workers on the hosts that stay (all ranks printed their
             # timeline at their first step, long before the fault)
             names = {cluster.hosts[n].name: n for n in stay}
@@ -831,22 +855,39 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
     # what the job's host after the fault said (node 0, or the node that took over)
     host = result["new_host"] if result["new_host"] is not None else stay[0]
     said = lines.said(host)
-    result.update(codes=codes, launcher=said, launcher_node=host,
-                  node_local=lost in cfg["node_local"])
+    result.update(codes=codes, launcher=said, launcher_node=host, mode=mode,
+                  node_local=lost in cfg["node_local"] and not memory)
     # when the broken round's workers on the hosts that stay were gone: a worker blocked
     # in a collective ends only at its launcher's SIGKILL, 0.5 s after its SIGTERM
-    result["old_ended"] = {str(node): None if ended[pid] is None else ended[pid] - fault_at
-                           for pid, node in old.items()}
+    result["old_ended"] = {} if memory else {
+        str(node): None if ended[pid] is None else ended[pid] - fault_at
+        for pid, node in old.items()}
+    if memory and "error" not in result:
+        pids = {e["pid"] for e in result["timelines"] if e["reformation"] > 0}
+        if not pids <= set(old):
+            result["error"] = (f"the re-formed job's workers {sorted(pids)} are not the "
+                               f"survivors' processes {sorted(old)}")
     if "error" not in result and any(codes[n] != 0 for n in stay):
         result["error"] = (f"nodes {stay[0]} and {stay[1]} ended with "
                            f"{[codes[n] for n in stay]}: " + " | ".join(said[-6:]))
     return result
 
 
-def run_elastic(cfg, timeout: float, lost_hosts=None) -> dict:
-    """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend;
-    ``lost_hosts``: the hosts to break (default ELASTIC['lost_hosts']), one at a time."""
+def elastic_jobs(backends=None, modes=None) -> list[tuple[str, str]]:
+    """Part 7's (backend, mode) pairs: each backend of ``backends`` (default
+    ELASTIC['backends']) in each mode of ``modes`` (default ELASTIC['modes']), the
+    memory mode by default only on ELASTIC_MEMORY_BACKENDS."""
+    return [(b, m) for m in (modes or ELASTIC["modes"])
+            for b in (backends or ELASTIC["backends"])
+            if m == "restart" or backends or b in ELASTIC_MEMORY_BACKENDS]
+
+
+def run_elastic(cfg, timeout: float, lost_hosts=None, backends=None, modes=None) -> dict:
+    """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend
+    and mode (elastic_jobs); ``lost_hosts``: the hosts to break (default
+    ELASTIC['lost_hosts']), one at a time."""
     lost_hosts = tuple(lost_hosts or ELASTIC["lost_hosts"])
+    pairs = elastic_jobs(backends, modes)
     setting = dict(ELASTIC, lost_hosts=lost_hosts, load_start=os.getloadavg(),
                    uptime_start=uptime(), jobs={})
     log(f"elastic: {ELASTIC['hosts']} hosts at {ELASTIC['rate']}, --nnodes "
@@ -855,22 +896,26 @@ def run_elastic(cfg, timeout: float, lost_hosts=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
             emulated_cluster.EmulatedCluster(num_hosts=ELASTIC["hosts"],
                                              rate=ELASTIC["rate"]) as cluster:
-        for backend in ELASTIC["backends"]:
+        for backend, mode in pairs:
             for lost, fault in itertools.product(lost_hosts, ELASTIC["faults"]):
                 runs = []
                 for rep in range(cfg["elastic_reps"]):
-                    run = run_elastic_job(cluster, backend, fault, lost, timeout, Path(tmp))
+                    run = run_elastic_job(cluster, backend, fault, lost, timeout, Path(tmp),
+                                          mode)
                     runs.append(run)
-                    log(f"  {backend}, host {lost} {fault}, repetition {rep + 1}: "
+                    log(f"  {backend} ({mode}), host {lost} {fault}, repetition {rep + 1}: "
                         + (f"FAILED {run['error'][:400]}" if "error" in run else
                            f"first step {run['total']:.1f} s after the fault ("
                            + ", ".join(f"{k} {v:.1f}" for k, v in run["phases"].items())
                            + "; old workers gone after "
                            + ", ".join("?" if t is None else f"{t:.1f}"
                                        for t in run["old_ended"].values()) + " s)"))
-                setting["jobs"][f"{backend} host {lost} {fault}"] = {
-                    "backend": backend, "fault": fault, "lost": lost,
-                    "node_local": lost in ELASTIC["node_local"], "runs": runs}
+                name = f"{backend} host {lost} {fault}" + (" memory" if mode == "memory"
+                                                            else "")
+                setting["jobs"][name] = {
+                    "backend": backend, "fault": fault, "lost": lost, "mode": mode,
+                    "node_local": lost in ELASTIC["node_local"] and mode == "restart",
+                    "runs": runs}
     setting["load_end"] = os.getloadavg()
     setting["uptime_end"] = uptime()
     return setting
@@ -1022,6 +1067,16 @@ def parse_args(argv=None):
                         help="part 7 (elastic): break only this host (repeatable); "
                              "default: host 2 (checkpoints in a shared directory), then "
                              "host 0, the job's first host (node-local checkpoints)")
+    parser.add_argument("--elastic-backend", action="append",
+                        choices=ELASTIC["backends"], metavar="BACKEND",
+                        help="part 7 (elastic): only this backend (repeatable), in every "
+                             "mode of --elastic-mode; default: "
+                             f"{', '.join(ELASTIC['backends'])} restarting from checkpoints, "
+                             f"{', '.join(ELASTIC_MEMORY_BACKENDS)} in memory too")
+    parser.add_argument("--elastic-mode", action="append", choices=ELASTIC["modes"],
+                        help="part 7 (elastic): only this mode (repeatable): restart "
+                             "(from checkpoints) or memory (dg.elastic.State, the "
+                             "survivors keep their processes); default: both")
     args = parser.parse_args(argv)
     if args.out is None and args.quick:
         args.out = HERE / "RESULTS-cluster-quick.md"
@@ -1101,7 +1156,8 @@ def main(argv=None) -> int:
         if "async" in parts:
             results["async"] = run_async(cfg, args.job_timeout)
         if "elastic" in parts:
-            results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host)
+            results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host,
+                                             args.elastic_backend, args.elastic_mode)
         if "slow" in parts:
             # its own files, whatever else runs: reruns of other parts never overwrite it
             slow_out = HERE / (SLOW_RESULTS if not args.quick else

@@ -24,6 +24,13 @@ Rank 0 also prints ``ELASTIC {"event": "step" | "saved", ...}`` after each step 
 save, which the benchmark watches to choose the moment of its fault. A round started by
 a re-formation (``kv.reformation > 0``) trains ``--steps-after`` steps and ends the job;
 the first round trains at most ``--max-steps`` (the fault comes long before).
+
+With ``--memory`` the job keeps its state in memory instead (``dg.elastic.State``
+committed after every step, the loop under ``@dg.elastic.run``, no checkpoint): the
+survivors keep their processes, and each entry of the training function after a
+re-formation prints a timeline with ``reset`` (the reset callback ran: horovod
+initialised again in the new round, the last commit put back), ``entered`` (rank 0's
+state synced, the function entered) and ``first_step``.
 """
 from __future__ import annotations
 
@@ -77,6 +84,9 @@ def main() -> None:
                         help="steps after which the first round ends anyway")
     parser.add_argument("--steps-after", type=int, default=2,
                         help="steps a re-formed round trains before the job ends")
+    parser.add_argument("--memory", action="store_true",
+                        help="keep the state in memory (dg.elastic.State, a commit every "
+                             "step) instead of checkpoints: the workers keep their processes")
     args = parser.parse_args()
     times = {"process": process_start(), "script": STARTED}
 
@@ -96,6 +106,11 @@ def main() -> None:
         net(data).wait_to_read()
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd", dict(OPTIMIZER_PARAMS),
                                     kv=kv)
+    if args.memory:
+        mx.nd.waitall()
+        times["built"] = time.time()
+        in_memory(args, kv, net, trainer, data, label, loss_fn, times)
+        return
     if args.node_local:
         ckpt = dg.Checkpointer(os.path.join(args.dir, f"disk-{socket.gethostname()}"), kv,
                                keep=2, node_local=True)
@@ -136,6 +151,41 @@ def main() -> None:
         if stop or step >= args.max_steps or (kv.reformation > 0
                                                and steps >= args.steps_after):
             break
+
+
+def in_memory(args, kv, net, trainer, data, label, loss_fn, times: dict) -> None:
+    """The job of ``--memory``: the same steps, its state committed in memory."""
+    state = dg.elastic.State(net=net, trainer=trainer, step=0)
+    reset_at = []
+    state.register_reset_callbacks([lambda: reset_at.append(time.time())])
+
+    @dg.elastic.run
+    def train(state):
+        marks = dict(times) if not reset_at else {"reset": reset_at[-1]}
+        marks["entered"] = time.time()
+        resumed_from, steps = state.step, 0
+        while True:
+            with autograd.record():
+                loss = loss_fn(net(data), label)
+            loss.backward()
+            trainer.step(args.batch)
+            state.step += 1
+            state.commit()          # waits for the step's copies, so for the step
+            steps += 1
+            if steps == 1:
+                marks["first_step"] = time.time()
+                say({"event": "timeline", "rank": kv.rank, "pid": os.getpid(),
+                     "host": socket.gethostname(), "workers": kv.num_workers,
+                     "reformation": kv.reformation, "restart": kv.restart,
+                     "resumed_from": resumed_from, "times": marks})
+            if kv.rank == 0:
+                say({"event": "step", "step": state.step, "reformation": kv.reformation,
+                     "time": time.time()})
+            if state.step >= args.max_steps or (kv.reformation > 0
+                                                 and steps >= args.steps_after):
+                return
+
+    train(state)
 
 
 if __name__ == "__main__":

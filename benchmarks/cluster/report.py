@@ -671,10 +671,13 @@ def elastic_section(results: dict) -> list[str]:
              "other processes in the header also counts the lost host's processes that the "
              "faults ended: their CPU time never reaches this benchmark's accounting.)", "",
              "| backend | host lost | checkpoints | fault | " + " | ".join(ELASTIC_PHASES)
-             + " | total | old workers gone | cold start | runs |",
-             "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 4)]
+             + " | total | steps lost | old workers gone | cold start | runs |",
+             "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 5)]
     failures = []
+    memory = {n: j for n, j in s["jobs"].items() if j.get("mode") == "memory"}
     for name, job in s["jobs"].items():
+        if name in memory:
+            continue
         good = [r for r in job["runs"] if "error" not in r]
         failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
                      for i, r in enumerate(job["runs"]) if "error" in r]
@@ -684,10 +687,13 @@ def elastic_section(results: dict) -> list[str]:
             f"{'node-local' if job.get('node_local') else 'shared'} | {job['fault']} | "
             + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in ELASTIC_PHASES)
             + f" | {_seconds(r['total'] for r in good)} | "
+            f"{_steps(r.get('steps_lost') for r in good)} | "
             f"{_seconds(_gone(r) for r in good)} | "
             f"{_seconds(r.get('cold_start') for r in good)} | "
             f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
             + " |")
+    if memory:
+        lines += _memory_rows(memory, failures)
     for lost in lost_hosts:
         example = next((r for job in s["jobs"].values() if job.get("lost", 2) == lost
                         for r in job["runs"] if "error" not in r), None)
@@ -701,6 +707,58 @@ def elastic_section(results: dict) -> list[str]:
     if failures:
         lines += ["", "Failed runs:", "", *(f"- {f}" for f in failures)]
     return lines + [""]
+
+
+MEMORY_PHASES = ("detection", "workers ended", "election", "re-formation", "state sync",
+                 "first step")
+
+
+def _memory_rows(jobs: dict, failures: list) -> list[str]:
+    """The rows of the jobs whose workers keep their processes (dg.elastic.State)."""
+    lines = ["", "### In memory: the survivors keep their processes", "",
+             "The same job written in horovod elastic's shape (cluster/elastic.py "
+             "`--memory`): a `dg.elastic.State` of the model and the trainer committed in "
+             "memory after every step, the loop under `@dg.elastic.run`, no checkpoint. "
+             "Nothing restarts: the survivors' collectives pending with the lost host fail "
+             "(the launcher ends the round and a thread of each worker breaks its Gloo "
+             "connections; Gloo's timeout is 5 s in elastic horovod jobs), `run` puts back "
+             "the last commit, horovod is shut down and initialised again in the same "
+             "process with the next round's rendezvous, and rank 0's state is synced. "
+             "Phases, each up to the last of the re-formed job's workers:", "",
+             "- **detection**, **workers ended**, **election**: as above (here *workers "
+             "ended* is the launchers ending the round: the workers stay).",
+             "- **re-formation**: that line -> the reset callbacks ran on every survivor: "
+             "the round's collectives broken and failed, the last commit restored, the "
+             "next round handed over, `hvd.shutdown()` and `hvd.init()` done.",
+             "- **state sync**: -> the training function entered again (`State.sync`: "
+             "survivors that went back to the same commit send only that fact).",
+             "- **first step**: -> the first step of the re-formed job finished and "
+             "committed.", "",
+             "*steps lost*: steps rank 0 had finished before the fault that the re-formed "
+             "job trains again (the restart rows: those since the last checkpoint; here "
+             "the step in flight is not counted, since it never finished).", "",
+             "| backend | host lost | fault | " + " | ".join(MEMORY_PHASES)
+             + " | total | steps lost | cold start | runs |",
+             "|---|---|---|" + "---:|" * (len(MEMORY_PHASES) + 4)]
+    for name, job in jobs.items():
+        good = [r for r in job["runs"] if "error" not in r]
+        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
+                     for i, r in enumerate(job["runs"]) if "error" in r]
+        totals = ", ".join(f"{r['total']:.1f}" for r in good)
+        lines.append(
+            f"| {job['backend']} | {job.get('lost', 2)} | {job['fault']} | "
+            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in MEMORY_PHASES)
+            + f" | {_seconds(r['total'] for r in good)} | "
+            f"{_steps(r.get('steps_lost') for r in good)} | "
+            f"{_seconds(r.get('cold_start') for r in good)} | "
+            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
+            + " |")
+    return lines
+
+
+def _steps(values) -> str:
+    values = [v for v in values if v is not None]
+    return "–" if not values else ", ".join(str(v) for v in sorted(set(values)))
 
 
 # the launchers' lines about a loss, the election and the re-formation
