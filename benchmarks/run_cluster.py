@@ -200,6 +200,8 @@ PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "to
           ("worker start", "created"), ("model build", "built"),
           ("checkpoint load", "restored"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
+# the host dropping a node that went silent while the round's processes ended
+LEFT_UNCONFIRMED = "did not confirm that its processes ended: it leaves the job"
 
 # Part 8: Local SGD and DiLoCo. Throughput on 2 hosts at each rate; the MNIST example's
 # final validation accuracy (mean over the seeds) for each H, on loopback.
@@ -702,17 +704,33 @@ def watch_ends(pids: list[int], limit: float = 60.0) -> dict[int, float | None]:
     return ends
 
 
+def _first_match(lines: _Lines, node: int, pattern: re.Pattern,
+                 after: float) -> tuple[float, str] | None:
+    """The first line of node ``node``'s launcher at or after ``after`` that
+    ``pattern`` finds: (its stamp, the line)."""
+    with lines.changed:
+        return next(((t, line) for t, n, stream, line in lines.lines
+                     if n == node and stream == "stderr" and t >= after
+                     and pattern.search(line)), None)
+
+
 def _detection(lines: _Lines, fault_at: float, lost: int,
                nodes: int) -> tuple[dict, int | None, tuple[float, str] | None]:
     """Who saw the loss of node ``lost`` when, who hosts the job after it, and that
     host's line naming the loss: ({node: stamp of its detection line}, the host, line).
 
-    Node 2's loss: node 0, the host, says `node 2 (...) lost: ...`. Node 0's loss: every
+    Node 2's loss: node 0, the host, says `node 2 (...) lost: ...` when it decides so
+    during a round. When the round ended first (the workers failed: a horovod job's
+    Gloo timeout, 5 s in elastic jobs, is shorter than --silence-limit), node 0 decides
+    while it waits for the nodes to confirm that their processes ended, and says `node 2
+    (...) did not confirm that its processes ended: it leaves the job` instead
+    (dist_gluon/launch/master.py): either line is the detection. Node 0's loss: every
     other node says `lost the master launcher at ...` as it decides, then they elect
     the next host, which says `node N (...) takes over as the job's host` (every node
     repeats it) next to `node 0 (...) lost: ...`."""
     if lost != 0:
-        line = lines.first(0, " lost: ", fault_at)
+        line = _first_match(lines, 0, re.compile(
+            rf"\]: node {lost} \(.*\) (lost: |{re.escape(LEFT_UNCONFIRMED)})"), fault_at)
         return ({0: line[0]} if line else {}), 0, line
     seen = {}
     for n in range(1, nodes):
@@ -752,7 +770,7 @@ def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
         out["workers_before"] = old[0]["workers"]
     error = None
     if not seen:
-        error = ("no 'lost' line from node 0" if lost != 0 else
+        error = (f"node 0 never said node {lost} was lost or left the job" if lost != 0 else
                  "no surviving node said it lost the master launcher")
     elif lost == 0 and took is None:
         error = "no surviving node took over as the job's host"

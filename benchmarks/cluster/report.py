@@ -607,7 +607,9 @@ def elastic_section(results: dict) -> list[str]:
              "(engine waited for). The phases, each up to the last of the re-formed job's "
              "workers (its first one, for the start):", "",
              "- **detection**: fault -> host 2 lost: node 0's launcher prints `node 2 "
-             "(...) lost: ...`"
+             "(...) lost: ...` (or, when the workers failed first and ended the round, "
+             "as horovod's 5 s Gloo timeout makes them do with the link down, `node 2 "
+             "(...) did not confirm that its processes ended: it leaves the job`)"
              + ("; host 0 lost: the later of nodes 1 and 2's launchers prints `lost the "
                 "master launcher at ...`" if node0 else "")
              + ". A launcher prints it as soon as it decides, before it ends the broken "
