@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,31 +130,66 @@ def _kill_rank(marker: str, rank: int) -> int:
     raise AssertionError(f"no worker of rank {rank} found")
 
 
+def run_killing_rank_1(script: str, *args: str, at: str, cwd) -> tuple[int, str]:
+    """Run an example with --elastic-memory as an elastic horovod job of 2 workers on
+    one node (--nnodes 1:1) and SIGKILL rank 1 when rank 0 prints a line holding ``at``;
+    the job's exit status and output. Nothing of the job is left behind."""
+    marker = _marker_env()
+    argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+            "--backend", "horovod", "--max-restarts", "1", "--",
+            sys.executable, str(EXAMPLES / script), *args, "--elastic-memory"]
+    env = process_env(gluoncv=script.startswith("imagenet/"), **marker)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lines, killed = [], False
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if not killed and at in line:
+                _kill_rank(marker["DG_TEST_MARKER"], 1)
+                killed = True
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = "\n".join(lines)
+    assert killed, f"no line with {at!r}\n{output[-3000:]}"
+    assert_nothing_left(marker["DG_TEST_MARKER"])
+    return proc.returncode, output
+
+
+def assert_kept_going(output: str, epoch: str) -> list[str]:
+    """Rank 0's lines, after checking that the job re-formed around the processes that
+    stayed, and that rank 0 went on in ``epoch`` (e.g. "epoch 1/2") from the step after
+    the last one it printed before the kill: the steps it finished are not trained
+    again (--log-interval 1)."""
+    rank0 = worker_lines(output, 0)
+    # rank 1's stderr is in the output too: MXNet's own log lines ("[16:14:22] ../src/
+    # io/iter_image_recordio_2.cc:177: ...") may be there, nothing else
+    assert [line for line in worker_lines(output, 1)
+            if not re.match(r"\[\d\d:\d\d:\d\d\] \.\./src/", line)] == [], output[-3000:]
+    assert KEPT in output, output[-5000:]
+    reformed = next(i for i, line in enumerate(rank0)
+                    if line.startswith("re-formed: 2 worker(s) go on"))
+
+    def steps(lines):
+        return [int(line.split("[", 1)[1].split("/")[0]) for line in lines
+                if line.startswith(f"{epoch} [")]
+    before, after = steps(rank0[:reformed]), steps(rank0[reformed:])
+    assert before and after and after[0] == before[-1] + 1, (before, after)
+    return rank0
+
+
 def test_mnist_gluon_with_elastic_memory_outlives_a_killed_worker_without_checkpoints(
         tmp_path):
     """--elastic-memory on an elastic horovod job (--nnodes 1:1, 2 workers): rank 1 is
     SIGKILLed in the first epoch; rank 0 keeps its process and its state in memory, the
     launcher starts a new rank 1, which takes rank 0's state, and the job trains to the
     end with a sane accuracy. No checkpoint directory is given."""
-    marker = _marker_env()
-    argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
-            "--backend", "horovod", "--max-restarts", "1", "--",
-            sys.executable, str(EXAMPLES / "mnist/train_gluon.py"), "--epochs", "3",
-            "--elastic-memory", "--log-interval", "5"]
-    proc = subprocess.Popen(argv, cwd=tmp_path, env=process_env(**marker), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if "epoch 1/3 [ 10/23]" in line:
-                _kill_rank(marker["DG_TEST_MARKER"], 1)
-        proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    output = "\n".join(lines)
-    assert proc.returncode == 0, output[-5000:]
+    status, output = run_killing_rank_1("mnist/train_gluon.py", "--epochs", "3",
+                                        "--log-interval", "5", at="epoch 1/3 [ 10/23]",
+                                        cwd=tmp_path)
+    assert status == 0, output[-5000:]
     rank0 = worker_lines(output, 0)
     assert worker_lines(output, 1) == [], output[-3000:]
     assert any(line.startswith("re-formed: 2 worker(s) go on") for line in rank0), output
@@ -164,7 +200,6 @@ def test_mnist_gluon_with_elastic_memory_outlives_a_killed_worker_without_checkp
     assert float(result["val_acc"]) >= 0.85, result
     assert (result["backend"], result["workers"]) == ("horovod", "2")
     assert not list(tmp_path.iterdir())            # nothing written: no checkpoint
-    assert_nothing_left(marker["DG_TEST_MARKER"])
 
 
 @pytest.fixture(scope="module")
@@ -291,6 +326,28 @@ def test_imagenet_trains_on_rec_files_on_horovod_and_resumes_on_dist_sync(tiny_r
     assert [line.split(":")[0] for line in epochs] == ["epoch 3/3"]
     assert epochs[0].endswith("(33 images)")
     assert summary(resumed)["backend"] == "dist_sync"
+
+
+def test_imagenet_with_elastic_memory_outlives_a_killed_worker_without_checkpoints(
+        tiny_rec, tmp_path):
+    """--elastic-memory: rank 1 is SIGKILLed at step 3 of 6 of the first epoch; rank 0
+    goes on in its process from step 4 with the state it committed, a new rank 1 takes
+    that state from rank 0, every validation image is counted in both epochs and no
+    file is written."""
+    status, output = run_killing_rank_1(
+        "imagenet/train_imagenet.py", "--data-dir", str(tiny_rec), "--model",
+        "mobilenet0.25", "--input-size", "32", "--num-classes", "3", "--batch-size", "4",
+        "--lr", "0.05", "--warmup-epochs", "1", "--epochs", "2", "--log-interval", "1",
+        at="epoch 1/2 [   3/6]", cwd=tmp_path)
+    assert status == 0, output[-5000:]
+    rank0 = assert_kept_going(output, "epoch 1/2")
+    epochs = epoch_lines(rank0)
+    assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], rank0
+    assert all(line.endswith("(33 images)") for line in epochs), epochs
+    result = summary(rank0)
+    assert 0 <= float(result["val_acc"]) <= 1 and float(result["images/s"]) > 0, result
+    assert (result["backend"], result["workers"]) == ("horovod", "2")
+    assert not list(tmp_path.iterdir())            # nothing written: no checkpoint
 
 
 def test_imagenet_trains_on_an_image_folder_with_two_devices_per_worker(tiny_folder,
@@ -423,3 +480,23 @@ def test_language_model_on_two_workers_equals_one_process_on_all_their_columns(t
     one, two = lm_epochs(single)[0], lm_epochs(pair)[0]
     for key in ("train_ppl", "val_ppl"):
         assert float(two[key]) == pytest.approx(float(one[key]), rel=1e-4), key
+
+
+
+def test_language_model_with_elastic_memory_outlives_a_killed_worker_without_checkpoints(
+        tmp_path):
+    """--elastic-memory: rank 1 is SIGKILLed at window 10 of the first epoch; rank 0
+    goes on in its process from the next window with the state it committed (the
+    learning rate and the position in the epoch among it), a new rank 1 takes that
+    state, the validation perplexity falls as without a fault, and no file is
+    written."""
+    status, output = run_killing_rank_1(
+        "language_model/train_lm.py", *LM_SMALL, "--log-interval", "1",
+        "--train-fraction", "0.03", "--epochs", "2", at="epoch 1/2 [  10/", cwd=tmp_path)
+    assert status == 0, output[-5000:]
+    rank0 = assert_kept_going(output, "epoch 1/2")
+    result = summary(rank0)
+    ppl = [float(e["val_ppl"]) for e in lm_epochs(rank0)]
+    assert len(ppl) == 2 and ppl[1] < ppl[0] < int(result["vocab"]), ppl
+    assert (result["backend"], result["workers"], result["epochs"]) == ("horovod", "2", "2")
+    assert not list(tmp_path.iterdir())            # nothing written: no checkpoint

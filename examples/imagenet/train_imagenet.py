@@ -39,6 +39,12 @@ folders the resumed epoch trains on exactly the rest of the epoch's sample order
 (``ShardSampler.set_epoch(epoch, skip=...)``); ``mx.io.ImageRecordIter`` cannot skip,
 so with .rec files it takes the epoch's remaining steps from a new pass over each
 worker's part.
+With ``--elastic-memory`` (horovod) the loop runs as a ``@dg.elastic.run`` function on
+a ``dg.elastic.State`` committed after every step (with the images done in the epoch)
+instead: a lost node costs the step in flight, the survivors go on in their processes
+with this formation's data shards and learning rate (a reset callback), a joining
+node's worker gets the state from rank 0, and no checkpoint is needed
+(``--checkpoint-dir`` still serves restarts of the whole job).
 """
 from __future__ import annotations
 
@@ -145,6 +151,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                      help="continue from the newest checkpoint in --checkpoint-dir, if any, "
                           "inside its epoch when it was saved at a stop (give it from the "
                           "first run of an elastic job)")
+    run.add_argument("--elastic-memory", action="store_true",
+                     help="elastic jobs on horovod: keep the training state in memory "
+                          "(dg.elastic.State, committed after every step) so that the "
+                          "workers keep their processes when a node is lost or joins, "
+                          "losing at most the step in flight, with no checkpoint "
+                          "(docs/elastic.md); elsewhere the same as without it")
     devices = parser.add_argument_group("devices")
     devices.add_argument("--devices", default=None,
                          help="the devices each worker drives: gpu (GPU number local rank: "
@@ -398,11 +410,22 @@ def evaluate(net, data, ctx, dtype: str, num_classes: int, kv) -> dict:
     return result
 
 
+class Progress:
+    """Where the training loop is (epoch, images of it done, counters) when the job
+    keeps nothing in memory: a restart resumes from a checkpoint instead.
+    ``dg.elastic.State`` (--elastic-memory) has the same attributes and keeps them."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def commit(self) -> None:
+        """Nothing to keep between steps without --elastic-memory."""
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
     kv = dg.create()
-    workers = kv.num_workers
 
     def log(message: str) -> None:
         if kv.rank == 0:
@@ -425,12 +448,16 @@ def main(argv=None) -> None:
     else:
         log(f"data: {data.num_train} training and {data.num_val} validation images, "
             f"{classes} classes, from {args.data_dir} ({type(data).__name__})")
-    global_batch = args.batch_size * workers
-    steps_per_epoch = args.steps_per_epoch or (
-        50 if args.synthetic else max(1, data.num_train // global_batch))
 
+    def steps_of(workers: int) -> int:
+        """Steps per epoch of ``workers`` workers."""
+        return args.steps_per_epoch or (
+            50 if args.synthetic else max(1, data.num_train // (args.batch_size * workers)))
+
+    steps_per_epoch = steps_of(kv.num_workers)
     net, num_no_decay = build_model(args, classes, devices, kv)
-    schedule = lr_schedule(args, workers, steps_per_epoch)
+    schedule = lr_schedule(args, kv.num_workers, steps_per_epoch)
+    workers = kv.num_workers
     lr = args.lr * workers if args.scale_lr else args.lr
     optimizer_params = {"learning_rate": lr, "momentum": args.momentum,
                         "wd": args.wd, "lr_scheduler": schedule,
@@ -442,125 +469,173 @@ def main(argv=None) -> None:
         + (f"; SyncBatchNorm: statistics over the samples of all {workers} worker(s) x "
            f"{len(devices)} device(s), not hybridized"
            if args.syncbn and workers * len(devices) > 1 else ""))
-    log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
-        f"{global_batch}, {steps_per_epoch} steps per epoch; lr {args.lr:g} "
-        f"{'x' if args.scale_lr else 'on'} {workers} = {lr:g}, {args.lr_mode} schedule, "
-        f"{args.warmup_epochs:g} warmup "
-        f"epochs, label smoothing {args.label_smoothing:g}, mixup alpha {args.mixup_alpha:g}, "
-        f"compression {args.compression}")
 
-    start_epoch = 0
-    # images of the start epoch already trained on (a stop mid-epoch)
-    done = 0
-    best_acc = float("nan")
+    def describe_training() -> None:
+        workers = kv.num_workers
+        lr = args.lr * workers if args.scale_lr else args.lr
+        log(f"training: backend {kv.type}, {workers} worker(s) x batch {args.batch_size} = "
+            f"{args.batch_size * workers}, {steps_per_epoch} steps per epoch; lr {args.lr:g} "
+            f"{'x' if args.scale_lr else 'on'} {workers} = {lr:g}, {args.lr_mode} schedule, "
+            f"{args.warmup_epochs:g} warmup "
+            f"epochs, label smoothing {args.label_smoothing:g}, mixup alpha "
+            f"{args.mixup_alpha:g}, compression {args.compression}")
+
+    describe_training()
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
-    if checkpointer is not None and args.resume:
-        state = checkpointer.restore(net, trainer)
-        if state is None:
-            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
-        else:
-            start_epoch = state["epoch"]
-            # The restored optimizer carries the saved run's schedule; this run's
-            # arguments (e.g. more --epochs) decide, from the restored step count on.
+    # epoch: the epoch to train next; done: images of it already trained on (a stop or a
+    # fault inside it); resumed: the checkpoint was looked for
+    values = dict(epoch=0, done=0, best_acc=float("nan"), result={"val_acc": float("nan")},
+                  train_images=0, train_time=0.0, resumed=False)
+    if args.elastic_memory:
+        state = dg.elastic.State(net=net, trainer=trainer, **values)
+
+        def on_reset() -> None:
+            # the job re-formed: this formation's shards of the data, steps per epoch and
+            # rate, laid out over its own steps
+            nonlocal data, steps_per_epoch, schedule
+            data = open_data(args, kv)
+            steps_per_epoch = steps_of(kv.num_workers)
+            schedule = lr_schedule(args, kv.num_workers, steps_per_epoch)
             trainer.optimizer.lr_scheduler = schedule
-            extra = state.get("extra") or {}
-            best_acc = extra.get("best_acc", best_acc)
-            done = extra.get("done", 0)
-            where = (f"inside epoch {start_epoch + 1} after {done} images (saved by "
-                     f"{state['num_workers']} worker(s))" if done
-                     else f"after epoch {start_epoch}")
-            log(f"resume: continuing {where} from {args.checkpoint_dir}")
+            log(f"re-formed: {kv.num_workers} worker(s) go on from the last step every "
+                "worker finished (its state kept in memory)")
+            describe_training()
+
+        state.register_reset_callbacks([on_reset])
+    else:
+        state = Progress(**values)
+
+    def resume() -> None:
+        """The newest checkpoint in --checkpoint-dir, if any, into the model, the trainer
+        and the loop's position (a collective: inside train, so that a worker that joins
+        an --elastic-memory job takes the state from its peers instead)."""
+        restored = checkpointer.restore(net, trainer)
+        if restored is None:
+            log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
+            return
+        # The restored optimizer carries the saved run's schedule; this run's arguments
+        # (e.g. more --epochs) decide, from the restored step count on.
+        trainer.optimizer.lr_scheduler = schedule
+        extra = restored.get("extra") or {}
+        state.epoch = restored["epoch"]
+        state.best_acc = extra.get("best_acc", state.best_acc)
+        state.done = extra.get("done", 0)
+        where = (f"inside epoch {state.epoch + 1} after {state.done} images (saved by "
+                 f"{restored['num_workers']} worker(s))" if state.done
+                 else f"after epoch {state.epoch}")
+        log(f"resume: continuing {where} from {args.checkpoint_dir}")
 
     soft = args.label_smoothing > 0 or args.mixup_alpha > 0
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss(sparse_label=not soft)
-    result = {"val_acc": float("nan")}
-    train_images, train_time = 0, 0.0
-    # the launcher's progress line (on a terminal) shows the time left
-    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
-    for epoch in range(start_epoch, args.epochs):
-        mixup = args.mixup_alpha > 0 and epoch < args.epochs - args.mixup_off_epochs
-        train_loss = mx.metric.Loss()
-        skip = done if epoch == start_epoch else 0
-        # the steps of a resumed epoch start after the images done
-        first = min(-(-skip // global_batch), steps_per_epoch)
-        batches = data.train_batches(epoch, skip)
-        tic = interval_tic = time.time()
-        stop_at = None
-        # timeline.data: the time each batch takes to arrive counts as waiting for data
-        # in the launcher's report and timeline
-        arriving = timeline.data(batches)
-        for step in range(first + 1, steps_per_epoch + 1):
-            images, labels = next(arriving)
-            images = images.as_in_context(devices[0])
-            labels = labels.as_in_context(devices[0])
-            targets = soft_targets(labels, classes, args.label_smoothing) if soft else labels
-            if mixup:
-                lam = float(np.random.beta(args.mixup_alpha, args.mixup_alpha))
-                images = lam * images + (1 - lam) * images.flip(axis=0)
-                targets = lam * targets + (1 - lam) * targets.flip(axis=0)
-            # each device takes a slice of the worker's batch
-            parts = gluon.utils.split_and_load(images, devices, even_split=False)
-            part_targets = gluon.utils.split_and_load(targets, devices, even_split=False)
-            with autograd.record():
-                losses = [loss_fn(net(x.astype(args.dtype, copy=False))
-                                  .astype("float32", copy=False), t)
-                          for x, t in zip(parts, part_targets)]
-            autograd.backward(losses)
-            trainer.step(args.batch_size)
-            train_loss.update(None, losses)
-            if step % args.log_interval == 0 or step == steps_per_epoch:
-                mx.nd.waitall()
-                interval = min(step % args.log_interval or args.log_interval, step - first)
-                speed = interval * global_batch / (time.time() - interval_tic)
-                log(f"epoch {epoch + 1}/{args.epochs} [{step:>4}/{steps_per_epoch}] "
-                    f"loss {train_loss.get()[1]:.4f} lr {trainer.learning_rate:.5f} "
-                    f"{speed:.1f} images/s")
-                interval_tic = time.time()
-            if dg.stop_requested(kv):       # the same answer on every worker
-                stop_at = step
-                break
-        if stop_at is not None and stop_at < steps_per_epoch:
-            done = skip + (stop_at - first) * global_batch
-            if checkpointer is not None:
-                checkpointer.save(net, trainer, epoch, step=stop_at,
-                                  extra={"best_acc": best_acc, "done": done})
-            log("stop: the launcher asked the job to stop; "
-                + (f"checkpoint of epoch {epoch + 1} after {done} images saved, exiting "
-                   "for the restart (--resume)" if checkpointer is not None else
-                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
-                   "begins afresh"))
-            return
-        mx.nd.waitall()
-        elapsed = max(time.time() - tic, 1e-9)
-        epoch_images = (steps_per_epoch - first) * global_batch
-        train_images += epoch_images
-        train_time += elapsed
-        loss_value = dg.reduce_metric(train_loss, kv=kv).get()[1]
-        message = (f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_value:.4f} "
-                   f"time={elapsed:.1f}s images/s={epoch_images / elapsed:.1f}")
-        if not args.synthetic:
-            result = evaluate(net, data, devices[0], args.dtype, classes, kv)
-            val_acc = result["val_acc"]
-            best_acc = val_acc if math.isnan(best_acc) else max(best_acc, val_acc)
-            message += "".join(f" {k}={v:.4f}" for k, v in result.items() if k != "images")
-            message += f" ({result['images']} images)"
-        log(message)
-        if checkpointer is not None:
-            checkpointer.save(net, trainer, epoch + 1, extra={"best_acc": best_acc})
-        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
-            log(f"stop: the launcher asked the job to stop at the end of epoch "
-                f"{epoch + 1}; exiting for the restart (--resume)")
-            return
 
-    if start_epoch >= args.epochs:
-        log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
+    def train(state) -> bool:
+        """The epochs from ``state.epoch`` on; False if the launcher asked the job to stop
+        (a restart from the checkpoint follows)."""
+        if args.resume and not state.resumed:
+            resume()
+            state.resumed = True
+            state.commit()
+        global_batch = args.batch_size * kv.num_workers
+        # the launcher's progress line (on a terminal) shows the time left
+        timeline.expect_steps((args.epochs - state.epoch) * steps_per_epoch)
+        for epoch in range(state.epoch, args.epochs):
+            mixup = args.mixup_alpha > 0 and epoch < args.epochs - args.mixup_off_epochs
+            train_loss = mx.metric.Loss()
+            skip = state.done
+            # the steps of a resumed epoch start after the images done
+            first = min(-(-skip // global_batch), steps_per_epoch)
+            batches = data.train_batches(epoch, skip)
+            tic = interval_tic = time.time()
+            stop_at = None
+            # timeline.data: the time each batch takes to arrive counts as waiting for
+            # data in the launcher's report and timeline
+            arriving = timeline.data(batches)
+            for step in range(first + 1, steps_per_epoch + 1):
+                images, labels = next(arriving)
+                images = images.as_in_context(devices[0])
+                labels = labels.as_in_context(devices[0])
+                targets = (soft_targets(labels, classes, args.label_smoothing) if soft
+                           else labels)
+                if mixup:
+                    lam = float(np.random.beta(args.mixup_alpha, args.mixup_alpha))
+                    images = lam * images + (1 - lam) * images.flip(axis=0)
+                    targets = lam * targets + (1 - lam) * targets.flip(axis=0)
+                # each device takes a slice of the worker's batch
+                parts = gluon.utils.split_and_load(images, devices, even_split=False)
+                part_targets = gluon.utils.split_and_load(targets, devices, even_split=False)
+                with autograd.record():
+                    losses = [loss_fn(net(x.astype(args.dtype, copy=False))
+                                      .astype("float32", copy=False), t)
+                              for x, t in zip(parts, part_targets)]
+                autograd.backward(losses)
+                trainer.step(args.batch_size)
+                train_loss.update(None, losses)
+                state.done = skip + (step - first) * global_batch
+                if step % args.log_interval == 0 or step == steps_per_epoch:
+                    mx.nd.waitall()
+                    interval = min(step % args.log_interval or args.log_interval, step - first)
+                    speed = interval * global_batch / (time.time() - interval_tic)
+                    log(f"epoch {epoch + 1}/{args.epochs} [{step:>4}/{steps_per_epoch}] "
+                        f"loss {train_loss.get()[1]:.4f} lr {trainer.learning_rate:.5f} "
+                        f"{speed:.1f} images/s")
+                    interval_tic = time.time()
+                if args.elastic_memory:
+                    # a step boundary: a lost node costs at most the step after it, and a
+                    # node joins or leaves here (the commit raises on every rank)
+                    state.commit()
+                elif dg.stop_requested(kv):       # the same answer on every worker
+                    stop_at = step
+                    break
+            if stop_at is not None and stop_at < steps_per_epoch:
+                if checkpointer is not None:
+                    checkpointer.save(net, trainer, epoch, step=stop_at,
+                                      extra={"best_acc": state.best_acc, "done": state.done})
+                log("stop: the launcher asked the job to stop; "
+                    + (f"checkpoint of epoch {epoch + 1} after {state.done} images saved, "
+                       "exiting for the restart (--resume)" if checkpointer is not None else
+                       "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                       "begins afresh"))
+                return False
+            mx.nd.waitall()
+            elapsed = max(time.time() - tic, 1e-9)
+            epoch_images = (steps_per_epoch - first) * global_batch
+            loss_value = dg.reduce_metric(train_loss, kv=kv).get()[1]
+            message = (f"epoch {epoch + 1}/{args.epochs}: train_loss={loss_value:.4f} "
+                       f"time={elapsed:.1f}s images/s={epoch_images / elapsed:.1f}")
+            if not args.synthetic:
+                result = evaluate(net, data, devices[0], args.dtype, classes, kv)
+                val_acc = result["val_acc"]
+                state.result = result
+                state.best_acc = (val_acc if math.isnan(state.best_acc)
+                                  else max(state.best_acc, val_acc))
+                message += "".join(f" {k}={v:.4f}" for k, v in result.items()
+                                   if k != "images")
+                message += f" ({result['images']} images)"
+            state.train_images += epoch_images
+            state.train_time += elapsed
+            state.epoch, state.done = epoch + 1, 0
+            state.commit()
+            log(message)
+            if checkpointer is not None:
+                checkpointer.save(net, trainer, epoch + 1, extra={"best_acc": state.best_acc})
+            if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
+                log(f"stop: the launcher asked the job to stop at the end of epoch "
+                    f"{epoch + 1}; exiting for the restart (--resume)")
+                return False
+        return True
+
+    if not (dg.elastic.run(train) if args.elastic_memory else train)(state):
+        return
+    result = state.result
+    if state.train_time == 0:
+        log(f"the checkpoint is at epoch {state.epoch}, --epochs is {args.epochs}: "
             "nothing to train")
         if not args.synthetic:
             result = evaluate(net, data, devices[0], args.dtype, classes, kv)
-    speed = train_images / train_time if train_time else float("nan")
+    speed = state.train_images / state.train_time if state.train_time else float("nan")
     accuracy = "".join(f"{k}={v:.4f} " for k, v in result.items() if k != "images")
-    log(f"summary: {accuracy}best_val_acc={best_acc:.4f} "
-        f"model={args.model} dtype={args.dtype} backend={kv.type} workers={workers} "
+    log(f"summary: {accuracy}best_val_acc={state.best_acc:.4f} "
+        f"model={args.model} dtype={args.dtype} backend={kv.type} workers={kv.num_workers} "
         f"images/s={speed:.1f} time={time.time() - started:.1f}s")
 
 

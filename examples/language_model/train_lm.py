@@ -45,7 +45,14 @@ What makes it distributed (everything else is a plain Gluon training loop):
   of workers that is the next window of the same columns; on another number the stream
   is cut into other columns, so the resumed epoch covers each column's remaining part
   of the same length, not exactly the words left out. The LSTM state starts from zeros
-  at a resume.
+  at a resume;
+- or, with ``--elastic-memory`` (horovod), the loop runs as a ``@dg.elastic.run``
+  function on a ``dg.elastic.State`` committed after every window (with the position in
+  the epoch and the learning rate): a lost node costs the window in flight, the
+  survivors go on in their processes on this formation's slices of the streams (a reset
+  callback; the LSTM state starts from zeros), a joining node's worker gets the state
+  from rank 0, and no checkpoint is needed (``--checkpoint-dir`` still serves restarts
+  of the whole job).
 """
 from __future__ import annotations
 
@@ -146,6 +153,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="continue from the newest checkpoint in --checkpoint-dir, if "
                              "any, inside its epoch when it was saved at a stop (give it "
                              "from the first run of an elastic job)")
+    parser.add_argument("--elastic-memory", action="store_true",
+                        help="elastic jobs on horovod: keep the training state in memory "
+                             "(dg.elastic.State, committed after every step) so that the "
+                             "workers keep their processes when a node is lost or joins, "
+                             "losing at most the step in flight, with no checkpoint "
+                             "(docs/elastic.md); elsewhere the same as without it")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and perplexity curves to PATH")
     args = parser.parse_args(argv)
@@ -282,14 +295,25 @@ def save_plot(history: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+class Progress:
+    """Where the training loop is (epoch, windows of it done, history, rate, counters)
+    when the job keeps nothing in memory: a restart resumes from a checkpoint instead.
+    ``dg.elastic.State`` (--elastic-memory) has the same attributes and keeps them."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+    def commit(self) -> None:
+        """Nothing to keep between steps without --elastic-memory."""
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     started = time.time()
     kv = dg.create()
-    workers, rank = kv.num_workers, kv.rank
 
     def log(message: str) -> None:
-        if rank == 0:
+        if kv.rank == 0:
             print(message, flush=True)
 
     corpus = load_corpus(args.val_fraction, args.min_count)
@@ -301,13 +325,20 @@ def main(argv=None) -> None:
         f"{corpus.val_documents} documents ({corpus.unknown_val_words} of them <unk>); "
         f"vocabulary {vocab} words (<unk>, <eos> and every training word seen at least "
         f"{args.min_count} time(s))")
-    train_data = batchify(train_ids, args.batch_size, workers, rank)
-    val_data = batchify(corpus.val, args.eval_batch_size, workers, rank)
-    steps_per_epoch = num_windows(train_data, args.bptt)
-    log(f"data: backend {kv.type}, {workers} worker(s), each on a slice of "
-        f"{train_data.size} training words in {args.batch_size} columns, "
-        f"{steps_per_epoch} windows of {args.bptt} per epoch")
 
+    def shard() -> tuple[mx.nd.NDArray, mx.nd.NDArray, int]:
+        """This worker's training and validation streams and the windows per epoch, for
+        the current formation of the job."""
+        train_data = batchify(train_ids, args.batch_size, kv.num_workers, kv.rank)
+        val_data = batchify(corpus.val, args.eval_batch_size, kv.num_workers, kv.rank)
+        steps_per_epoch = num_windows(train_data, args.bptt)
+        log(f"data: backend {kv.type}, {kv.num_workers} worker(s), each on a slice of "
+            f"{train_data.size} training words in {args.batch_size} columns, "
+            f"{steps_per_epoch} windows of {args.bptt} per epoch")
+        return train_data, val_data, steps_per_epoch
+
+    train_data, val_data, steps_per_epoch = shard()
+    workers = kv.num_workers
     mx.random.seed(args.seed)
     net = WordLSTM(vocab, args.emsize, args.nhid, args.nlayers, args.dropout)
     net.initialize(mx.init.Xavier())
@@ -336,130 +367,178 @@ def main(argv=None) -> None:
               f"{args.outer_momentum:g})" if args.outer_lr is not None else "Local SGD")
            if rounds else ""))
 
-    history: list[dict] = []
-    best_val = math.inf
-    start_epoch = 0
-    # where in the start epoch to begin: windows done of how many (a stop mid-epoch)
-    done, of = 0, 1
+    def set_rate() -> None:
+        """The trainer's rate: the state's rate of one worker, times the workers of this
+        formation with --scale-lr."""
+        trainer.set_learning_rate(state.lr * (kv.num_workers if args.scale_lr else 1))
+
     checkpointer = dg.Checkpointer(args.checkpoint_dir, kv=kv) if args.checkpoint_dir else None
-    if checkpointer is not None and args.resume:
-        state = checkpointer.restore(net, trainer)
-        if state is None:
+    # epoch: the epoch to train next; windows: (done, of) where in it to begin (a stop or
+    # a fault inside it); lr: the rate of one worker, divided at every plateau; resumed:
+    # the checkpoint was looked for
+    values = dict(epoch=0, windows=(0, 1), history=[], best_val=math.inf, lr=args.lr,
+                  train_time=0.0, words_seen=0, resumed=False)
+    if args.elastic_memory:
+        state = dg.elastic.State(net=net, trainer=trainer, **values)
+
+        def on_reset() -> None:
+            # the job re-formed: this formation's slices of the streams
+            nonlocal train_data, val_data, steps_per_epoch
+            log(f"re-formed: {kv.num_workers} worker(s) go on from the last step every "
+                "worker finished (its state kept in memory)")
+            train_data, val_data, steps_per_epoch = shard()
+
+        state.register_reset_callbacks([on_reset])
+    else:
+        state = Progress(**values)
+
+    def resume() -> None:
+        """The newest checkpoint in --checkpoint-dir, if any, into the model, the trainer
+        and the loop's position (a collective: inside train, so that a worker that joins
+        an --elastic-memory job takes the state from its peers instead)."""
+        restored = checkpointer.restore(net, trainer)
+        if restored is None:
             log(f"resume: no checkpoint in {args.checkpoint_dir}, starting from scratch")
-        else:
-            start_epoch = state["epoch"]
-            extra = state.get("extra") or {}
-            history = list(extra.get("history", []))
-            best_val = extra.get("best_val", math.inf)
-            done, of = extra.get("windows", (0, 1))
-            if args.scale_lr and state["num_workers"] != workers:
-                trainer.set_learning_rate(
-                    trainer.learning_rate * workers / state["num_workers"])
-            where = (f"inside epoch {start_epoch + 1} after {done} of its {of} windows "
-                     f"(saved by {state['num_workers']} worker(s))" if done
-                     else f"after epoch {start_epoch}")
-            log(f"resume: continuing {where} from {args.checkpoint_dir} "
-                f"(lr {trainer.learning_rate:g})")
+            return
+        state.epoch = restored["epoch"]
+        extra = restored.get("extra") or {}
+        state.history = list(extra.get("history", []))
+        state.best_val = extra.get("best_val", math.inf)
+        state.windows = tuple(extra.get("windows", (0, 1)))
+        # the restored rate was that of the saved run's workers
+        state.lr = trainer.learning_rate / (restored["num_workers"] if args.scale_lr else 1)
+        set_rate()
+        done, of = state.windows
+        where = (f"inside epoch {state.epoch + 1} after {done} of its {of} windows "
+                 f"(saved by {restored['num_workers']} worker(s))" if done
+                 else f"after epoch {state.epoch}")
+        log(f"resume: continuing {where} from {args.checkpoint_dir} "
+            f"(lr {trainer.learning_rate:g})")
 
-    train_time = 0.0
-    words_seen = 0
-    # the launcher's progress line (on a terminal) shows the time left
-    timeline.expect_steps((args.epochs - start_epoch) * steps_per_epoch)
-    for epoch in range(start_epoch, args.epochs):
-        # rank 0's weights reach every rank; dropout masks differ between workers, and
-        # each epoch's are the same whether it follows the previous one or a resume
-        mx.random.seed(int(np.random.SeedSequence([args.seed, epoch, rank])
-                           .generate_state(1)[0]))
-        metric = mx.metric.Loss("loss")
-        state = net.begin_state(args.batch_size)
-        # the same fraction of the epoch, in this run's windows (exact on as many workers)
-        first = done * steps_per_epoch // of if epoch == start_epoch else 0
-        tic = time.time()
-        stop_at = None
-        epoch_words = 0
-        # timeline.data: the time each window takes to arrive counts as waiting for data
-        # in the launcher's report and timeline
-        for batch, (words, targets) in enumerate(
-                timeline.data(windows(train_data, args.bptt, first)), start=first + 1):
-            state = [s.detach() for s in state]
-            with autograd.record():
-                output, state = net(words, *state)
-                loss = word_losses(loss_fn, output, targets)
-            loss.backward()
-            # The gradients are summed over every worker's words; clipping the sum at
-            # clip x (all workers' words) clips their average at clip. In a Local SGD
-            # step a worker's gradient is its own words' sum.
-            local = rounds and trainer.optimizer.num_update >= args.local_sgd_warmup
-            trainer.allreduce_grads()
-            clip_global_norm(params, args.clip * loss.size * (1 if local else workers))
-            trainer.update(loss.size)
-            metric.update(None, [loss])
-            words_seen += loss.size * workers
-            epoch_words += loss.size * workers
-            if batch % args.log_interval == 0 or batch == steps_per_epoch:
-                batch_loss = metric.get()[1]
-                log(f"epoch {epoch + 1}/{args.epochs} [{batch:>4}/{steps_per_epoch}] "
-                    f"loss {batch_loss:.3f} ppl {math.exp(batch_loss):8.1f} "
-                    f"lr {trainer.learning_rate:g}")
-            if dg.stop_requested(kv):       # the same answer on every worker
-                stop_at = batch
-                break
-        if stop_at is not None and stop_at < steps_per_epoch:
+    def train(state) -> bool:
+        """The epochs from ``state.epoch`` on; False if the launcher asked the job to stop
+        (a restart from the checkpoint follows)."""
+        if args.resume and not state.resumed:
+            resume()
+            state.resumed = True
+            state.commit()
+        set_rate()
+        workers, rank = kv.num_workers, kv.rank
+        # the launcher's progress line (on a terminal) shows the time left
+        timeline.expect_steps((args.epochs - state.epoch) * steps_per_epoch)
+        for epoch in range(state.epoch, args.epochs):
+            # rank 0's weights reach every rank; dropout masks differ between workers, and
+            # each epoch's are the same whether it follows the previous one or a resume
+            mx.random.seed(int(np.random.SeedSequence([args.seed, epoch, rank])
+                               .generate_state(1)[0]))
+            metric = mx.metric.Loss("loss")
+            hidden = net.begin_state(args.batch_size)
+            # the same fraction of the epoch, in this run's windows (exact on as many
+            # workers)
+            done, of = state.windows
+            first = done * steps_per_epoch // of
+            tic = time.time()
+            stop_at = None
+            epoch_words = 0
+            # timeline.data: the time each window takes to arrive counts as waiting for
+            # data in the launcher's report and timeline
+            for batch, (words, targets) in enumerate(
+                    timeline.data(windows(train_data, args.bptt, first)), start=first + 1):
+                hidden = [h.detach() for h in hidden]
+                with autograd.record():
+                    output, hidden = net(words, *hidden)
+                    loss = word_losses(loss_fn, output, targets)
+                loss.backward()
+                # The gradients are summed over every worker's words; clipping the sum at
+                # clip x (all workers' words) clips their average at clip. In a Local SGD
+                # step a worker's gradient is its own words' sum.
+                local = rounds and trainer.optimizer.num_update >= args.local_sgd_warmup
+                trainer.allreduce_grads()
+                clip_global_norm(params, args.clip * loss.size * (1 if local else workers))
+                trainer.update(loss.size)
+                metric.update(None, [loss])
+                state.words_seen += loss.size * workers
+                epoch_words += loss.size * workers
+                state.windows = (batch, steps_per_epoch)
+                if batch % args.log_interval == 0 or batch == steps_per_epoch:
+                    batch_loss = metric.get()[1]
+                    log(f"epoch {epoch + 1}/{args.epochs} [{batch:>4}/{steps_per_epoch}] "
+                        f"loss {batch_loss:.3f} ppl {math.exp(batch_loss):8.1f} "
+                        f"lr {trainer.learning_rate:g}")
+                if args.elastic_memory:
+                    # a step boundary: a lost node costs at most the step after it, and a
+                    # node joins or leaves here (the commit raises on every rank)
+                    state.commit()
+                elif dg.stop_requested(kv):       # the same answer on every worker
+                    stop_at = batch
+                    break
+            if stop_at is not None and stop_at < steps_per_epoch:
+                if checkpointer is not None:
+                    checkpointer.save(net, trainer, epoch, step=stop_at,
+                                      extra={"history": state.history,
+                                             "best_val": state.best_val,
+                                             "windows": (stop_at, steps_per_epoch)})
+                log("stop: the launcher asked the job to stop; "
+                    + (f"checkpoint of epoch {epoch + 1} after {stop_at} of its "
+                       f"{steps_per_epoch} windows saved, exiting for the restart "
+                       "(--resume)" if checkpointer is not None else
+                       "exiting without a checkpoint (no --checkpoint-dir): the restart "
+                       "begins afresh"))
+                return False
+            trainer.sync_weights()   # with --sync-every: the epoch's last round, cut short
+            mx.nd.waitall()
+            elapsed = max(time.time() - tic, 1e-9)
+            train_loss = dg.reduce_metric(metric, kv=kv).get()[1]
+            val_loss = evaluate(net, val_data, args.bptt, kv)
+            speed = epoch_words / elapsed
+            state.train_time += elapsed
+            state.history = state.history + [{
+                "epoch": epoch + 1, "train_loss": train_loss,
+                "train_ppl": math.exp(train_loss), "val_loss": val_loss,
+                "val_ppl": math.exp(val_loss), "lr": trainer.learning_rate}]
+            log(f"epoch {epoch + 1}/{args.epochs}: train_ppl={math.exp(train_loss):.2f} "
+                f"val_ppl={math.exp(val_loss):.2f} val_loss={val_loss:.4f} "
+                f"lr={trainer.learning_rate:g} time={elapsed:.1f}s words/s={speed:.0f}")
+            if val_loss < state.best_val:
+                state.best_val = val_loss
+            else:
+                state.lr /= 4
+                set_rate()
+                log(f"validation perplexity did not improve: lr -> "
+                    f"{trainer.learning_rate:g}")
+            state.epoch, state.windows = epoch + 1, (0, 1)
+            state.commit()
             if checkpointer is not None:
-                checkpointer.save(net, trainer, epoch, step=stop_at,
-                                  extra={"history": history, "best_val": best_val,
-                                         "windows": (stop_at, steps_per_epoch)})
-            log("stop: the launcher asked the job to stop; "
-                + (f"checkpoint of epoch {epoch + 1} after {stop_at} of its "
-                   f"{steps_per_epoch} windows saved, exiting for the restart (--resume)"
-                   if checkpointer is not None else
-                   "exiting without a checkpoint (no --checkpoint-dir): the restart "
-                   "begins afresh"))
-            return
-        trainer.sync_weights()      # with --sync-every: the epoch's last round, cut short
-        mx.nd.waitall()
-        elapsed = max(time.time() - tic, 1e-9)
-        train_time += elapsed
-        train_loss = dg.reduce_metric(metric, kv=kv).get()[1]
-        val_loss = evaluate(net, val_data, args.bptt, kv)
-        speed = epoch_words / elapsed
-        history.append({"epoch": epoch + 1, "train_loss": train_loss,
-                        "train_ppl": math.exp(train_loss), "val_loss": val_loss,
-                        "val_ppl": math.exp(val_loss), "lr": trainer.learning_rate})
-        log(f"epoch {epoch + 1}/{args.epochs}: train_ppl={math.exp(train_loss):.2f} "
-            f"val_ppl={math.exp(val_loss):.2f} val_loss={val_loss:.4f} "
-            f"lr={trainer.learning_rate:g} time={elapsed:.1f}s words/s={speed:.0f}")
-        if val_loss < best_val:
-            best_val = val_loss
-        else:
-            trainer.set_learning_rate(trainer.learning_rate / 4)
-            log(f"validation perplexity did not improve: lr -> {trainer.learning_rate:g}")
-        if checkpointer is not None:
-            checkpointer.save(net, trainer, epoch + 1,
-                              extra={"history": history, "best_val": best_val})
-        if args.plot and rank == 0:
-            save_plot(history, args.plot)
-            # beside the curves: each rank's step time, split (docs/observability.md)
-            timeline.save_step_plot(timeline.steps_plot_path(args.plot))
-        if stop_at is not None and epoch + 1 < args.epochs:   # at the epoch's last step
-            log(f"stop: the launcher asked the job to stop at the end of epoch "
-                f"{epoch + 1}; exiting for the restart (--resume)")
-            return
+                checkpointer.save(net, trainer, epoch + 1,
+                                  extra={"history": state.history,
+                                         "best_val": state.best_val})
+            if args.plot and kv.rank == 0:
+                save_plot(state.history, args.plot)
+                # beside the curves: each rank's step time, split (docs/observability.md)
+                timeline.save_step_plot(timeline.steps_plot_path(args.plot))
+            if stop_at is not None and epoch + 1 < args.epochs:  # at the epoch's last step
+                log(f"stop: the launcher asked the job to stop at the end of epoch "
+                    f"{epoch + 1}; exiting for the restart (--resume)")
+                return False
+        return True
 
-    if start_epoch >= args.epochs or not history:
-        log(f"the checkpoint is at epoch {start_epoch}, --epochs is {args.epochs}: "
+    if not (dg.elastic.run(train) if args.elastic_memory else train)(state):
+        return
+    history = state.history
+    if not history or state.train_time == 0:
+        log(f"the checkpoint is at epoch {state.epoch}, --epochs is {args.epochs}: "
             "nothing to train, evaluating it")
         val_loss = evaluate(net, val_data, args.bptt, kv)
-        history.append({"epoch": start_epoch, "val_loss": val_loss,
+        history.append({"epoch": state.epoch, "val_loss": val_loss,
                         "val_ppl": math.exp(val_loss)})
     elif args.plot:
         steps = timeline.steps_plot_path(args.plot)
         log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
                                     if os.path.exists(steps) else ""))
     final = history[-1]
-    speed = words_seen / train_time if train_time else float("nan")
+    speed = state.words_seen / state.train_time if state.train_time else float("nan")
     log(f"summary: val_ppl={final['val_ppl']:.2f} val_loss={final['val_loss']:.4f} "
-        f"epochs={final['epoch']} vocab={vocab} backend={kv.type} workers={workers} "
+        f"epochs={final['epoch']} vocab={vocab} backend={kv.type} workers={kv.num_workers} "
         f"sync_every={args.sync_every} "
         f"words/s={speed:.0f} time={time.time() - started:.1f}s")
 
