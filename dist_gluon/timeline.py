@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import glob
 import json
 import os
 import queue
@@ -66,6 +67,26 @@ def read_steps(path: str, offset: int = 0) -> tuple[list[tuple], int]:
         return [], offset
     whole = len(data) - len(data) % STEP.size
     return list(STEP.iter_unpack(data[:whole])), offset + whole
+
+
+def read_lines(path: str, offset: int = 0, limit: int = 1 << 62) -> tuple[list[str], int]:
+    """The whole lines of ``path`` from byte ``offset`` on (at most about ``limit``
+    bytes of them, at least one line), and the offset after the last one read: a line
+    the writer has not finished yet is left for the next read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+            end = data.rfind(b"\n")
+            if end < 0 and len(data) == limit:
+                data += f.readline()        # one line longer than the limit
+                end = data.rfind(b"\n")
+    except OSError:
+        return [], offset
+    if end < 0:
+        return [], offset
+    text = data[:end].decode("utf-8", "replace")
+    return [line for line in text.split("\n") if line], offset + end + 1
 
 
 class _Step:
@@ -389,19 +410,20 @@ def step_breakdown() -> dict[int, list[tuple]]:
     """Every rank's steps so far in this run, split as the launcher's report splits
     them: rank -> list of ``(step, seconds since the first step, period, data, compute,
     communication, waiting for others)``, in seconds. The ranks' records are read
-    from the launcher's directory, so this sees the ranks of this host; empty without
-    the launcher (or with ``--report off``). For a plot of each rank's step time."""
+    from the launcher's directory: on node 0 every rank's (the other nodes' as their
+    launchers sent them, placed on this host's clock), on another node this host's;
+    empty without the launcher (or with ``--report off``). For a plot of each rank's
+    step time."""
     directory = os.environ.get(ENV_DIR)
     if not directory or not os.path.isdir(directory):
         return {}
     restart = os.environ.get("DG_RESTART", "0")
     records = {}
-    for name in os.listdir(directory):
-        parts = name.split(".")
-        if len(parts) == 3 and parts[2] == "steps" and parts[1] == f"r{restart}":
-            rows, _ = read_steps(os.path.join(directory, name))
-            if rows:
-                records[int(parts[0][len("rank"):])] = rows
+    for path in glob.glob(os.path.join(directory, f"rank*.r{restart}.steps")) + \
+            glob.glob(os.path.join(directory, "remote", "*", f"rank*.r{restart}.steps")):
+        rows, _ = read_steps(path)
+        if rows:
+            records[int(os.path.basename(path).split(".")[0][len("rank"):])] = rows
     from .launch.report import breakdown
     split = breakdown(records)
     origin = min((s[0][1] for s in split.values() if s), default=0.0)
