@@ -141,7 +141,7 @@ class _Reporter:
             # wrote the gradient (the first layer's, which it writes last)
             self._jobs.put((self._backward_ended, step, marker))
 
-    def collective(self, key: str, array, nbytes: int) -> None:
+    def collective(self, key: str, array, nbytes: int, name: str) -> None:
         step = self.step
         step.bytes += nbytes
         if not self.events:
@@ -149,20 +149,21 @@ class _Reporter:
             return
         marker = _marker(array)
         if marker is not None:
-            self._jobs.put((self._summed, step, key, time.monotonic(), marker))
+            self._jobs.put((self._summed, step, key, time.monotonic(), marker, name))
 
-    def end_step(self, samples: float) -> None:
+    def end_step(self, samples: float, at: tuple[float, float] | None = None) -> None:
         step, self.step = self.step, None
         if step is None:
             return
-        marker = None if self._last is None else _marker(self._last)
+        # a step that ended ``at`` (its time and CPU time) some calls ago: its last sum
+        # can no longer be told apart from later writes to the same array
+        marker = None if self._last is None or at is not None else _marker(self._last)
         self._last = None
         if marker is not None:
             # the last sum submitted (the lowest priority) arrives last
-            self._jobs.put((self._summed, step, "", 0.0, marker))
-        end = time.monotonic()
-        self._jobs.put((self._ended, step, end, time.process_time(), samples,
-                        self._last_end))
+            self._jobs.put((self._summed, step, "", 0.0, marker, ""))
+        end, cpu = at or (time.monotonic(), time.process_time())
+        self._jobs.put((self._ended, step, end, cpu, samples, self._last_end))
         self._last_end = end
 
     def add_data_wait(self, start: float, end: float) -> None:
@@ -198,11 +199,11 @@ class _Reporter:
         marker.wait_to_read()
         step.ready = time.monotonic()
 
-    def _summed(self, step: _Step, key: str, submitted: float, array) -> None:
+    def _summed(self, step: _Step, key: str, submitted: float, array, name: str) -> None:
         array.wait_to_read()
         step.sums = time.monotonic()
         if key:
-            step.done.append((key, submitted, step.sums))
+            step.done.append((name, key, submitted, step.sums))
 
     def _ended(self, step: _Step, end: float, cpu: float, samples: float,
                previous_end: float | None) -> None:
@@ -229,13 +230,13 @@ class _Reporter:
                         "ph": "X", "tid": 1, "args": args, "ts": _us(begin),
                         "dur": _us(max(0.0, step.ready - begin))})
         lines = []
-        for key, submitted, finished in step.done:
+        for name, key, submitted, finished in step.done:
             # async events (b/e): sums overlap one another, each gets its own row. Made
             # here as text: a ResNet's hundred sums a step through json.dumps cost more
             # CPU than the rest of the timeline
             quoted = self._quoted.get(key) or self._quoted.setdefault(key, json.dumps(key)[1:-1])
-            common = (f'"name":"sum {quoted}","cat":"collective","pid":{self.rank},"tid":2,'
-                      f'"id":"{self.rank}.{step.index}.{quoted}"')
+            common = (f'"name":"{name} {quoted}","cat":"collective","pid":{self.rank},'
+                      f'"tid":2,"id":"{self.rank}.{step.index}.{quoted}"')
             lines.append(f'{{{common},"ph":"b","ts":{_us(submitted)},'
                          f'"args":{{"step":{step.index},"key":"{quoted}"}}}}')
             lines.append(f'{{{common},"ph":"e","ts":{_us(finished)}}}')
@@ -309,18 +310,64 @@ def header_arrived() -> None:
         reporter.step.header = time.monotonic()
 
 
-def collective(key: str, array, nbytes: int = 0) -> None:
-    """A collective under ``key`` was submitted; ``array`` holds its result."""
+def collective(key: str, array, nbytes: int = 0, name: str = "sum") -> None:
+    """A collective under ``key`` was submitted; ``array`` holds its result. ``name``
+    says what it does in the timeline (a sum; dist_async's "push, pull")."""
     reporter = _reporter
     if reporter is not None and reporter.step is not None:
-        reporter.collective(key, array, nbytes)
+        reporter.collective(key, array, nbytes, name)
 
 
-def end_step(samples: float = 0.0) -> None:
-    """The training thread leaves the step (its update is queued on the engine)."""
+def end_step(samples: float = 0.0, at: tuple[float, float] | None = None) -> None:
+    """The training thread leaves the step (its update is queued on the engine); or
+    left it ``at`` (``time.monotonic()``, ``time.process_time()``) earlier."""
     reporter = _reporter
     if reporter is not None:
-        reporter.end_step(samples)
+        reporter.end_step(samples, at)
+
+
+class UpdateSteps:
+    """The steps of an optimizer that is called once per parameter (the Module API's
+    updater calls ``update(index, ...)`` for each, or for lists of them), for the
+    job's report and timeline: a step begins with the first call, or a call whose
+    index this step has seen already, and ends with as many calls as the step before
+    made (the first step's end is the last call before the second begins).
+
+    The owner calls :meth:`enter` before it sums the call's gradients and :meth:`leave`
+    after the update is queued.
+    """
+
+    __slots__ = ("_seen", "_calls", "_per_step", "_last")
+
+    def __init__(self):
+        self._seen: set = set()
+        self._calls = 0
+        self._per_step: int | None = None
+        self._last: tuple[float, float] | None = None     # the last call's end, CPU
+
+    def enter(self, index, grad, samples: float) -> None:
+        if _get() is None:
+            return
+        first = index[0] if isinstance(index, (list, tuple)) else index
+        if self._calls and first not in self._seen:
+            self._seen.add(first)
+            return
+        if self._calls:
+            if _reporter.step is not None:      # the first step, or a shorter one
+                end_step(samples, self._last)
+            self._per_step = self._calls
+        self._seen.clear()
+        self._seen.add(first)
+        self._calls = 0
+        begin_step(lambda: grad[0] if isinstance(grad, (list, tuple)) else grad)
+
+    def leave(self, samples: float) -> None:
+        if _reporter is None:
+            return
+        self._calls += 1
+        self._last = (time.monotonic(), time.process_time())
+        if self._calls == self._per_step:
+            end_step(samples)
 
 
 class _Span:
@@ -425,7 +472,7 @@ def step_breakdown() -> dict[int, list[tuple]]:
         if rows:
             records[int(os.path.basename(path).split(".")[0][len("rank"):])] = rows
     from .launch.report import breakdown
-    split = breakdown(records)
+    split = breakdown(records, os.environ.get("DG_BACKEND") == "dist_async")
     origin = min((s[0][1] for s in split.values() if s), default=0.0)
     return {rank: [(s[0], s[1] - origin, *s[2:]) for s in steps]
             for rank, steps in sorted(split.items())}

@@ -494,6 +494,7 @@ class DistributedTrainer(TrainerBase):
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
+        _timeline.begin_step(self._last_grad_written)
         if self._server_updates is not None:
             entries = [(i, grad, self._model_params[i].list_data()[0])
                        for i, grad in self._grad_entries()]
@@ -501,8 +502,8 @@ class DistributedTrainer(TrainerBase):
             self._server_updates.step(*(list(column) for column in zip(*entries)),
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
+            _timeline.end_step(batch_size)
             return
-        _timeline.begin_step(self._last_grad_written)
         samples = batch_size
         if self._local_sgd is not None and self._local_sgd.local:
             self._allreduce_grads()         # this worker's devices only

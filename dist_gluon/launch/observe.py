@@ -98,8 +98,10 @@ class Observation:
     one too, and records what it says as instant events of the timeline."""
 
     def __init__(self, timeline_file: str | None, mode: str, every: float | None, out,
-                 forwarding: bool = False):
+                 forwarding: bool = False, asynchronous: bool = False):
         self.timeline_file, self.mode, self.every, self.out = timeline_file, mode, every, out
+        # dist_async: the ranks do not wait for each other (report.breakdown)
+        self.asynchronous = asynchronous
         # another node's launcher: its ranks' records go to node 0 (outgoing), which
         # reports and draws the job
         self.forwarding = forwarding
@@ -158,7 +160,7 @@ class Observation:
         records = rounds[latest]
         hosts = {rank: self._hosts.get(f"rank{rank}.r{latest}", self.host)
                  for rank in records}
-        return _report.build(records, hosts, dict(self._cores))
+        return _report.build(records, hosts, dict(self._cores), self.asynchronous)
 
     # ------------------------------------------------------------------ other nodes
     def outgoing(self) -> dict | None:
