@@ -183,9 +183,11 @@ class ServerUpdates:
         for index, grad, weight in zip(indices, grads, weights):
             if scale != 1.0:
                 grad *= scale
+            ready = timeline.input_marker(grad)
             self.kv.push_gradient(index, grad, weight, priority=-index)
             timeline.collective(f"w{index}", weight,
-                                grad.size * numpy.dtype(grad.dtype).itemsize, "push, pull")
+                                grad.size * numpy.dtype(grad.dtype).itemsize, "push, pull",
+                                ready)
 
     def sync_weights(self, indices: list[int], weights: list[mx.nd.NDArray]) -> None:
         """Wait until every worker's pushes so far are applied (a barrier, so every

@@ -92,14 +92,22 @@ def read_lines(path: str, offset: int = 0, limit: int = 1 << 62) -> tuple[list[s
 class _Step:
     """The step in progress: noted by the training thread, completed by the helper."""
 
-    __slots__ = ("index", "start", "header", "data", "bytes", "ready", "sums", "done")
+    __slots__ = ("index", "start", "header", "data", "bytes", "ready", "sums", "done",
+                 "inputs", "started", "pending")
 
     def __init__(self, index: int, start: float, data: float):
         self.index, self.start, self.data = index, start, data
         self.header = _NAN
         self.bytes = 0
         self.ready = self.sums = _NAN     # seen by the helper thread
-        self.done: list = []              # (key, submitted, finished), timeline only
+        # timeline only: (name, key, submitted, finished) of each collective, from the
+        # helper; (key, marker) of each collective's input, and key -> when that input
+        # was ready (the collective could start), from the inputs thread; the threads
+        # still busy with the step (the last one writes its collectives)
+        self.done: list = []
+        self.inputs: list = []
+        self.started: dict = {}
+        self.pending = 2
 
 
 class _Reporter:
@@ -126,6 +134,12 @@ class _Reporter:
         self._thread = threading.Thread(target=self._work, daemon=True,
                                         name="dist_gluon.timeline")
         self._thread.start()
+        # the timeline's second helper: when each collective's input was ready
+        self._inputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._inputs_thread = threading.Thread(target=self._work_inputs, daemon=True,
+                                               name="dist_gluon.timeline inputs")
+        if events:
+            self._inputs_thread.start()
         # registered after mxnet's own (imported before any step): runs first, while
         # the engine still answers
         atexit.register(self.close)
@@ -141,7 +155,7 @@ class _Reporter:
             # wrote the gradient (the first layer's, which it writes last)
             self._jobs.put((self._backward_ended, step, marker))
 
-    def collective(self, key: str, array, nbytes: int, name: str) -> None:
+    def collective(self, key: str, array, nbytes: int, name: str, ready) -> None:
         step = self.step
         step.bytes += nbytes
         if not self.events:
@@ -150,6 +164,8 @@ class _Reporter:
         marker = _marker(array)
         if marker is not None:
             self._jobs.put((self._summed, step, key, time.monotonic(), marker, name))
+            if ready is not None:
+                step.inputs.append((key, ready))
 
     def end_step(self, samples: float, at: tuple[float, float] | None = None) -> None:
         step, self.step = self.step, None
@@ -165,6 +181,15 @@ class _Reporter:
         end, cpu = at or (time.monotonic(), time.process_time())
         self._jobs.put((self._ended, step, end, cpu, samples, self._last_end))
         self._last_end = end
+        if self.events:
+            self._inputs.put((step, step.inputs, True))
+            step.inputs = []
+
+    def submitted(self) -> None:
+        step = self.step
+        if self.events and step is not None and step.inputs:
+            self._inputs.put((step, step.inputs, False))
+            step.inputs = []
 
     def add_data_wait(self, start: float, end: float) -> None:
         self._data += end - start
@@ -193,6 +218,35 @@ class _Reporter:
                 self._flush()
                 last_flush = time.monotonic()
         self._flush()
+
+    def _work_inputs(self) -> None:
+        """When each collective's input was ready. The backward writes the gradients
+        in about the reverse of the order they are submitted in (the last layer's
+        first), and a wait sees an input no earlier than the one waited for before:
+        so the inputs are waited for in reverse, once the training thread has
+        submitted the step's collectives (:func:`submitted`, or the step's end)."""
+        while True:
+            job = self._inputs.get()
+            if job is None:
+                break
+            step, inputs, final = job
+            try:
+                for key, marker in reversed(inputs):
+                    marker.wait_to_read()
+                    step.started[key] = time.monotonic()
+            except Exception:       # an engine error belongs to the training thread
+                pass
+            if final:
+                self._step_seen(step)
+
+    def _step_seen(self, step: _Step) -> None:
+        """One of the two helpers is done with the step; the last writes its
+        collectives."""
+        with self._lock:
+            step.pending -= 1
+            last = step.pending == 0
+        if last:
+            self._collective_events(step)
 
     @staticmethod
     def _backward_ended(step: _Step, marker) -> None:
@@ -229,17 +283,28 @@ class _Reporter:
             self.event({"name": "compute (to backward's end)", "cat": "compute",
                         "ph": "X", "tid": 1, "args": args, "ts": _us(begin),
                         "dur": _us(max(0.0, step.ready - begin))})
+        self._step_seen(step)
+
+    def _collective_events(self, step: _Step) -> None:
         lines = []
         for name, key, submitted, finished in step.done:
-            # async events (b/e): sums overlap one another, each gets its own row. Made
-            # here as text: a ResNet's hundred sums a step through json.dumps cost more
-            # CPU than the rest of the timeline
+            # async events (b/e): sums overlap one another, each gets its own row; the
+            # part "running" (its input was ready) nested in it. Made here as text: a
+            # ResNet's hundred sums a step through json.dumps cost more CPU than the
+            # rest of the timeline
             quoted = self._quoted.get(key) or self._quoted.setdefault(key, json.dumps(key)[1:-1])
-            common = (f'"name":"{name} {quoted}","cat":"collective","pid":{self.rank},'
-                      f'"tid":2,"id":"{self.rank}.{step.index}.{quoted}"')
-            lines.append(f'{{{common},"ph":"b","ts":{_us(submitted)},'
-                         f'"args":{{"step":{step.index},"key":"{quoted}"}}}}')
-            lines.append(f'{{{common},"ph":"e","ts":{_us(finished)}}}')
+            ident = (f'"cat":"collective","pid":{self.rank},"tid":2,'
+                     f'"id":"{self.rank}.{step.index}.{quoted}"')
+            lines.append(f'{{"name":"{name} {quoted}",{ident},"ph":"b",'
+                         f'"ts":{_us(submitted)},"args":{{"step":{step.index},'
+                         f'"key":"{quoted}"}}}}')
+            started = step.started.get(key)
+            if started is not None:
+                started = min(max(started, submitted), finished)
+                lines.append(f'{{"name":"running",{ident},"ph":"b","ts":{_us(started)}}}')
+                lines.append(f'{{"name":"running",{ident},"ph":"e","ts":{_us(finished)}}}')
+            lines.append(f'{{"name":"{name} {quoted}",{ident},"ph":"e",'
+                         f'"ts":{_us(finished)}}}')
         with self._lock:
             self._buffer.extend(lines)
 
@@ -259,7 +324,9 @@ class _Reporter:
         linger), then write the trace events made so far."""
         if self._thread.is_alive():
             self._jobs.put(None)
+            self._inputs.put(None)
             self._thread.join(timeout=CLOSE_WAIT)
+            self._inputs_thread.join(timeout=CLOSE_WAIT / 4)
         self._flush()
 
 
@@ -303,6 +370,14 @@ def begin_step(first_grad=None) -> None:
         reporter.begin_step(None if first_grad is None else first_grad())
 
 
+def submitted() -> None:
+    """The training thread has submitted the step's collectives and is about to wait
+    (for the step's header): the timeline's helper starts watching their inputs."""
+    reporter = _reporter
+    if reporter is not None:
+        reporter.submitted()
+
+
 def header_arrived() -> None:
     """Every rank has arrived: the step's header sum came back."""
     reporter = _reporter
@@ -310,12 +385,24 @@ def header_arrived() -> None:
         reporter.step.header = time.monotonic()
 
 
-def collective(key: str, array, nbytes: int = 0, name: str = "sum") -> None:
+def input_marker(array):
+    """Called just before a collective on ``array`` is submitted (with the timeline
+    only; else None): a one-element copy of it that is ready once what the collective
+    reads is written (the backward wrote the gradient), for :func:`collective`'s
+    ``ready``."""
+    reporter = _reporter
+    if reporter is None or not reporter.events or reporter.step is None:
+        return None
+    return _marker(array)
+
+
+def collective(key: str, array, nbytes: int = 0, name: str = "sum", ready=None) -> None:
     """A collective under ``key`` was submitted; ``array`` holds its result. ``name``
-    says what it does in the timeline (a sum; dist_async's "push, pull")."""
+    says what it does in the timeline (a sum; dist_async's "push, pull"); ``ready``:
+    :func:`input_marker` of its input, taken just before it was submitted."""
     reporter = _reporter
     if reporter is not None and reporter.step is not None:
-        reporter.collective(key, array, nbytes, name)
+        reporter.collective(key, array, nbytes, name, ready)
 
 
 def end_step(samples: float = 0.0, at: tuple[float, float] | None = None) -> None:

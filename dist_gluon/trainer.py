@@ -150,6 +150,7 @@ class TrainerBase(gluon.Trainer):
     def _read_header(self) -> float:
         """Wait for the header (the step's one wait) and keep the freshness counts;
         returns the sum of the batch sizes."""
+        _timeline.submitted()
         values = self._header.asnumpy()
         _timeline.header_arrived()
         self._header = None

@@ -76,6 +76,19 @@ def test_timeline_is_one_chrome_trace_with_a_track_per_rank_and_its_steps(stragg
         assert {"data", "forward/backward", "wait", "sum", "codec", "optimizer"} <= kinds
         sums = [e for e in mine if e.get("cat") == "collective"]
         assert sorted(e["ph"] for e in sums).count("b") == len(sums) // 2
+    # each gradient's sum holds the part "running" (its input was ready): on rank 0
+    # its sums run while rank 1 waits for its data; rank 1's, submitted last, run short
+    running = {}
+    for rank in (0, 1, 2):
+        spans = {}
+        for e in events:
+            if e["pid"] == rank and e.get("cat") == "collective":
+                spans.setdefault((e["id"], e["name"] == "running"), {})[e["ph"]] = e["ts"]
+        grads = [(outer, spans[(ident, True)]) for (ident, inner), outer in spans.items()
+                 if not inner and not ident.endswith(".batch") and (ident, True) in spans]
+        assert grads and all(o["b"] <= r["b"] <= r["e"] == o["e"] for o, r in grads)
+        running[rank] = sorted(r["e"] - r["b"] for _, r in grads)[len(grads) // 2]
+    assert running[0] > 0.5 * SLOW * 1e6 > running[1], running
     # rank 1's data waits are the slow loader's
     data = [e["dur"] for e in events if e["pid"] == 1 and e["name"] == "data"]
     assert min(data) >= SLOW * 1e6
