@@ -210,7 +210,7 @@ def _mb(count: float) -> str:
 def table(report: Report, title: str = "report") -> str:
     """The report as the launcher prints it."""
     if not report.ranks:
-        return f"{title}: no training steps seen (DistributedTrainer.step)"
+        return f"{title}: no training steps seen (no trainer stepped)"
     lines = [f"{title}: {report.steps_per_s:.2f} steps/s, "
              f"{report.samples_per_s:.0f} samples/s",
              f"{'rank':>4} {'host':<12} {'steps':>6} {'median':>9} {'p90':>9} "
