@@ -17,8 +17,15 @@ other processes hits all alike:
   which the default interval follows (the check may cost 0.5% of a step).
 
 Rank 0 prints the median step time of each mode, the ratios to ``off`` (over all
-steps, and the median of each round's ratio), and the interval at which the check costs
-0.5%.
+steps, and the median of each round's ratio with its quartiles: many short rounds make
+load from other processes hit the modes of a round alike, so the paired ratios resolve
+what medians over whole runs cannot), and the interval at which the check costs 0.5%.
+
+The wall-clock ratios are noisy on a shared machine, so the work the reporter adds is
+also counted directly: the training thread's own CPU time per step
+(``time.thread_time``, which other processes' load does not inflate), the process's CPU
+time per step (the reporter's helper thread and the engine's work included), and the
+operations the reporter queues on MXNet's engine per step (its one-element copies).
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import time
 
 import mxnet as mx
 import numpy as np
-from _common import report
+from _common import report, summarise
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
@@ -65,8 +72,8 @@ def main():
                         help="resnet18, resnet50 (gluoncv, *_v1b) or mlp")
     parser.add_argument("--batch", type=int, default=8, help="batch size per worker")
     parser.add_argument("--image", type=int, default=64, help="input height and width")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per mode and round")
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per mode and round")
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps")
     args = parser.parse_args()
 
@@ -80,45 +87,79 @@ def main():
         raise SystemExit("run it through the launcher with --timeline FILE")
     never = trainer._sync_check.every
 
-    def run(steps: int, mode: str) -> list[float]:
+    # the reporter's operations on the engine, counted
+    markers = [0]
+    make_marker = timeline._marker
+
+    def counted_marker(array):
+        markers[0] += 1
+        return make_marker(array)
+
+    timeline._marker = counted_marker
+
+    def run(steps: int, mode: str) -> tuple[list[float], list[float], list[float]]:
         timeline._reporter = None if mode == "off" else reporter
         reporter.events = mode == "timeline"
         trainer._sync_check.every = 1 if mode == "check" else never
-        times, last = [], time.perf_counter()
+        times, thread_cpu, process_cpu = [], [], []
+        last, last_thread, last_process = (time.perf_counter(), time.thread_time(),
+                                           time.process_time())
         for x, y in timeline.data(batches[i % len(batches)] for i in range(steps)):
             with autograd.record():
                 loss = loss_fn(net(x), y)
             loss.backward()
             trainer.step(args.batch)
             loss.mean().asscalar()
-            now = time.perf_counter()
+            now, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
             times.append(now - last)
-            last = now
+            thread_cpu.append(thread - last_thread)
+            process_cpu.append(process - last_process)
+            last, last_thread, last_process = now, thread, process
         mx.nd.waitall()
-        return times
+        return times, thread_cpu, process_cpu
 
     run(args.warmup, "report")
     measured = {mode: [] for mode in MODES}
-    paired = {mode: [] for mode in MODES}     # each round: the mode's median / off's
+    thread_cpu = {mode: [] for mode in MODES}
+    process_cpu = {mode: [] for mode in MODES}
+    engine_ops = {mode: 0 for mode in MODES}
+    paired = {mode: [] for mode in MODES}     # each round: the mode's mean / off's
     for r in range(args.rounds):
         this_round = {}
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+            before = markers[0]
             # the first step of a mode carries the previous mode's tail
-            this_round[mode] = run(args.steps + 1, mode)[1:]
-            measured[mode].extend(this_round[mode])
+            times, thread, process = run(args.steps + 1, mode)
+            engine_ops[mode] += markers[0] - before
+            this_round[mode] = times[1:]
+            measured[mode].extend(times[1:])
+            thread_cpu[mode].extend(thread[1:])
+            process_cpu[mode].extend(process[1:])
         for mode in MODES:
-            paired[mode].append(statistics.median(this_round[mode])
-                                / statistics.median(this_round["off"]))
+            paired[mode].append(statistics.fmean(this_round[mode])
+                                / statistics.fmean(this_round["off"]))
     timeline._reporter = reporter
+    timeline._marker = make_marker
     medians = {m: statistics.median(t) for m, t in measured.items()}
     check_cost = medians["check"] - medians["report"]
     every = math.ceil(check_cost / (0.005 * medians["report"])) if check_cost > 0 else 1
+    steps = len(measured["off"])
+    thread_ms = {m: 1e3 * statistics.median(t) for m, t in thread_cpu.items()}
     report({"bench": "observe", "model": args.model, "batch": args.batch,
-            "workers": kv.num_workers, "steps_per_mode": len(measured["off"]),
+            "workers": kv.num_workers, "rounds": args.rounds, "steps_per_mode": steps,
             "median_step_s": medians,
             "ratio_to_off": {m: medians[m] / medians["off"] for m in MODES},
-            # the same, round by round (load from other processes shifts whole rounds)
-            "paired_ratio_median": {m: statistics.median(paired[m]) for m in MODES},
+            # the same, round by round (load from other processes shifts whole rounds):
+            # the median of the rounds' ratios and their quartiles
+            "paired_ratio": {m: summarise(paired[m]) for m in MODES},
+            # work added, counted: CPU of the training thread and of the process per step
+            "thread_cpu_ms_per_step": thread_ms,
+            "thread_cpu_added_vs_step": {m: (thread_ms[m] - thread_ms["off"])
+                                         / (1e3 * medians["off"]) for m in MODES},
+            "process_cpu_ms_per_step": {m: 1e3 * statistics.median(t)
+                                        for m, t in process_cpu.items()},
+            "engine_ops_per_step": {m: engine_ops[m] / (args.rounds * (args.steps + 1))
+                                    for m in MODES},
             "check_cost_s": check_cost, "check_every_for_half_percent": every})
 
 

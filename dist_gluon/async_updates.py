@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 
 import mxnet as mx
+import numpy
 
 
 def asynchronous(kv) -> bool:
@@ -176,10 +177,17 @@ class ServerUpdates:
         if new:
             self.kv.init_model([i for i, _ in new], [w for _, w in new])
             self._known.update(i for i, _ in new)
+        # here, not at the top: the servers unpickle this module half-way through
+        # `import mxnet`, and it imports nothing else there
+        from . import timeline
         for index, grad, weight in zip(indices, grads, weights):
             if scale != 1.0:
                 grad *= scale
+            ready = timeline.input_marker(grad)
             self.kv.push_gradient(index, grad, weight, priority=-index)
+            timeline.collective(f"w{index}", weight,
+                                grad.size * numpy.dtype(grad.dtype).itemsize, "push, pull",
+                                ready)
 
     def sync_weights(self, indices: list[int], weights: list[mx.nd.NDArray]) -> None:
         """Wait until every worker's pushes so far are applied (a barrier, so every

@@ -168,8 +168,9 @@ class _GradientAverager:
             # short path of the common case (no compression, no predivision)
             index = indices[0]
             key = self._grad_keys.get(index) or self._grad_key(index, grads[0], describe)
+            ready = _timeline.input_marker(grads[0])
             self.kv.pushpull(key, grads[0], priority=-index if isinstance(index, int) else 0)
-            _timeline.collective(key, grads[0], self._nbytes(index, grads[0]))
+            _timeline.collective(key, grads[0], self._nbytes(index, grads[0]), ready=ready)
             return
         if any(g.stype != "default" for g in grads):
             self._reduce_mixed(indices, grads, weight, describe)
@@ -179,6 +180,7 @@ class _GradientAverager:
         priority = -indices[0] if isinstance(indices[0], int) else 0
         if weight is not None:
             self._track_step(indices, weight)
+        ready = [_timeline.input_marker(g) for g in grads]
         if self._predivide != 1.0:
             for g in grads:
                 g *= 1.0 / self._predivide
@@ -189,8 +191,8 @@ class _GradientAverager:
             self.kv.pushpull(keys[0], grads[0], priority=priority)
         else:
             self.kv.pushpull(keys, grads, priority=priority)
-        for index, key, grad in zip(indices, keys, grads):
-            _timeline.collective(key, grad, self._nbytes(index, grad))
+        for index, key, grad, marker in zip(indices, keys, grads, ready):
+            _timeline.collective(key, grad, self._nbytes(index, grad), ready=marker)
         if weight is not None:
             for g in grads:
                 g *= self._factor(g.dtype)

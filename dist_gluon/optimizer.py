@@ -17,6 +17,7 @@ import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
 from . import async_updates
+from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
 from .devices import copy_from_first, sum_into_first
@@ -170,6 +171,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._dg_prefix = claim_prefix(prefix, "opt", "optimizer")
         self._dg_averager = None
         self._dg_server_updates = None
+        self._dg_steps = _timeline.UpdateSteps()
         self._dg_module_defaults = module_defaults
         # the Module that installed it, when it drives several devices (see _update)
         self._dg_module = None
@@ -234,11 +236,20 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     # ------------------------------------------------------------ the update
     def update(self, index, weight, grad, state) -> None:
-        self._update(self._dg_wrapped_optimizer.update, index, weight, grad, state)
+        self._observed_update(self._dg_wrapped_optimizer.update, index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state) -> None:
-        self._update(self._dg_wrapped_optimizer.update_multi_precision, index, weight, grad,
-                     state)
+        self._observed_update(self._dg_wrapped_optimizer.update_multi_precision, index,
+                              weight, grad, state)
+
+    def _observed_update(self, update, index, weight, grad, state) -> None:
+        """:meth:`_update`, its calls grouped into steps for the job's report and
+        timeline (:class:`~dist_gluon.timeline.UpdateSteps`)."""
+        rescale_grad = self._dg_wrapped_optimizer.rescale_grad
+        samples = 1.0 / rescale_grad if rescale_grad else 0.0   # Module: its batch size
+        self._dg_steps.enter(index, grad, samples)
+        self._update(update, index, weight, grad, state)
+        self._dg_steps.leave(samples)
 
     def _update(self, update, index, weight, grad, state) -> None:
         """Average ``grad`` (one NDArray, or a list for a list of indices) over the
@@ -374,9 +385,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state["_dg_averager"] = None
         state["_dg_server_updates"] = None
         state["_dg_module"] = None
+        state.pop("_dg_steps", None)    # a step in progress is this process's
         return state
 
     def __setstate__(self, state: dict) -> None:
+        object.__setattr__(self, "_dg_steps", _timeline.UpdateSteps())
         for name, value in state.items():
             object.__setattr__(self, name, value)
 

@@ -150,6 +150,7 @@ class TrainerBase(gluon.Trainer):
     def _read_header(self) -> float:
         """Wait for the header (the step's one wait) and keep the freshness counts;
         returns the sum of the batch sizes."""
+        _timeline.submitted()
         values = self._header.asnumpy()
         _timeline.header_arrived()
         self._header = None
@@ -494,6 +495,7 @@ class DistributedTrainer(TrainerBase):
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
+        _timeline.begin_step(self._last_grad_written)
         if self._server_updates is not None:
             entries = [(i, grad, self._model_params[i].list_data()[0])
                        for i, grad in self._grad_entries()]
@@ -501,8 +503,8 @@ class DistributedTrainer(TrainerBase):
             self._server_updates.step(*(list(column) for column in zip(*entries)),
                                       scale=self._scale / batch_size, optimizer=self._optimizer,
                                       params=self._model_params, describe=self._describe)
+            _timeline.end_step(batch_size)
             return
-        _timeline.begin_step(self._last_grad_written)
         samples = batch_size
         if self._local_sgd is not None and self._local_sgd.local:
             self._allreduce_grads()         # this worker's devices only

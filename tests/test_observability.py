@@ -76,6 +76,19 @@ def test_timeline_is_one_chrome_trace_with_a_track_per_rank_and_its_steps(stragg
         assert {"data", "forward/backward", "wait", "sum", "codec", "optimizer"} <= kinds
         sums = [e for e in mine if e.get("cat") == "collective"]
         assert sorted(e["ph"] for e in sums).count("b") == len(sums) // 2
+    # each gradient's sum holds the part "running" (its input was ready): on rank 0
+    # its sums run while rank 1 waits for its data; rank 1's, submitted last, run short
+    running = {}
+    for rank in (0, 1, 2):
+        spans = {}
+        for e in events:
+            if e["pid"] == rank and e.get("cat") == "collective":
+                spans.setdefault((e["id"], e["name"] == "running"), {})[e["ph"]] = e["ts"]
+        grads = [(outer, spans[(ident, True)]) for (ident, inner), outer in spans.items()
+                 if not inner and not ident.endswith(".batch") and (ident, True) in spans]
+        assert grads and all(o["b"] <= r["b"] <= r["e"] == o["e"] for o, r in grads)
+        running[rank] = sorted(r["e"] - r["b"] for _, r in grads)[len(grads) // 2]
+    assert running[0] > 0.5 * SLOW * 1e6 > running[1], running
     # rank 1's data waits are the slow loader's
     data = [e["dur"] for e in events if e["pid"] == 1 and e["name"] == "data"]
     assert min(data) >= SLOW * 1e6
@@ -230,3 +243,77 @@ def test_timeline_comes_from_dg_timeline_and_bad_flags_are_usage_errors(tmp_path
         with pytest.raises(SystemExit) as stop:
             cli.parse(["-n", "2", *bad, "--", "python", "x.py"])
         assert stop.value.code == 2
+
+
+# Every trainer of dist_gluon is reported: 10 steps of a small model with each, through
+# the launcher, with the timeline and the report as JSON.
+EVERY_TRAINER = """
+import sys
+import numpy as np
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+
+kind = sys.argv[1]
+if kind == "module":
+    kv = dg.create()
+    net = mx.sym.FullyConnected(mx.sym.Variable("data"), num_hidden=4, name="fc")
+    net = mx.sym.LinearRegressionOutput(net, name="out")
+    mod = mx.mod.Module(net, label_names=["out_label"])
+    data = mx.io.NDArrayIter(np.random.rand(80, 16), np.zeros((80, 4)), batch_size=8,
+                             label_name="out_label")
+    mod.fit(data, num_epoch=1, kvstore=None,
+            optimizer=dg.DistributedOptimizer("sgd", learning_rate=0.1))
+else:
+    if kind == "horovod":
+        import dist_gluon.compat.horovod as peer
+    elif kind == "byteps":
+        import dist_gluon.compat.byteps as peer
+    else:
+        peer = None
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(32, activation="relu", in_units=16), gluon.nn.Dense(4, in_units=32))
+    net.initialize(mx.init.Xavier())
+    if peer is None:
+        kv = dg.create()
+        trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    else:
+        peer.init()
+        trainer = peer.DistributedTrainer(net.collect_params(), "sgd",
+                                          {"learning_rate": 0.1})
+    for _ in range(10):
+        x, y = mx.nd.random.uniform(shape=(8, 16)), mx.nd.zeros((8, 4))
+        with autograd.record():
+            loss = gluon.loss.L2Loss()(net(x), y)
+        loss.backward()
+        trainer.step(8)
+    mx.nd.waitall()
+"""
+
+
+@pytest.mark.spawns
+@pytest.mark.parametrize("kind,backend", [
+    ("module", "horovod"), ("module", "dist_sync"), ("horovod", "horovod"),
+    ("byteps", "dist_sync"), ("dist_async", "dist_async")])
+def test_every_trainer_is_reported_in_the_report_and_the_timeline(tmp_path, kind, backend):
+    proc = launch(EVERY_TRAINER, tmp_path, backend=backend, args=[kind],
+                  launcher_args=["--timeline", str(tmp_path / "job.json"),
+                                 "--report", "json"], timeout=240)
+    assert_ok(proc)
+    got = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert [(r["rank"], r["steps"]) for r in got["ranks"]] == [(0, 10), (1, 10)], got
+    gradients = 4 * (16 * 4 + 4) if kind == "module" else 4 * (16 * 32 + 32 + 32 * 4 + 4)
+    for r in got["ranks"]:
+        assert r["samples_per_s"] > 0 and r["bytes_per_step"] == gradients, got
+        if kind == "dist_async":
+            # the ranks do not wait for each other: their time goes to compute and to
+            # the servers' push and pull
+            assert r["shares"]["wait"] == 0 and r["shares"]["comm"] > 0, got
+    events = json.loads((tmp_path / "job.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        steps = [e["args"]["step"] for e in events if e["pid"] == rank and e["name"] == "step"]
+        assert steps == list(range(1, 11)), (rank, steps)
+        collectives = {e["name"].split(" ")[0] for e in events
+                       if e["pid"] == rank and e.get("cat") == "collective"}
+        assert collectives == {"push," if kind == "dist_async" else "sum", "running"}, \
+            collectives

@@ -13,6 +13,7 @@ import warnings
 
 import mxnet as mx
 
+from .. import timeline as _timeline
 from ..averaging import _GradientAverager, check_compression, claim_prefix
 from ..backends import Backend
 from ..broadcast import broadcast_parameters as _broadcast_parameters
@@ -93,6 +94,12 @@ class PeerTrainer(TrainerBase):
         averager = _GradientAverager(kv, claim_prefix(prefix, self._kind, "trainer"),
                                      check_compression(compression), owner=owner)
         super().__init__(params, optimizer, optimizer_params, averager, owner=owner)
+
+    def step(self, batch_size, ignore_stale_grad=False):
+        """``gluon.Trainer.step``, reported as a step in the job's report and timeline."""
+        _timeline.begin_step(self._last_grad_written)
+        super().step(batch_size, ignore_stale_grad)
+        _timeline.end_step(batch_size)
 
     def _sum_grads(self, scale: float = 1.0) -> None:
         """Multiply every gradient by ``scale``, then sum it over the workers in place

@@ -110,7 +110,8 @@ def _main(argv=None) -> int:
         # node 0 observes the job; another node forwards its ranks' step records
         observation = observe.Observation(config.timeline, config.report,
                                           config.report_every, out,
-                                          forwarding=config.node_rank != 0)
+                                          forwarding=config.node_rank != 0,
+                                          asynchronous=config.backend == "dist_async")
         os.environ.update(observation.environ())
         if config.node_rank == 0:
             out = observation

@@ -33,6 +33,7 @@ from .protocol import (
     Status,
     Stop,
     Stopped,
+    Tick,
     Verdicts,
     Welcome,
     from_master,
@@ -371,7 +372,10 @@ class Agent:
                 self.out.say(self._master_lost() + "; terminated this node's processes")
                 return 1, False
             message = from_master(wire)
-            if isinstance(message, Saved):
+            if isinstance(message, Tick) and self.observation is not None:
+                # when the link's reader took it in (or a later message)
+                self.observation.tick(message.clock, link.last_heard)
+            elif isinstance(message, Saved):
                 self.checkpoint = (message.epoch, message.step)
             elif isinstance(message, Hint):
                 hint = message.low

@@ -6,15 +6,18 @@ messages (formation, restarts, failures, stalls) merged into one Chrome trace JS
 
 Every process of a host reads the same CLOCK_MONOTONIC, so the workers' and the
 launcher's events share one time axis without any offset. The other nodes' launchers
-send their ranks' step records to node 0 with their status reports; node 0 places them
-on its clock by their arrival, and reports every rank. The timeline holds node 0's
-ranks (the others' trace events stay on their hosts).
+send their ranks' step records and trace events to node 0 with their status reports
+(as they come, so a node lost mid-job keeps what it sent); node 0 places them on its
+own clock with an offset estimated per node from the status reports and node 0's ticks
+(:class:`_Clock`), reports every rank and writes every rank into the one timeline, the
+offsets and their error bounds in its metadata.
 """
 from __future__ import annotations
 
 import collections
 import glob
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +36,60 @@ PROGRESS_EVERY = 5.0    # seconds between progress lines on a terminal
 # (a long job's whole history would grow the launcher by 100 bytes a step and rank)
 KEEP = 20000
 _FILE = re.compile(r"rank(\d+)\.r(\d+)\.(steps|trace)$")
+# bytes of trace events one status report carries at most (the channel takes lines of
+# up to 64 MiB); the rest follows with the next reports
+TRACE_PER_STATUS = 4 << 20
+
+
+class _Clock:
+    """Another launcher's CLOCK_MONOTONIC against node 0's, as NTP bounds an offset by
+    round trips, here from one-way trips both ways (no message is added):
+
+    - a status report carries the node's clock when it left, node 0 notes its own
+      when it arrived: node 0's clock minus the node's (the offset) is at most
+      arrival - departure (the trip took some time);
+    - a tick of node 0 carries node 0's clock when it left, the node notes its own
+      when it arrived and sends the largest departure - arrival back: the offset is at
+      least that.
+
+    The offset is the middle of the tightest bounds seen, its error at most half their
+    distance (the fastest trip each way, plus how late either side noticed the
+    message). Two clocks that drift apart (a few parts per million under NTP) end
+    with bounds that cross: then only the latest pair counts.
+    """
+
+    def __init__(self, host: str):
+        self.host = host
+        self.high = math.inf        # offset <= high: from the status reports
+        self.low = -math.inf        # offset >= low: from node 0's ticks
+        self.reports = 0
+        self.ranks: set[int] = set()
+
+    def note(self, high: float, low: float | None) -> None:
+        self.reports += 1
+        self.high = min(self.high, high)
+        if low is not None and math.isfinite(low):
+            self.low = max(self.low, low)
+        if self.low > self.high:        # drift: start again from the latest pair
+            self.high = high
+            self.low = low if low is not None and low <= high else -math.inf
+
+    @property
+    def offset(self) -> float:
+        """Seconds to add to the node's times to place them on node 0's clock (before
+        the first tick came back, the fastest status's arrival: late by its trip)."""
+        if not math.isfinite(self.low):
+            return self.high
+        return (self.low + self.high) / 2
+
+    @property
+    def error(self) -> float | None:
+        """The most the offset can be wrong by, in seconds (None: not bounded yet)."""
+        return (self.high - self.low) / 2 if math.isfinite(self.low) else None
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "ranks": sorted(self.ranks), "offset_s": self.offset,
+                "error_bound_s": self.error, "status_reports": self.reports}
 
 
 class Observation:
@@ -41,8 +98,10 @@ class Observation:
     one too, and records what it says as instant events of the timeline."""
 
     def __init__(self, timeline_file: str | None, mode: str, every: float | None, out,
-                 forwarding: bool = False):
+                 forwarding: bool = False, asynchronous: bool = False):
         self.timeline_file, self.mode, self.every, self.out = timeline_file, mode, every, out
+        # dist_async: the ranks do not wait for each other (report.breakdown)
+        self.asynchronous = asynchronous
         # another node's launcher: its ranks' records go to node 0 (outgoing), which
         # reports and draws the job
         self.forwarding = forwarding
@@ -54,6 +113,13 @@ class Observation:
         self._records: dict[str, collections.deque] = {}
         self._hosts: dict[str, str] = {}        # record key -> host, for other nodes'
         self._cores: dict[str, int] = {self.host: os.cpu_count() or 1}
+        # node 0: another launcher (by its "source") -> its clock and its directory here
+        self._clocks: dict[str, _Clock] = {}
+        self._remote: dict[str, str] = {}
+        # another node: the launcher's own name, and the lower bound of node 0's clock
+        # minus this one, from node 0's ticks (_Clock)
+        self.source = f"{self.host}/{os.getpid()}"
+        self._low = -math.inf
         self._lock = threading.Lock()
         self._thread = None
         if not forwarding and (every or sys.stderr.isatty()):
@@ -94,35 +160,72 @@ class Observation:
         records = rounds[latest]
         hosts = {rank: self._hosts.get(f"rank{rank}.r{latest}", self.host)
                  for rank in records}
-        return _report.build(records, hosts, dict(self._cores))
+        return _report.build(records, hosts, dict(self._cores), self.asynchronous)
 
     # ------------------------------------------------------------------ other nodes
     def outgoing(self) -> dict | None:
-        """Another node: its ranks' step records since the last call, with this
-        host's monotonic clock now (node 0 places them on its own clock by the time
-        they arrive); None when there are none."""
-        new = {}
+        """Another node: its ranks' step records and trace events since the last call,
+        with this host's monotonic clock now and the bound from node 0's ticks
+        (:class:`_Clock`); None when there are none."""
+        new, trace, room = {}, {}, TRACE_PER_STATUS
         for path in glob.glob(os.path.join(self.directory, "rank*.steps")):
             rows, self._offsets[path] = timeline.read_steps(path, self._offsets.get(path, 0))
             if rows:
                 new[os.path.basename(path)[:-len(".steps")]] = rows
-        if not new:
+        for path in sorted(glob.glob(os.path.join(self.directory, "rank*.trace"))):
+            if room <= 0:
+                break
+            start = self._offsets.get(path, 0)
+            lines, self._offsets[path] = timeline.read_lines(path, start, room)
+            room -= self._offsets[path] - start
+            if lines:
+                trace[os.path.basename(path)[:-len(".trace")]] = lines
+        if not new and not trace:
             return None
-        return {"clock": time.monotonic(), "host": self.host,
-                "cores": os.cpu_count() or 1, "records": new}
+        steps = {"clock": time.monotonic(), "host": self.host, "source": self.source,
+                 "cores": os.cpu_count() or 1, "records": new}
+        if trace:
+            steps["trace"] = trace
+        if math.isfinite(self._low):
+            steps["low"] = self._low
+        return steps
+
+    def tick(self, clock: float | None, received: float) -> None:
+        """Another node: node 0's tick that left at ``clock`` (node 0's monotonic
+        clock) arrived at ``received`` (this launcher's)."""
+        if clock is not None:
+            self._low = max(self._low, clock - received)
 
     def incoming(self, steps: dict, received: float) -> None:
         """Node 0: another node's ``outgoing()``, arrived at ``received`` (this
-        launcher's monotonic clock). Its times move by the difference of the two
-        clocks, so the one-way latency of the link is the error."""
-        shift = received - steps["clock"]
+        launcher's monotonic clock). Its times move by the offset of the two clocks
+        as estimated so far (:class:`_Clock`); its trace events are kept as they came
+        and placed when the timeline is written, with the final estimate."""
+        source = steps.get("source", steps["host"])
         with self._lock:
+            clock = self._clocks.get(source)
+            if clock is None:
+                clock = self._clocks[source] = _Clock(steps["host"])
+                self._remote[source] = os.path.join(self.directory, "remote",
+                                                    str(len(self._remote)))
+                os.makedirs(self._remote[source], exist_ok=True)
+            clock.note(received - steps["clock"], steps.get("low"))
+            shift = clock.offset
             self._cores[steps["host"]] = steps["cores"]
             for key, rows in steps["records"].items():
                 self._hosts[key] = steps["host"]
+                placed = [(row[0], *(t + shift for t in row[1:6]), *row[6:]) for row in rows]
                 self._records.setdefault(f"remote/{key}.steps",
-                                         collections.deque(maxlen=KEEP)).extend(
-                    (row[0], *(t + shift for t in row[1:6]), *row[6:]) for row in rows)
+                                         collections.deque(maxlen=KEEP)).extend(placed)
+                # on disk too, for timeline.step_breakdown() in node 0's ranks
+                with open(os.path.join(self._remote[source], key + ".steps"), "ab") as f:
+                    f.write(b"".join(timeline.STEP.pack(*row) for row in placed))
+            for key, lines in steps.get("trace", {}).items():
+                match = _FILE.search(key + ".trace")
+                if match:
+                    clock.ranks.add(int(match[1]))
+                    with open(os.path.join(self._remote[source], key + ".trace"), "a") as f:
+                        f.write("\n".join(lines) + "\n")
 
     def _print(self, title: str) -> None:
         report = self.report()
@@ -193,21 +296,27 @@ class Observation:
                    "args": {"name": f"launcher ({self.host})"}},
                   {"name": "process_sort_index", "ph": "M", "pid": -1,
                    "args": {"sort_index": -1}}]
-        ranks = set()
-        for path in sorted(glob.glob(os.path.join(self.directory, "rank*.trace"))):
-            match = _FILE.search(path)
-            ranks.add(int(match[1]))
-            with open(path) as f:
-                for line in f:
-                    line = line.strip()
-                    if line:
+        hosts: dict[int, str] = {}
+        places = [(self.directory, self.host, 0.0)] + [
+            (self._remote[source], clock.host, clock.offset)
+            for source, clock in self._clocks.items()]
+        for directory, host, offset in places:
+            shift = round(offset * 1e6, 1)
+            for path in sorted(glob.glob(os.path.join(directory, "rank*.trace"))):
+                hosts[int(_FILE.search(path)[1])] = host
+                with open(path) as f:
+                    for line in f:
                         try:
-                            events.append(json.loads(line))
+                            event = json.loads(line)
                         except ValueError:
-                            pass        # a line cut short by a killed worker
+                            continue    # a line cut short by a killed worker
+                        if shift and "ts" in event:
+                            event["ts"] = round(event["ts"] + shift, 1)
+                        events.append(event)
+        ranks = set(hosts)
         for rank in sorted(ranks):
             events.append({"name": "process_name", "ph": "M", "pid": rank,
-                           "args": {"name": f"rank {rank} ({self.host})"}})
+                           "args": {"name": f"rank {rank} ({hosts[rank]})"}})
             events.append({"name": "process_sort_index", "ph": "M", "pid": rank,
                            "args": {"sort_index": rank}})
             for tid, name in enumerate(("python", "engine: compute",
@@ -220,7 +329,11 @@ class Observation:
                            "ts": round(when * 1e6, 1), "args": {"message": text}})
         with open(self.timeline_file, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms",
-                       "otherData": {"producer": "dist_gluon.launch --timeline"}}, f)
+                       "otherData": {"producer": "dist_gluon.launch --timeline",
+                                     "clock": f"CLOCK_MONOTONIC of {self.host} (node 0)",
+                                     # other nodes' offsets and how far off they can be
+                                     "clocks": [c.to_json() for c in self._clocks.values()]}},
+                      f)
         self.out.say(f"timeline of {len(ranks)} ranks written to {self.timeline_file} "
                      "(open it in https://ui.perfetto.dev or chrome://tracing)")
 

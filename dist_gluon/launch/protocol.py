@@ -268,9 +268,11 @@ class Welcome(Message):
 
 @dataclass(frozen=True)
 class Tick(Message):
-    """Node 0 is alive."""
+    """Node 0 is alive; ``clock``: its monotonic clock when it sent the tick, which
+    bounds the offset of the two hosts' clocks (observe.py's _Clock)."""
 
     TYPE: ClassVar[str] = "tick"
+    clock: float | None = _optional()
 
 
 # ---------------------------------------------------------------------- reading
@@ -313,4 +315,4 @@ def from_master(wire: dict[str, Any]) -> Message | None:
         return Redirect(wire["addr"], int(wire["port"]), wire["name"])
     if kind == "welcome":
         return Welcome(bool(wire.get("waiting")))
-    return Tick() if kind == "tick" else None
+    return Tick(wire.get("clock")) if kind == "tick" else None

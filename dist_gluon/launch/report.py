@@ -67,10 +67,13 @@ def _p(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def breakdown(records: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
+def breakdown(records: dict[int, list[tuple]],
+              asynchronous: bool = False) -> dict[int, list[tuple]]:
     """Each rank's steps split into the four shares: rank -> list of ``(step, end,
     period, data, compute, comm, wait)`` in seconds (``end`` on the records' clock),
-    for every step whose previous step the rank also recorded."""
+    for every step whose previous step the rank also recorded. ``asynchronous``
+    (dist_async): ranks never wait for one another, and their steps of the same
+    number are unrelated; communication runs from this rank's readiness."""
     ready_by_step: dict[int, float] = {}
     for rows in records.values():
         for row in rows:
@@ -88,7 +91,7 @@ def breakdown(records: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
             if period <= 0:
                 continue
             mine = max(start, ready) if _finite(ready) else start
-            last = ready_by_step.get(index, mine)
+            last = mine if asynchronous else ready_by_step.get(index, mine)
             wait = min(period, max(0.0, last - mine))
             comm = min(period - wait, max(0.0, sums - last)) if _finite(sums) else 0.0
             data = min(period - wait - comm, max(0.0, data))
@@ -99,10 +102,11 @@ def breakdown(records: dict[int, list[tuple]]) -> dict[int, list[tuple]]:
 
 
 def build(records: dict[int, list[tuple]], hosts: dict[int, str],
-          cores: dict[str, int] | None = None) -> Report:
+          cores: dict[str, int] | None = None, asynchronous: bool = False) -> Report:
     """The report of one round from each rank's step records (rank -> records in step
-    order), ``hosts`` (rank -> host name) and ``cores`` (host -> CPU count)."""
-    split = breakdown(records)
+    order), ``hosts`` (rank -> host name) and ``cores`` (host -> CPU count);
+    ``asynchronous``: a dist_async job (see :func:`breakdown`)."""
+    split = breakdown(records, asynchronous)
     ranks = []
     for rank in sorted(records):
         rows = records[rank]
@@ -206,7 +210,7 @@ def _mb(count: float) -> str:
 def table(report: Report, title: str = "report") -> str:
     """The report as the launcher prints it."""
     if not report.ranks:
-        return f"{title}: no training steps seen (DistributedTrainer.step)"
+        return f"{title}: no training steps seen (no trainer stepped)"
     lines = [f"{title}: {report.steps_per_s:.2f} steps/s, "
              f"{report.samples_per_s:.0f} samples/s",
              f"{'rank':>4} {'host':<12} {'steps':>6} {'median':>9} {'p90':>9} "

@@ -80,7 +80,9 @@ class JobView:
                     if n not in self.lost:
                         self.lost.append(n)
                 elif isinstance(message, Status):
-                    self.remote[n] = dataclasses.replace(message, received=time.monotonic())
+                    # when the link's reader took it in (or a later message): the
+                    # arrival as close as it is known, for the clocks' offset (observe.py)
+                    self.remote[n] = dataclasses.replace(message, received=link.last_heard)
                     if message.steps and self._on_steps is not None:
                         self._on_steps(message.steps, self.remote[n].received)
                 elif isinstance(message, StacksFound):
@@ -176,7 +178,7 @@ class RoundWatch:
             now = time.monotonic()
             if now >= next_tick:
                 next_tick = now + config.heartbeat
-                view.broadcast(Tick())
+                view.broadcast(Tick(time.monotonic()))
                 self.formation.tick_waiting()
             view.lost.extend(n for n, link in view.links.items()
                              if link.gone(config.silence_limit) and n not in view.lost)
