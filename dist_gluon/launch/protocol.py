@@ -58,7 +58,11 @@ class RoundSpec:
     the ``restarts`` used of --max-restarts, so that the nodes that lose the host can
     elect the next one and go on (policy.successor). ``keep``: the workers of the round
     before keep their processes (dist_gluon.elastic.run) and are handed this round; the
-    new ones get their state from them.
+    new ones get their state from them. ``memory``: the workers of the round before
+    committed their state to their nodes' shared memory (dist_gluon.elastic.run on
+    ps-lite); this round's workers take it from there or from a peer, not from a
+    checkpoint. ``job``: the job's id, which names each node's copy of that state (the
+    same from the first round to the last, across a change of host).
     """
 
     backend: str
@@ -79,6 +83,8 @@ class RoundSpec:
     addresses: list[list] | None = None
     restarts: int | None = None
     keep: bool | None = None
+    memory: bool | None = None
+    job: str | None = None
 
     @property
     def host(self) -> int:
@@ -96,7 +102,8 @@ class RoundSpec:
 
     def to_wire(self) -> dict[str, Any]:
         wire = dataclasses.asdict(self)
-        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts", "keep"):
+        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts", "keep",
+                     "memory", "job"):
             if wire[port] is None:
                 del wire[port]
         return wire

@@ -9,7 +9,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from . import channel
+from . import channel, policy
 from .channel import Link
 from .config import LaunchConfig
 from .formation import Formation
@@ -185,6 +185,7 @@ class RoundWatch:
             if config.elastic:
                 self._planned_changes()
             states = view.states()
+            self.formation.in_memory = policy.in_memory(states)
             if config.elastic and states and all(s["acked"] and s.get("parked")
                                                  for s in states):
                 # workers that keep their processes agreed to stop at a commit and wait
