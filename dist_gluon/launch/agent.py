@@ -263,9 +263,10 @@ class Agent:
             if isinstance(message, Welcome):
                 self._welcomed = True
                 if message.waiting:
+                    when = ("the workers' next commit" if message.memory else "the next "
+                            "step boundary the workers agree on, or their next checkpoint")
                     self.out.say(f"joined the job at {self.master_at}: admitted at its "
-                                 "next re-formation (the next step boundary the workers "
-                                 "agree on, or their next checkpoint)")
+                                 f"next re-formation ({when})")
                 elif self._backoff.attempts:
                     self.out.say(f"joined the job at {self.master_at}")
             elif isinstance(message, Saved):

@@ -229,7 +229,7 @@ class Formation:
                 refuse(link, refusal)
                 continue
             peer = into[hello.node] = Peer(hello.node, link, hello)
-            link.send(Welcome(waiting=waiting))
+            link.send(Welcome(waiting=waiting, memory=self.in_memory or None))
             took = True
             count = len(taken) + 1
             if not waiting:

@@ -267,10 +267,13 @@ class Redirect(Message):
 class Welcome(Message):
     """The host took the node in, as a member of the next round or (``waiting``) to be
     admitted at the next re-formation: until then its join may still be dropped (the
-    host was too busy to read its hello in time), and the node joins again."""
+    host was too busy to read its hello in time), and the node joins again. ``memory``:
+    the job's workers keep their state in memory (dist_gluon.elastic.run), so it
+    re-forms at their next commit, not at a checkpoint."""
 
     TYPE: ClassVar[str] = "welcome"
     waiting: bool = False
+    memory: bool | None = _optional()
 
 
 @dataclass(frozen=True)
@@ -319,5 +322,5 @@ def from_master(wire: dict[str, Any]) -> Message | None:
     if kind == "redirect":
         return Redirect(wire["addr"], int(wire["port"]), wire["name"])
     if kind == "welcome":
-        return Welcome(bool(wire.get("waiting")))
+        return Welcome(bool(wire.get("waiting")), wire.get("memory"))
     return Tick() if kind == "tick" else None

@@ -242,9 +242,11 @@ class RoundWatch:
         self.view.node.request_stop(self.stop.number)
         self.view.broadcast(Stop(self.stop.number))
         if reason == "preempt":
+            what = ("to stop at its next commit" if self.formation.in_memory
+                    else "for a checkpoint at its next step boundary")
             self.view.say(f"{self.formation.who(node)} is preempted (SIGTERM): asking every "
-                          "worker for a checkpoint at its next step boundary (within "
-                          f"--preempt-grace {self.config.preempt_grace:g} s)")
+                          f"worker {what} (within --preempt-grace "
+                          f"{self.config.preempt_grace:g} s)")
 
     def _note_checkpoint(self, states: list[dict]) -> None:
         """The newest checkpoint of the job, from rank 0's record; its save count."""

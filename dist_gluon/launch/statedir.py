@@ -26,10 +26,13 @@ _made: str | None = None
 
 
 def _start_time(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot), or None if it is gone."""
+    """When process ``pid`` started (clock ticks since boot), or None if it is gone
+    (a zombie, killed and not yet reaped, is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
+        if fields[0] in ("Z", "X"):
+            return None
         return int(fields[19])      # field 22 of proc(5); the split starts at field 3
     except (OSError, IndexError, ValueError):
         return None
