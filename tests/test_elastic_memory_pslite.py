@@ -170,17 +170,21 @@ def test_the_launcher_makes_the_nodes_directory_closed_removes_it_and_dead_launc
     assert listing == "False"
 
 
-def test_a_killed_worker_restarts_with_its_peers_from_the_nodes_memory(tmp_path):
-    """One node, two dist_sync workers (--nnodes 1:1): rank 1 is SIGKILLed after 3
-    steps; both restart, take the node's copy (2 or 3 steps in) and the weights equal
-    the replay of the schedule; the launcher removes the node's copy as it ends."""
+@pytest.mark.parametrize("backend", ["dist_sync", "dist_async"])
+def test_a_killed_worker_restarts_with_its_peers_from_the_nodes_memory(tmp_path, backend):
+    """One node, two workers (--nnodes 1:1): rank 1 is SIGKILLed after 3 steps; both
+    restart, take the node's copy (2 or 3 steps in: dist_sync; on dist_async rank 0
+    may be one step further, its commits wait only for the stop flag's sum) and on
+    dist_sync the weights equal the replay of the schedule (dist_async applies the
+    gradients as they arrive: no replay is exact); the launcher removes the node's copy
+    as it ends."""
     from test_elastic import assert_replayed
 
     marker = _marker_env()
     (tmp_path / "finish").touch()
     proc = subprocess.Popen(
         [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
-         "--backend", "dist_sync", "--max-restarts", "1", "--", sys.executable,
+         "--backend", backend, "--max-restarts", "1", "--", sys.executable,
          str(SCRIPT), str(tmp_path), "--kill-rank-at", "1", "3"],
         cwd=tmp_path, env=process_env(**marker), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
@@ -192,8 +196,13 @@ def test_a_killed_worker_restarts_with_its_peers_from_the_nodes_memory(tmp_path)
     starts = [e for e in events if e["event"] == "start"]
     assert [s["world"] for s in starts] == [2, 2], report
     assert not set(starts[1]["pids"]) & set(starts[0]["pids"]), report   # restarted
-    assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
-    assert_replayed(events, report)
+    # 2 or 3 steps of 2 x 2 samples (dist_async: up to 4)
+    assert starts[1]["samples"] in ((8, 12) if backend == "dist_sync" else (8, 12, 16)), \
+        report
+    if backend == "dist_sync":
+        assert_replayed(events, report)
+    else:
+        assert [e["event"] for e in events].count("done") == 1, report
     assert not list(tmp_path.glob("ckpt*")), report
     assert not glob.glob(f"/dev/shm/dg-state-*-{proc.pid}-*"), report
     assert_nothing_left(marker["DG_TEST_MARKER"])
