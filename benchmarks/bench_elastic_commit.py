@@ -7,20 +7,28 @@ with a commit after each (each step waited for with ``mx.nd.waitall()``); then
 ``--commits`` commits alone, each waited for (the copies of the weights and of the
 optimizer's states into the preallocated arrays). Prints one JSON line.
 
+With ``--node-copy`` the state commits as on ps-lite: its copies live in the node's
+shared memory (dist_gluon/elastic/nodecopy.py, a fresh 0700 directory in /dev/shm,
+removed at the end), and each commit also renames in the copy's ``meta``.
+
     python benchmarks/bench_elastic_commit.py [--batch-size 32] [--image-size 224]
+        [--node-copy]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import mxnet as mx
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
+from dist_gluon.elastic.nodecopy import NodeCopy
 
 
 def main():
@@ -30,8 +38,20 @@ def main():
     parser.add_argument("--steps", type=int, default=3, help="timed steps per round and kind")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of both kinds")
     parser.add_argument("--commits", type=int, default=20, help="commits timed alone")
+    parser.add_argument("--node-copy", action="store_true",
+                        help="commit to a node copy in shared memory, as on ps-lite")
     args = parser.parse_args()
+    directory = tempfile.mkdtemp(prefix="dg-bench-state-", dir="/dev/shm") \
+        if args.node_copy else None
+    try:
+        run(args, directory)
+    finally:
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
+
+def run(args, directory):
+    """Time the steps and commits; ``directory``: the node copy's, or None."""
     mx.random.seed(0)
     net = gluon.model_zoo.vision.resnet50_v1(classes=1000)
     net.initialize(mx.init.Xavier())
@@ -40,6 +60,9 @@ def main():
                                     {"learning_rate": 0.01, "momentum": 0.9, "wd": 1e-4},
                                     kv="local")
     state = dg.elastic.State(net=net, trainer=trainer, epoch=0, done=0)
+    if directory is not None:
+        state._use_node_copy(NodeCopy(directory, "bench", writer=True))
+        state.sync()
     data = mx.nd.random.uniform(shape=(args.batch_size, 3, args.image_size, args.image_size))
     label = mx.nd.array([i % 1000 for i in range(args.batch_size)])
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -72,6 +95,7 @@ def main():
     step_s, commit_s = statistics.median(plain), statistics.median(alone)
     print(json.dumps({
         "batch_size": args.batch_size, "image_size": args.image_size,
+        "node_copy": directory is not None,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "step_s": round(step_s, 4), "step_with_commit_s": round(statistics.median(committed), 4),
         "commit_alone_ms": round(commit_s * 1e3, 2),

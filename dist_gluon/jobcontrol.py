@@ -95,7 +95,10 @@ _KEEPS_AT, _PARKED_AT = _CONTROL_AT + 32, _CONTROL_AT + 36              # uint32
 _ABORT_AT, _ROUND_AT = _CONTROL_AT + 40, _CONTROL_AT + 44               # uint32 each
 _ROUND_LEN_AT = _CONTROL_AT + 48                                        # uint32
 _ROUND_DATA_AT, _ROUND_BYTES = _CONTROL_AT + 52, 8192
-RECORD_SIZE = _ROUND_DATA_AT + _ROUND_BYTES
+# workers that restart (ps-lite) but commit their state to their node's shared memory
+# (dist_gluon.elastic.run, dist_gluon.elastic.nodecopy): the next round takes it from there
+_NODE_COPY_AT = _ROUND_DATA_AT + _ROUND_BYTES                           # uint32
+RECORD_SIZE = _NODE_COPY_AT + 4
 # stop requests with a meaning of their own (the launcher numbers its requests from 1):
 # the worker got SIGTERM itself, or the launcher is ending the worker
 SIGNALLED, TERMINATING = 0xFFFFFFFE, 0xFFFFFFFF
@@ -203,6 +206,12 @@ class Record:
         return bool(_U32.unpack_from(self._map, _KEEPS_AT)[0])
 
     @property
+    def node_copy(self) -> bool:
+        """The worker commits its state to its node's shared memory: restarted, it
+        takes the state from there (dist_gluon.elastic.run on ps-lite)."""
+        return bool(_U32.unpack_from(self._map, _NODE_COPY_AT)[0])
+
+    @property
     def parked(self) -> int | None:
         """The round the worker left and now waits after (between rounds), or None."""
         value = _U32.unpack_from(self._map, _PARKED_AT)[0]
@@ -261,6 +270,9 @@ class Record:
 
     def _keep(self) -> None:
         _U32.pack_into(self._map, _KEEPS_AT, 1)
+
+    def _commit_to_node(self) -> None:
+        _U32.pack_into(self._map, _NODE_COPY_AT, 1)
 
     def _park(self, number: int | None) -> None:
         _U32.pack_into(self._map, _PARKED_AT, 0 if number is None else number + 1)
@@ -368,6 +380,11 @@ class Reporter:
         """This worker keeps its process through a re-formation (dist_gluon.elastic.run):
         the launcher ends its round and hands it the next instead of ending it."""
         self._record._keep()
+
+    def commit_to_node(self) -> None:
+        """This worker commits its state to its node's shared memory and takes it from
+        there when it is started again (dist_gluon.elastic.run on ps-lite)."""
+        self._record._commit_to_node()
 
     def park(self, number: int | None) -> None:
         """The worker left round ``number`` and waits for its next (None: it is in a

@@ -638,3 +638,30 @@ def test_the_host_waits_for_a_node_that_beats_while_its_processes_end():
     assert _time.monotonic() - began < 1.0
     assert said == ["node 1 did not confirm that its processes ended",
                     "node 2 did not confirm that its processes ended"]
+
+
+def test_workers_that_keep_their_state_in_memory_are_told_so_never_a_checkpoint():
+    # dist_gluon.elastic.run: processes kept (horovod), or nodes' shared memory (ps-lite)
+    assert policy.in_memory([{"keeps": True}, {"node_copy": True}])
+    assert not policy.in_memory([{"node_copy": True}, {"keeps": False, "node_copy": False}])
+    assert not policy.in_memory([])
+    memory = elastic(memory=True, nodes=2, workers=2, restarts=1, reformations=1)
+    news = policy.formation_news(RoundEnd(Outcome.LOST, lost=(2,)), memory, changed=True)
+    assert news == ("re-forming with 2 nodes (2 workers) from the workers' last commit in "
+                    "memory (they restart and take the freshest from their nodes' shared "
+                    "memory; a new node's workers get it from a live peer) (re-formation 1; "
+                    "restart 1 of at most 3)")
+    kept = policy.formation_news(RoundEnd(Outcome.LOST, lost=(2,)), memory, changed=True,
+                                 keep=True)
+    assert "(their processes stay; new workers get the state from them)" in kept
+    leaving = policy.decide(RoundEnd(Outcome.STOPPED, lost=(2,)), elastic(memory=True))
+    assert leaving.leaving[2] == ("node 2 (h2) was preempted (SIGTERM) and left the job; "
+                                  "the workers committed their state at a step boundary; "
+                                  "the other nodes go on without it")
+    late = policy.decide(RoundEnd(Outcome.STOPPED, lost=(2,), late=True),
+                         elastic(memory=True))
+    assert "the steps since their last commit are lost" in late.leaving[2]
+    alone = policy.decide(RoundEnd(Outcome.STOPPED, lost=(0,)),
+                          elastic(memory=True, formation=(0,)))
+    assert "the state they kept in memory ends with the job" in alone.report
+    assert "checkpoint" not in news + leaving.leaving[2]

@@ -33,6 +33,7 @@ import time
 
 from .. import jobcontrol
 from ..backends.horovod import RoundEnded
+from .nodecopy import NodeCopy
 from .state import HostsUpdatedInterrupt, State
 
 # what a collective that lost its peers says (horovod's shutdown after a Gloo error)
@@ -98,6 +99,18 @@ def _session(state: State) -> _Session | None:
     return _Session(state, reporter)
 
 
+def _node_copy(state: State) -> NodeCopy | None:
+    """ps-lite (whose workers restart on every change of the job): the node's copy of
+    the state in shared memory that the launcher gave this worker, if any."""
+    reporter = jobcontrol.reporter()
+    if reporter is None or os.environ.get("DG_ELASTIC") != "1" or state.kv._can_reform():
+        return None
+    node_copy = NodeCopy.from_environment(state.kv.local_rank)
+    if node_copy is not None:
+        reporter.commit_to_node()
+    return node_copy
+
+
 def run(func):
     """Decorate ``train(state, ...)`` so that it outlives lost and joining nodes.
 
@@ -113,7 +126,13 @@ def run(func):
 
     Under ``dist_gluon.launch --nnodes MIN:MAX --backend horovod`` this is what keeps
     the workers' processes through re-formations (the launcher learns it from the
-    worker's record). Elsewhere it syncs the state once and calls the function.
+    worker's record). On ``dist_sync``, ``p3`` and ``dist_async`` (ps-lite starts once
+    per process) the workers restart instead, but every commit also lands in the
+    node's shared memory (:mod:`dist_gluon.elastic.nodecopy`): the restarted workers
+    enter the function with the freshest commit of the job, taken from memory (never
+    from a checkpoint), and a joining node's workers get it from a live peer. At a
+    planned change the workers end at that commit (``SystemExit(0)``) and are started
+    again on the new world. Elsewhere it syncs the state once and calls the function.
 
     Examples
     --------
@@ -130,7 +149,11 @@ def run(func):
             raise TypeError(f"{func.__name__}'s first argument must be a "
                             f"dist_gluon.elastic.State, got {type(state).__name__}")
         session = _session(state)
-        object.__setattr__(state, "_watch_stops", session is not None)
+        node_copy = None if session is not None else _node_copy(state)
+        if node_copy is not None:
+            state._use_node_copy(node_copy)
+        object.__setattr__(state, "_watch_stops", session is not None
+                           or node_copy is not None)
         reset = False
         while True:
             if reset:
@@ -142,6 +165,10 @@ def run(func):
                 state.sync()            # a peer lost during the sync is a fault as well
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt:
+                if session is None:
+                    # the commit is in the node's memory: this worker ends here, and the
+                    # launcher starts it again on the new world
+                    raise SystemExit(0) from None
                 # committed at that very step: nothing to restore. Every rank is at this
                 # commit, so the round's collectives end cleanly together now (breaking
                 # them later can leave one waiting out Gloo's timeout)

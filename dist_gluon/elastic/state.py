@@ -74,7 +74,14 @@ class _Snapshot:
         self.counters: dict | None = None
         self.extras: dict[str, Any] = {}
         self.serial: int | None = None  # which state of the job (State._serial)
+        self.slot: int | None = None    # the node copy's slot its arrays live in, if any
 
+
+
+def _freshest(serials: list[int | None]) -> int:
+    """The lowest rank that holds the newest commit (rank 0 when none holds any)."""
+    known = [s for s in serials if s is not None]
+    return serials.index(max(known)) if known else 0
 
 
 class State:
@@ -148,6 +155,9 @@ class State:
         # alike), so a sync among them sends nothing; None until the first sync
         object.__setattr__(self, "_serial", None)
         object.__setattr__(self, "_watch_stops", False)
+        # ps-lite: the node's copy in shared memory that outlives this process
+        # (dist_gluon.elastic.nodecopy); None elsewhere
+        object.__setattr__(self, "_node_copy", None)
 
     # ------------------------------------------------------------------ extras
     def __getattr__(self, name: str):
@@ -207,12 +217,20 @@ class State:
         """Give every rank rank 0's state (a broadcast from memory: a new worker gets it
         from a live peer, never from a file), then commit it. A collective. Survivors
         that all went back to the same commit hold the same state already: then only
-        that fact travels (one small gather), not the arrays."""
+        that fact travels (one small gather), not the arrays.
+
+        Workers restarted on ps-lite (which cannot keep their processes) first take
+        their node's copy in shared memory (:mod:`dist_gluon.elastic.nodecopy`); then
+        the freshest commit of the job comes from the lowest rank that holds it, not
+        from rank 0 (the survivors of a lost worker can be one commit apart)."""
         kv = self._kv
+        if self._node_copy is not None and self._serial is None:
+            self._take_node_copy()
         serials = kv.allgather_object(self._serial) if kv.num_workers > 1 else [0]
-        if serials[0] is None or any(s != serials[0] for s in serials):
+        root = _freshest(serials) if self._node_copy is not None else 0
+        if serials[root] is None or any(s != serials[root] for s in serials):
             # a new worker, or survivors that went back to different commits
-            layout = kv.broadcast_object(self._layout(), root_rank=0)
+            layout = kv.broadcast_object(self._layout(), root_rank=root)
             self._take_layout(layout)
             keys, arrays = self._keyed_arrays()
             if [list(k) for k in keys] != layout["keys"]:
@@ -220,7 +238,7 @@ class State:
                                    "after the sync of their layouts")
             names = [f"{_KEY}.{'.'.join(map(str, k))}" for k in keys]
             outs = [self._all_copies(k, a) for k, a in zip(keys, arrays)]
-            kv.broadcast(names, arrays, outs)
+            kv._broadcast_root(names, arrays, outs, root, 0)
             object.__setattr__(self, "_serial", layout["serial"] or 0)
         elif self._serial is None:
             object.__setattr__(self, "_serial", 0)
@@ -242,6 +260,33 @@ class State:
         for fn in self._callbacks:
             fn()
 
+    # ------------------------------------------------------------------ the node's copy
+    def _use_node_copy(self, node_copy) -> None:
+        """Commit to (and start from) the node's copy in shared memory
+        (dist_gluon.elastic.run does, on backends whose workers restart)."""
+        object.__setattr__(self, "_node_copy", node_copy)
+        # the next commits allocate their copies there
+        object.__setattr__(self, "_snapshots", [_Snapshot(), _Snapshot()])
+        object.__setattr__(self, "_good", None)
+
+    def _take_node_copy(self) -> None:
+        """Put back the newest complete commit of this node's copy, if there is one."""
+        held = self._node_copy.held()
+        if held is None:
+            return
+        self._take_layout(held.layout)
+        keys, arrays = self._keyed_arrays()
+        if [list(k) for k in keys] != held.layout["keys"]:
+            raise RuntimeError(f"this worker's model or optimizer differs from the one "
+                               f"committed to the node's copy in "
+                               f"{self._node_copy.directory}: the script must build the "
+                               "same model and trainer every time it starts")
+        saved = self._node_copy.arrays(held)
+        for k, a in zip(keys, arrays):
+            for out in self._all_copies(k, a):
+                saved[k].copyto(out)
+        object.__setattr__(self, "_serial", held.serial)
+
     # ------------------------------------------------------------------ the copies
     def _save(self) -> None:
         target = next(s for s in self._snapshots if s is not self._good)
@@ -250,9 +295,14 @@ class State:
         if set(copies) != set(keys) or any(
                 copies[k].shape != a.shape or copies[k].dtype != a.dtype
                 for k, a in zip(keys, arrays)):
-            target.arrays = copies = {
-                k: mx.nd.empty(a.shape, ctx=a.context, dtype=a.dtype)
-                for k, a in zip(keys, arrays)}
+            node_copy = self._node_copy
+            if node_copy is not None and node_copy.writer:
+                # the copies live in the node's shared memory, and outlive the process
+                target.slot, copies = node_copy.allocate(keys, arrays)
+            else:
+                copies = {k: mx.nd.empty(a.shape, ctx=a.context, dtype=a.dtype)
+                          for k, a in zip(keys, arrays)}
+            target.arrays = copies
         for k, a in zip(keys, arrays):
             a.copyto(copies[k])
         target.counters = self._counters()
@@ -272,6 +322,8 @@ class State:
         except MXNetError:
             clear_failures(copies.values())
             raise
+        if target.slot is not None and self._serial is not None:
+            self._node_copy.publish(target.slot, self._serial, self._layout())
         object.__setattr__(self, "_good", target)
 
     def _put_back(self, snapshot: _Snapshot) -> None:

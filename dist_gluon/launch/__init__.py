@@ -37,7 +37,7 @@ import sys
 import threading
 
 from .. import timeline
-from . import cli, observe, output, ssh
+from . import cli, observe, output, ssh, statedir
 from .agent import Agent
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
@@ -136,5 +136,7 @@ def _main(argv=None) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        # the node's copy of the workers' state in memory ends with the launcher
+        statedir.remove()
         if observation is not None:
             observation.finish()

@@ -86,6 +86,9 @@ class Agent:
         self._backoff = Backoff()
         self._welcomed = False          # the host took this node in on the current link
         self.kept: Node | None = None   # this node's processes kept for the next round
+        # this node's workers of the last round committed their state to the node's
+        # shared memory (told to the host this node may become)
+        self.memory = False
 
     @property
     def master_at(self) -> str:
@@ -225,7 +228,8 @@ class Agent:
         takeover = succession.Takeover(spec, self.checkpoint, lost.report, lost.planned,
                                        listener)
         kept, self.kept = self.kept, None
-        return Master(host, self.out, self.preemption, takeover, kept).run()
+        return Master(host, self.out, self.preemption, takeover, kept,
+                      memory=self.memory).run()
 
     def _idle(self, link: Link) -> int:
         """Between rounds: wait for a start (or the end), beating and watching."""
@@ -260,9 +264,10 @@ class Agent:
             if isinstance(message, Welcome):
                 self._welcomed = True
                 if message.waiting:
+                    when = ("the workers' next commit" if message.memory else "the next "
+                            "step boundary the workers agree on, or their next checkpoint")
                     self.out.say(f"joined the job at {self.master_at}: admitted at its "
-                                 "next re-formation (the next step boundary the workers "
-                                 "agree on, or their next checkpoint)")
+                                 f"next re-formation ({when})")
                 elif self._backoff.attempts:
                     self.out.say(f"joined the job at {self.master_at}")
             elif isinstance(message, Saved):
@@ -319,6 +324,7 @@ class Agent:
             node.start()
             return self._watch(node, link)
         except HostLost:
+            self.memory = node.commits_to_node()
             if spec.backend == "horovod" and spec.transport == "gloo" and node.keeps():
                 # they go on under the next host (dist_gluon.elastic.run)
                 node.end_round()

@@ -47,6 +47,9 @@ class Formation:
         # (who, why) of the launchers refused since the job last started or re-formed
         self.left_out: list[tuple[str, str]] = []
         self.listener = listener
+        # the running round's workers keep their state in memory (policy.in_memory):
+        # they re-form at a commit, not at a checkpoint
+        self.in_memory = False
 
     # ------------------------------------------------------------------ who is in
     def peers(self) -> list[Peer]:
@@ -226,15 +229,16 @@ class Formation:
                 refuse(link, refusal)
                 continue
             peer = into[hello.node] = Peer(hello.node, link, hello)
-            link.send(Welcome(waiting=waiting))
+            link.send(Welcome(waiting=waiting, memory=self.in_memory or None))
             took = True
             count = len(taken) + 1
             if not waiting:
                 self.out.say(f"{peer} joined ({count} of at most {config.max_nodes} nodes)")
             else:
-                self.out.say(f"{peer} joined; the job re-forms with {count} nodes at the "
-                             "next step boundary the workers agree on "
-                             "(dist_gluon.stop_requested()) or their next checkpoint")
+                when = ("the workers' next commit (dist_gluon.elastic.State.commit)"
+                        if self.in_memory else "the next step boundary the workers agree "
+                        "on (dist_gluon.stop_requested()) or their next checkpoint")
+                self.out.say(f"{peer} joined; the job re-forms with {count} nodes at {when}")
         return took
 
     def watch_waiting(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import secrets
 import signal
 import time
 
@@ -28,7 +29,8 @@ class Master:
     this node's address and port as the master's."""
 
     def __init__(self, config: LaunchConfig, out, preemption: Preemption | None,
-                 takeover: Takeover | None = None, kept: Node | None = None):
+                 takeover: Takeover | None = None, kept: Node | None = None,
+                 memory: bool = False):
         self.config, self.out, self.preemption = config, out, preemption
         self.takeover = takeover
         self.formation = Formation(config, out, preemption,
@@ -40,6 +42,12 @@ class Master:
         self.last_formation: tuple[int, ...] = ()
         # this node's processes of the round before, kept for the next (keep_workers)
         self.kept = kept
+        # the workers of the round before kept their state in memory
+        # (dist_gluon.elastic.run): in their processes, or in their nodes' shared memory
+        self.memory = memory
+        # names each node's copy of the state in memory: the same for the whole job
+        self.job = (takeover.spec.job if takeover is not None and takeover.spec.job
+                    else secrets.token_hex(8))
 
     # ------------------------------------------------------------------ the job
     def run(self) -> int:
@@ -90,7 +98,7 @@ class Master:
             waiting=len(formation.waiting), workers=formation.workers(),
             checkpoint=ledger.checkpoint, preempt_grace=config.preempt_grace,
             names=formation.names(), host=formation.rank,
-            formation=self.last_formation)
+            formation=self.last_formation, memory=self.memory)
 
     # ------------------------------------------------------------------ a takeover
     def _take_over(self) -> int | None:
@@ -158,7 +166,9 @@ class Master:
             scheduler_port=None if horovod else port,
             addresses=addresses,
             restarts=self.ledger.restarts if addresses else None,
-            keep=True if self.kept is not None else None)
+            keep=True if self.kept is not None else None,
+            memory=True if self.memory and self.kept is None else None,
+            job=self.job if config.elastic else None)
         return spec, policy.round_problem(slots, servers, config.backend)
 
     def _round(self, spec: RoundSpec, deadline: float | None) -> int | None:
@@ -194,8 +204,10 @@ class Master:
             end = RoundEnd(Outcome.INTERRUPTED, 128 + stop.signum,
                            f"interrupted by {signal.Signals(stop.signum).name}")
         finally:
+            states = view.states()
+            self.memory = config.elastic and policy.in_memory(states)
             decision, end = self._decide(end, tuple(view.preempted))
-            keep = keep_workers(config, spec, end, decision, view.states())
+            keep = keep_workers(config, spec, end, decision, states)
             unconfirmed = self._end_round(node, end, decision, keep)
             if rendezvous is not None:
                 rendezvous.stop()

@@ -12,7 +12,7 @@ import tempfile
 import time
 
 from .. import jobcontrol
-from . import jobenv, mpi, secret
+from . import jobenv, mpi, secret, statedir
 from .config import LaunchConfig
 from .processes import TERM_GRACE, Process, terminate
 from .protocol import RoundSpec
@@ -105,8 +105,15 @@ class Node:
         if base.get(COMPAT_ENV):
             base["PYTHONPATH"] = os.pathsep.join(
                 p for p in (_COMPAT_SHIMS, base.get("PYTHONPATH")) if p)
-        if spec.keep:
-            # the new workers of a round that keeps the others get their state from them
+        if spec.elastic and spec.job and spec.backend != "horovod":
+            # ps-lite workers restart on every change of the job: their state outlives
+            # them in the node's shared memory (dist_gluon.elastic.nodecopy)
+            base[statedir.ENV_DIR] = statedir.for_job(spec.job, self.config.node_rank)
+            base[statedir.ENV_JOB] = spec.job
+        if spec.keep or spec.memory:
+            # the workers of this round get their state from the workers kept, or from
+            # the nodes' copies in memory (dist_gluon.elastic.State.sync), not from the
+            # broadcast of a new job's model
             base["DG_ELASTIC_HEAL"] = "1"
         kept, self._kept = self._adoptable(), None
         try:
@@ -164,6 +171,12 @@ class Node:
         for p in self.workers:
             if p.returncode is None and self._records[p.rank].keeps:
                 self._records[p.rank].end_round(self.spec.restart)
+
+    def commits_to_node(self) -> bool:
+        """Whether this node's workers all commit their state to the node's shared
+        memory (dist_gluon.elastic.run on ps-lite)."""
+        return bool(self.workers) and all(self._records[p.rank].node_copy
+                                          for p in self.workers)
 
     def keeps(self) -> bool:
         """Whether this node's live workers all keep their processes."""
@@ -269,6 +282,7 @@ class Node:
                 "key_last": record.key(count) if attached else None,
                 "acked": attached and record.stop_acknowledged,
                 "keeps": attached and record.keeps,
+                "node_copy": attached and record.node_copy,
                 "parked": attached and record.parked is not None,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,

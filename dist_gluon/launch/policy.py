@@ -75,6 +75,8 @@ class Standing:
     re-forms only with a quorum of it, and a preempted host hands the job over); empty
     when they do not (the host's loss ends the job). ``preempted``: the nodes whose
     launchers got SIGTERM too (they leave as well; none takes the job over).
+    ``memory``: the workers keep their state in memory (dist_gluon.elastic.run: in
+    their processes, or in their nodes' shared memory), not in checkpoints.
     """
 
     elastic: bool
@@ -92,6 +94,7 @@ class Standing:
     host: int = 0
     formation: tuple[int, ...] = ()
     preempted: tuple[int, ...] = ()
+    memory: bool = False
 
     def who(self, node: int) -> str:
         return (self.names or {}).get(node, f"node {node}")
@@ -185,9 +188,14 @@ def decide(end: RoundEnd, job: Standing) -> Decision:
 
 def _decide_stop(end: RoundEnd, job: Standing) -> Decision:
     """A planned stop: a preempted node leaves, waiting nodes come in."""
-    where = checkpoint_text(job.checkpoint)
+    where = "their last commit" if job.memory else checkpoint_text(job.checkpoint)
     saved = (f"the workers did not stop within --preempt-grace {job.preempt_grace:g} s; "
-             f"the steps since {where} are lost" if end.late else f"the workers saved {where}")
+             f"the steps since {where} are lost" if end.late else
+             "the workers committed their state at a step boundary" if job.memory
+             else f"the workers saved {where}")
+    resume = ("the state they kept in memory ends with the job (a start of the whole job "
+              "resumes from a checkpoint, if the script saves them)" if job.memory
+              else "start the job again to resume from it")
     preempted = 128 + signal.SIGTERM
     if end.lost == (job.host,):
         others = [n for n in job.formation if n != job.host and n not in job.preempted]
@@ -203,8 +211,7 @@ def _decide_stop(end: RoundEnd, job: Standing) -> Decision:
                 f"{too_few(len(others), job)}; {saved}"), {})
         return Decision(preempted, False, (
             f"{job.who(job.host)} was preempted (SIGTERM): it hosts the job's rendezvous, "
-            f"so the job ends on every node; {saved}: start the job again to resume from "
-            "it"), {})
+            f"so the job ends on every node; {saved}: {resume}"), {})
     leaving = {n: (f"{job.who(n)} was preempted (SIGTERM) and left the job; {saved}; the "
                    "other nodes go on without it") for n in end.lost}
     remaining = job.nodes - len(leaving) + job.waiting
@@ -233,9 +240,13 @@ def kill_grace(end: RoundEnd, decision: Decision, elastic: bool) -> float:
 
 def formation_news(end: RoundEnd, job: Standing, changed: bool, keep: bool = False) -> str:
     """What every node says as the next round starts; ``job`` is the new formation;
-    ``keep``: the workers keep their processes and state (dist_gluon.elastic.run)."""
+    ``keep``: the workers keep their processes and state (dist_gluon.elastic.run);
+    else ``job.memory``: they restart and take their state from their nodes' memory."""
     where = ("the workers' last commit in memory (their processes stay; new workers get "
-             "the state from them)" if keep else checkpoint_text(job.checkpoint))
+             "the state from them)" if keep else
+             "the workers' last commit in memory (they restart and take the freshest from "
+             "their nodes' shared memory; a new node's workers get it from a live peer)"
+             if job.memory else checkpoint_text(job.checkpoint))
     if not job.elastic:
         return f"restarting the job on every node ({job.restarts} of {job.max_restarts})"
     used = (f"restart {job.restarts} of at most {job.max_restarts}"
@@ -296,6 +307,12 @@ def minority(here: Iterable[int], formation: Iterable[int], who=None) -> str:
 def too_few(count: int, job: Standing) -> str:
     return (f"{plural(count, 'node')} left, fewer than the minimum {job.min_nodes} "
             f"of --nnodes {job.min_nodes}:{job.max_nodes}: the job ends")
+
+
+def in_memory(states: list[dict]) -> bool:
+    """Whether every worker keeps its state in memory through a re-formation: in its
+    process, or in its node's shared memory (dist_gluon.elastic.run)."""
+    return bool(states) and all(s.get("keeps") or s.get("node_copy") for s in states)
 
 
 def checkpoint_text(checkpoint: tuple[int, int] | None) -> str:

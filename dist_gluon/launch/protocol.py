@@ -58,7 +58,11 @@ class RoundSpec:
     the ``restarts`` used of --max-restarts, so that the nodes that lose the host can
     elect the next one and go on (policy.successor). ``keep``: the workers of the round
     before keep their processes (dist_gluon.elastic.run) and are handed this round; the
-    new ones get their state from them.
+    new ones get their state from them. ``memory``: the workers of the round before
+    committed their state to their nodes' shared memory (dist_gluon.elastic.run on
+    ps-lite); this round's workers take it from there or from a peer, not from a
+    checkpoint. ``job``: the job's id, which names each node's copy of that state (the
+    same from the first round to the last, across a change of host).
     """
 
     backend: str
@@ -79,6 +83,8 @@ class RoundSpec:
     addresses: list[list] | None = None
     restarts: int | None = None
     keep: bool | None = None
+    memory: bool | None = None
+    job: str | None = None
 
     @property
     def host(self) -> int:
@@ -96,7 +102,8 @@ class RoundSpec:
 
     def to_wire(self) -> dict[str, Any]:
         wire = dataclasses.asdict(self)
-        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts", "keep"):
+        for port in ("rendezvous_port", "scheduler_port", "addresses", "restarts", "keep",
+                     "memory", "job"):
             if wire[port] is None:
                 del wire[port]
         return wire
@@ -260,10 +267,13 @@ class Redirect(Message):
 class Welcome(Message):
     """The host took the node in, as a member of the next round or (``waiting``) to be
     admitted at the next re-formation: until then its join may still be dropped (the
-    host was too busy to read its hello in time), and the node joins again."""
+    host was too busy to read its hello in time), and the node joins again. ``memory``:
+    the job's workers keep their state in memory (dist_gluon.elastic.run), so it
+    re-forms at their next commit, not at a checkpoint."""
 
     TYPE: ClassVar[str] = "welcome"
     waiting: bool = False
+    memory: bool | None = _optional()
 
 
 @dataclass(frozen=True)
@@ -314,5 +324,5 @@ def from_master(wire: dict[str, Any]) -> Message | None:
     if kind == "redirect":
         return Redirect(wire["addr"], int(wire["port"]), wire["name"])
     if kind == "welcome":
-        return Welcome(bool(wire.get("waiting")))
+        return Welcome(bool(wire.get("waiting")), wire.get("memory"))
     return Tick(wire.get("clock")) if kind == "tick" else None

@@ -9,7 +9,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from . import channel
+from . import channel, policy
 from .channel import Link
 from .config import LaunchConfig
 from .formation import Formation
@@ -187,6 +187,7 @@ class RoundWatch:
             if config.elastic:
                 self._planned_changes()
             states = view.states()
+            self.formation.in_memory = policy.in_memory(states)
             if config.elastic and states and all(s["acked"] and s.get("parked")
                                                  for s in states):
                 # workers that keep their processes agreed to stop at a commit and wait
@@ -243,9 +244,11 @@ class RoundWatch:
         self.view.node.request_stop(self.stop.number)
         self.view.broadcast(Stop(self.stop.number))
         if reason == "preempt":
+            what = ("to stop at its next commit" if self.formation.in_memory
+                    else "for a checkpoint at its next step boundary")
             self.view.say(f"{self.formation.who(node)} is preempted (SIGTERM): asking every "
-                          "worker for a checkpoint at its next step boundary (within "
-                          f"--preempt-grace {self.config.preempt_grace:g} s)")
+                          f"worker {what} (within --preempt-grace "
+                          f"{self.config.preempt_grace:g} s)")
 
     def _note_checkpoint(self, states: list[dict]) -> None:
         """The newest checkpoint of the job, from rank 0's record; its save count."""

@@ -1,0 +1,71 @@
+"""The node's directory for its workers' copy of the job's state in shared memory
+(dist_gluon/elastic/nodecopy.py): where restarted ps-lite workers take their state
+from, instead of a checkpoint.
+
+One per launcher process and job, made at the job's first elastic round and removed
+when the launcher exits (:func:`remove`). Its name says the job, the node and the
+launcher's process (with the process's start time, so a reused pid is not mistaken for
+it): two jobs, or two launchers of one host, never share one. A launcher that was
+killed cannot remove its own: the next launcher that makes one on the host removes the
+directories whose launcher is gone (:func:`_remove_orphans`). Mode 0700, as the job's
+control records.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+
+ROOT = "/dev/shm"
+# what the workers are told (dist_gluon/elastic/nodecopy.py reads them)
+ENV_DIR, ENV_JOB = "DG_STATE_DIR", "DG_JOB_ID"
+_PREFIX = "dg-state-"
+_NAME = re.compile(_PREFIX + r"[0-9a-f]+-node\d+-(\d+)-(\d+)$")
+_made: str | None = None
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot), or None if it is gone
+    (a zombie, killed and not yet reaped, is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        if fields[0] in ("Z", "X"):
+            return None
+        return int(fields[19])      # field 22 of proc(5); the split starts at field 3
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def for_job(job: str, node_rank: int) -> str:
+    """The directory of this launcher's node for ``job``: made at the first call."""
+    global _made
+    if _made is None:
+        root = ROOT if os.path.isdir(ROOT) else os.environ.get("TMPDIR", "/tmp")
+        _remove_orphans(root)
+        pid = os.getpid()
+        path = os.path.join(root, f"{_PREFIX}{job}-node{node_rank}-{pid}-{_start_time(pid)}")
+        os.mkdir(path, 0o700)
+        _made = path
+    return _made
+
+
+def remove() -> None:
+    """Remove this launcher's directory (the launcher is exiting: its workers ended)."""
+    global _made
+    if _made is not None:
+        shutil.rmtree(_made, ignore_errors=True)
+        _made = None
+
+
+def _remove_orphans(root: str) -> None:
+    """Remove this user's state directories whose launcher is gone."""
+    for path in glob.glob(os.path.join(root, _PREFIX + "*")):
+        match = _NAME.search(os.path.basename(path))
+        try:
+            mine = os.stat(path).st_uid == os.getuid()
+        except OSError:
+            continue
+        if match and mine and _start_time(int(match[1])) != int(match[2]):
+            shutil.rmtree(path, ignore_errors=True)
