@@ -24,8 +24,11 @@ what medians over whole runs cannot), and the interval at which the check costs 
 The wall-clock ratios are noisy on a shared machine, so the work the reporter adds is
 also counted directly: the training thread's own CPU time per step
 (``time.thread_time``, which other processes' load does not inflate), the process's CPU
-time per step (the reporter's helper thread and the engine's work included), and the
-operations the reporter queues on MXNet's engine per step (its one-element copies).
+time per step (the reporter's helper threads and the engine's work included), each of
+the reporter's two helper threads' own CPU time per step (its CPU clock,
+``time.pthread_getcpuclockid``: the mean over a mode's steps, since a helper writes
+the trace in bursts), and the operations the reporter queues on MXNet's engine per step
+(its one-element copies).
 """
 from __future__ import annotations
 
@@ -97,13 +100,22 @@ def main():
 
     timeline._marker = counted_marker
 
-    def run(steps: int, mode: str) -> tuple[list[float], list[float], list[float]]:
+    # the reporter's helper threads: each one's own CPU clock
+    helpers = {"results": reporter._thread, "inputs": reporter._inputs_thread}
+    clocks = {name: time.pthread_getcpuclockid(t.ident) for name, t in helpers.items()}
+
+    def helper_cpu() -> dict[str, float]:
+        return {name: time.clock_gettime(clock) for name, clock in clocks.items()}
+
+    def run(steps: int, mode: str) -> tuple[list[float], list[float], list[float],
+                                             list[dict[str, float]]]:
         timeline._reporter = None if mode == "off" else reporter
         reporter.events = mode == "timeline"
         trainer._sync_check.every = 1 if mode == "check" else never
-        times, thread_cpu, process_cpu = [], [], []
+        times, thread_cpu, process_cpu, helper = [], [], [], []
         last, last_thread, last_process = (time.perf_counter(), time.thread_time(),
                                            time.process_time())
+        last_helper = helper_cpu()
         for x, y in timeline.data(batches[i % len(batches)] for i in range(steps)):
             with autograd.record():
                 loss = loss_fn(net(x), y)
@@ -114,14 +126,17 @@ def main():
             times.append(now - last)
             thread_cpu.append(thread - last_thread)
             process_cpu.append(process - last_process)
-            last, last_thread, last_process = now, thread, process
+            helpers_now = helper_cpu()
+            helper.append({n: helpers_now[n] - last_helper[n] for n in clocks})
+            last, last_thread, last_process, last_helper = now, thread, process, helpers_now
         mx.nd.waitall()
-        return times, thread_cpu, process_cpu
+        return times, thread_cpu, process_cpu, helper
 
     run(args.warmup, "report")
     measured = {mode: [] for mode in MODES}
     thread_cpu = {mode: [] for mode in MODES}
     process_cpu = {mode: [] for mode in MODES}
+    helper_cpu_per_step = {mode: [] for mode in MODES}
     engine_ops = {mode: 0 for mode in MODES}
     paired = {mode: [] for mode in MODES}     # each round: the mode's mean / off's
     for r in range(args.rounds):
@@ -129,12 +144,13 @@ def main():
         for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
             before = markers[0]
             # the first step of a mode carries the previous mode's tail
-            times, thread, process = run(args.steps + 1, mode)
+            times, thread, process, helper = run(args.steps + 1, mode)
             engine_ops[mode] += markers[0] - before
             this_round[mode] = times[1:]
             measured[mode].extend(times[1:])
             thread_cpu[mode].extend(thread[1:])
             process_cpu[mode].extend(process[1:])
+            helper_cpu_per_step[mode].extend(helper[1:])
         for mode in MODES:
             paired[mode].append(statistics.fmean(this_round[mode])
                                 / statistics.fmean(this_round["off"]))
@@ -158,6 +174,13 @@ def main():
                                          / (1e3 * medians["off"]) for m in MODES},
             "process_cpu_ms_per_step": {m: 1e3 * statistics.median(t)
                                         for m, t in process_cpu.items()},
+            # each helper thread's own CPU, beside the training thread's: the mean per
+            # step (a helper's work comes in bursts, a step's may fall in the next)
+            "helper_cpu_ms_per_step": {
+                m: {n: 1e3 * statistics.fmean(row[n] for row in rows) for n in clocks}
+                for m, rows in helper_cpu_per_step.items()},
+            "thread_cpu_ms_per_step_mean": {m: 1e3 * statistics.fmean(t)
+                                            for m, t in thread_cpu.items()},
             "engine_ops_per_step": {m: engine_ops[m] / (args.rounds * (args.steps + 1))
                                     for m in MODES},
             "check_cost_s": check_cost, "check_every_for_half_percent": every})

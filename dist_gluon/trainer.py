@@ -537,17 +537,21 @@ class DistributedTrainer(TrainerBase):
         self._refuse_on_servers("update")
         if self._local_sgd is not None and self._local_sgd.local:
             self._local_update(batch_size, ignore_stale_grad)
+            _timeline.end_step(batch_size)      # the step allreduce_grads() began
             return
+        samples = batch_size
         if self._averager.distributed:
             self._submit_header(batch_size)
             batch_size = self._read_header()
         super().update(batch_size, ignore_stale_grad)
         self._end_step(was_local=False)
+        _timeline.end_step(samples)
 
     def allreduce_grads(self) -> None:
         """Sum the gradients over the workers in place (see :meth:`update`). In a Local
         SGD step (``sync_every``) over this worker's devices only."""
         self._refuse_on_servers("allreduce_grads")
+        _timeline.begin_step(self._last_grad_written)
         super().allreduce_grads()
 
     @property

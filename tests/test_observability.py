@@ -246,7 +246,8 @@ def test_timeline_comes_from_dg_timeline_and_bad_flags_are_usage_errors(tmp_path
 
 
 # Every trainer of dist_gluon is reported: 10 steps of a small model with each, through
-# the launcher, with the timeline and the report as JSON.
+# the launcher, with the timeline and the report as JSON; a step is step() or
+# allreduce_grads() then update() (argument "split").
 EVERY_TRAINER = """
 import sys
 import numpy as np
@@ -286,17 +287,24 @@ else:
         with autograd.record():
             loss = gluon.loss.L2Loss()(net(x), y)
         loss.backward()
-        trainer.step(8)
+        if sys.argv[2:] == ["split"]:
+            trainer.allreduce_grads()
+            trainer.update(8)
+        else:
+            trainer.step(8)
     mx.nd.waitall()
 """
 
 
 @pytest.mark.spawns
-@pytest.mark.parametrize("kind,backend", [
-    ("module", "horovod"), ("module", "dist_sync"), ("horovod", "horovod"),
-    ("byteps", "dist_sync"), ("dist_async", "dist_async")])
-def test_every_trainer_is_reported_in_the_report_and_the_timeline(tmp_path, kind, backend):
-    proc = launch(EVERY_TRAINER, tmp_path, backend=backend, args=[kind],
+@pytest.mark.parametrize("kind,backend,how", [
+    ("module", "horovod", "step"), ("module", "dist_sync", "step"),
+    ("horovod", "horovod", "step"), ("byteps", "dist_sync", "step"),
+    ("dist_async", "dist_async", "step"), ("horovod", "dist_sync", "split"),
+    ("byteps", "horovod", "split"), ("dist_gluon", "horovod", "split")])
+def test_every_trainer_is_reported_in_the_report_and_the_timeline(tmp_path, kind, backend,
+                                                                   how):
+    proc = launch(EVERY_TRAINER, tmp_path, backend=backend, args=[kind, how],
                   launcher_args=["--timeline", str(tmp_path / "job.json"),
                                  "--report", "json"], timeout=240)
     assert_ok(proc)

@@ -12,6 +12,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.skipif(emulated_cluster.skip_reason() is not None,
 CLOCK_AHEAD = (0, 5000, 2000)
 STEPS = 10
 SLOW = 0.1      # rank 2 (node 2) waits this long for each batch: it starts every step last
+JOIN_LATE = 2.0     # node 0's launcher starts this long after the others
 _ports = itertools.count(29650)
 
 WORKER = f"""
@@ -85,8 +87,12 @@ def job(cluster, tmp_path_factory):
     marker = _marker_env()
     env = {**host_env(), "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"timeline-{port}",
            **marker}
-    procs = []
-    for node, ahead in enumerate(CLOCK_AHEAD):
+    procs = {}
+    # nodes 1 and 2 start first: they retry until node 0 listens, and say when they
+    # joined (on the timeline, their launchers' tracks)
+    for node, ahead in reversed(list(enumerate(CLOCK_AHEAD))):
+        if node == 0:
+            time.sleep(JOIN_LATE)
         argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "3", "--node-rank",
                 str(node), "--master-addr", cluster.hosts[0].address, "--master-port", port,
                 "-n", "1", "--timeline", str(tmp_path / "job.json"), "--report", "json",
@@ -94,8 +100,9 @@ def job(cluster, tmp_path_factory):
         if ahead:
             argv = ["unshare", "--time", "--monotonic", str(ahead), "--fork",
                     "--kill-child", *argv]
-        procs.append(cluster.popen(node, argv, cwd=tmp_path, env=env, text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs[node] = cluster.popen(node, argv, cwd=tmp_path, env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs = [procs[node] for node in range(len(CLOCK_AHEAD))]
     outputs = [p.communicate(timeout=240) for p in procs]
     log = "\n".join(f"--- node {i}\n{o[0][-3000:]}\n{o[1][-3000:]}"
                     for i, o in enumerate(outputs))
@@ -165,3 +172,27 @@ def test_report_of_three_hosts_names_the_slow_rank_on_its_host(cluster, job):
     assert [(r["rank"], r["host"]) for r in got["ranks"]] == \
         [(i, cluster.hosts[i].name) for i in range(3)], log
     assert got["straggler"]["rank"] == 2 and got["straggler"]["why"] == "data", log
+
+
+def test_other_nodes_launchers_say_what_they_did_on_their_own_tracks_aligned(cluster, job):
+    """Node 1's and node 2's launchers send what they said with their status reports:
+    their "joined the job" (they started before node 0 listened) lies on the aligned
+    axis after node 0's launcher started and before their rank's first step, though
+    their own clocks are 5000 s and 2000 s ahead."""
+    trace, _, log = job
+    events = trace["traceEvents"]
+    tracks = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+
+    def said(node):
+        pid = tracks[f"launcher ({cluster.hosts[node].name})"]
+        return pid, [e for e in events if e["pid"] == pid and e["ph"] == "i"]
+
+    pid, node0 = said(0)
+    assert pid == -1 and node0[0]["name"] == "job started" and node0[0]["s"] == "g"
+    for node in (1, 2):
+        pid, mine = said(node)
+        assert pid < -1 and all(e["cat"] == "launcher" and e["s"] == "p" for e in mine)
+        joined = [e["ts"] for e in mine if e["name"].startswith("joined the job at")]
+        first_step = min(e["ts"] for e in events if e["pid"] == node and e["name"] == "step")
+        assert len(joined) == 1 and node0[0]["ts"] < joined[0] < first_step, \
+            (node, mine, node0, log)

@@ -101,6 +101,16 @@ class PeerTrainer(TrainerBase):
         super().step(batch_size, ignore_stale_grad)
         _timeline.end_step(batch_size)
 
+    def allreduce_grads(self):
+        """``gluon.Trainer.allreduce_grads``: a step begins (it ends with :meth:`update`)."""
+        _timeline.begin_step(self._last_grad_written)
+        super().allreduce_grads()
+
+    def update(self, batch_size, ignore_stale_grad=False):
+        """``gluon.Trainer.update``: the step :meth:`allreduce_grads` began ends."""
+        super().update(batch_size, ignore_stale_grad)
+        _timeline.end_step(batch_size)
+
     def _sum_grads(self, scale: float = 1.0) -> None:
         """Multiply every gradient by ``scale``, then sum it over the workers in place
         (after the step's header: a stale gradient counts zero on every rank)."""

@@ -113,8 +113,8 @@ def _main(argv=None) -> int:
                                           forwarding=config.node_rank != 0,
                                           asynchronous=config.backend == "dist_async")
         os.environ.update(observation.environ())
-        if config.node_rank == 0:
-            out = observation
+        # what any node's launcher says goes on the timeline too
+        out = observation
 
     def on_signal(signum, frame):
         raise Interrupted(signum)

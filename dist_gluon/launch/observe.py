@@ -1,13 +1,14 @@
 """The launcher's side of observability: the directory its workers' reporter writes to
 (dist_gluon/timeline.py), the per-rank report at the end of the job and every
 ``--report-every`` seconds (report.py), live progress on a terminal, and the job's
-timeline (``--timeline FILE``): every rank's trace events and the launcher's own
+timeline (``--timeline FILE``): every rank's trace events and every node's launcher's
 messages (formation, restarts, failures, stalls) merged into one Chrome trace JSON.
 
 Every process of a host reads the same CLOCK_MONOTONIC, so the workers' and the
 launcher's events share one time axis without any offset. The other nodes' launchers
-send their ranks' step records and trace events to node 0 with their status reports
-(as they come, so a node lost mid-job keeps what it sent); node 0 places them on its
+send their ranks' step records and trace events, and what they said, to node 0 with
+their status reports (as they come, so a node lost mid-job keeps what it sent); node 0
+places them on its
 own clock with an offset estimated per node from the status reports and node 0's ticks
 (:class:`_Clock`), reports every rank and writes every rank into the one timeline, the
 offsets and their error bounds in its metadata.
@@ -116,10 +117,12 @@ class Observation:
         # node 0: another launcher (by its "source") -> its clock and its directory here
         self._clocks: dict[str, _Clock] = {}
         self._remote: dict[str, str] = {}
+        self._remote_said: dict[str, list] = {}     # source -> [when, text], its clock
         # another node: the launcher's own name, and the lower bound of node 0's clock
         # minus this one, from node 0's ticks (_Clock)
         self.source = f"{self.host}/{os.getpid()}"
         self._low = -math.inf
+        self._unsent = 0        # self._said[self._unsent:] has not gone to node 0 yet
         self._lock = threading.Lock()
         self._thread = None
         if not forwarding and (every or sys.stderr.isatty()):
@@ -133,7 +136,8 @@ class Observation:
                 timeline.ENV_LEVEL: "timeline" if self.timeline_file else "steps"}
 
     def say(self, text: str) -> None:
-        self._said.append((time.monotonic(), text))
+        with self._lock:
+            self._said.append((time.monotonic(), text))
         self.out.say(text)
 
     # ------------------------------------------------------------------ records
@@ -164,9 +168,9 @@ class Observation:
 
     # ------------------------------------------------------------------ other nodes
     def outgoing(self) -> dict | None:
-        """Another node: its ranks' step records and trace events since the last call,
-        with this host's monotonic clock now and the bound from node 0's ticks
-        (:class:`_Clock`); None when there are none."""
+        """Another node: its ranks' step records and trace events, and what its launcher
+        said, since the last call, with this host's monotonic clock now and the bound
+        from node 0's ticks (:class:`_Clock`); None when there are none."""
         new, trace, room = {}, {}, TRACE_PER_STATUS
         for path in glob.glob(os.path.join(self.directory, "rank*.steps")):
             rows, self._offsets[path] = timeline.read_steps(path, self._offsets.get(path, 0))
@@ -180,12 +184,16 @@ class Observation:
             room -= self._offsets[path] - start
             if lines:
                 trace[os.path.basename(path)[:-len(".trace")]] = lines
-        if not new and not trace:
+        with self._lock:
+            said, self._unsent = self._said[self._unsent:], len(self._said)
+        if not new and not trace and not said:
             return None
         steps = {"clock": time.monotonic(), "host": self.host, "source": self.source,
                  "cores": os.cpu_count() or 1, "records": new}
         if trace:
             steps["trace"] = trace
+        if said:
+            steps["said"] = [list(item) for item in said]
         if math.isfinite(self._low):
             steps["low"] = self._low
         return steps
@@ -200,7 +208,10 @@ class Observation:
         """Node 0: another node's ``outgoing()``, arrived at ``received`` (this
         launcher's monotonic clock). Its times move by the offset of the two clocks
         as estimated so far (:class:`_Clock`); its trace events are kept as they came
-        and placed when the timeline is written, with the final estimate."""
+        and placed when the timeline is written, with the final estimate, as is what
+        its launcher said."""
+        if self.forwarding:     # a node that took over as the job's host
+            return
         source = steps.get("source", steps["host"])
         with self._lock:
             clock = self._clocks.get(source)
@@ -210,6 +221,7 @@ class Observation:
                                                     str(len(self._remote)))
                 os.makedirs(self._remote[source], exist_ok=True)
             clock.note(received - steps["clock"], steps.get("low"))
+            self._remote_said.setdefault(source, []).extend(steps.get("said", ()))
             shift = clock.offset
             self._cores[steps["host"]] = steps["cores"]
             for key, rows in steps["records"].items():
@@ -323,10 +335,17 @@ class Observation:
                                         "engine: collectives")):
                 events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
                                "args": {"name": name}})
-        for when, text in self._said:
-            events.append({"name": text.splitlines()[0][:120], "cat": "launcher",
-                           "ph": "i", "s": "g", "pid": -1, "tid": 0,
-                           "ts": round(when * 1e6, 1), "args": {"message": text}})
+        events += _said_events(self._said, -1, 0.0, "g")
+        # each other node's launcher on a track of its own (pids -2, -3, ...), its
+        # messages placed with its clock's offset
+        for index, (source, clock) in enumerate(self._clocks.items()):
+            pid = -2 - index
+            events.append({"name": "process_name", "ph": "M", "pid": pid,
+                           "args": {"name": f"launcher ({clock.host})"}})
+            events.append({"name": "process_sort_index", "ph": "M", "pid": pid,
+                           "args": {"sort_index": -1}})
+            events += _said_events(self._remote_said.get(source, ()), pid, clock.offset,
+                                   "p")
         with open(self.timeline_file, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms",
                        "otherData": {"producer": "dist_gluon.launch --timeline",
@@ -336,6 +355,14 @@ class Observation:
                       f)
         self.out.say(f"timeline of {len(ranks)} ranks written to {self.timeline_file} "
                      "(open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def _said_events(said, pid: int, offset: float, scope: str) -> list[dict]:
+    """A launcher's messages as instant events on track ``pid``: node 0's span the
+    whole trace (scope "g"), another node's mark its own track ("p")."""
+    return [{"name": text.splitlines()[0][:120], "cat": "launcher", "ph": "i", "s": scope,
+             "pid": pid, "tid": 0, "ts": round((when + offset) * 1e6, 1),
+             "args": {"message": text}} for when, text in said]
 
 
 def _duration(seconds: float) -> str:
