@@ -21,7 +21,7 @@ JOBS = {"horovod": ("horovod", []), "horovod_mpi": ("horovod", ["--transport", "
 # every case against its replay, within float32 rounding
 EXACT = ["per_step", "sync1_outer_sgd", "local", "local_adam", "local_warmup",
          "diloco_sgd1", "diloco_nag", "heads", "local_overlap", "diloco_overlap"]
-CHECKPOINTED = ["diloco_nag", "diloco_overlap"]
+CHECKPOINTED = ["diloco_nag", "diloco_overlap", "diloco_2bit"]
 
 
 def _mpi_ready() -> bool:
@@ -107,6 +107,15 @@ def test_a_checkpoint_restored_mid_round_continues_exactly(job, case):
     for rank in (0, 1):
         assert _error(_case(job, f"resumed_{case}", rank),
                       _case(job, f"straight_{case}", rank)) == 0.0
+
+
+def test_2bit_pseudo_gradients_leave_every_rank_the_same_weights(job, replayed):
+    # each rank sends its delta plus what the last round left (a checkpoint resumes it
+    # exactly: test_a_checkpoint_restored_mid_round_continues_exactly); the workers end
+    # equal, and not equal to the uncompressed rounds (the codec ran)
+    rank0 = _case(job, "diloco_2bit", 0)
+    assert _error(_case(job, "diloco_2bit", 1), rank0) == 0.0
+    assert _error(rank0, _params(replayed / "diloco_2bit_replay.npz")) > 1e-3
 
 
 def test_an_overlapped_round_differs_from_the_waiting_one(job):
