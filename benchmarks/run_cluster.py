@@ -42,8 +42,9 @@ scheduler on host 0. In every cluster:
    numbers, results-cluster-slow-links.json, which runs of the other parts never
    touch): ResNet-50 and VGG-16 on 2 hosts at 1 Gbit/s and at 100 Mbit/s, per-step
    averaging against DiLoCo rounds (cluster/slow_links.py, horovod over Gloo); and the
-   MNIST example's final accuracy with Local SGD and DiLoCo against per-step averaging
-   on 2 and 4 workers (on one host: accuracy does not depend on the link).
+   MNIST example's final accuracy and the language model example's perplexity with
+   Local SGD and DiLoCo against per-step averaging on 2 and 4 workers (on one host:
+   neither depends on the link).
 9. Scale: the launchers' control plane against the number of nodes, 4 to 256 hosts with
    a light worker each, static and elastic: formation, re-formation after a lost
    worker or node, node 0's CPU and bytes per second and every launcher's CPU per node
@@ -208,23 +209,37 @@ LEFT_UNCONFIRMED = "did not confirm that its processes ended: it leaves the job"
 SLOW = {"hosts": 2, "rates": ("1gbit", "100mbit"),
         "models": {"resnet50": {"batch": 16, "image": 112, "steps": 2},
                    "vgg16": {"batch": 1, "image": 224, "steps": 2}},
-        "impls": ("per_step", "diloco:32", "diloco_fp16:32", "diloco_fp16_overlap:32"),
+        "impls": ("per_step", "diloco:32", "diloco_fp16:32", "diloco_fp16_overlap:32",
+                  "diloco_2bit:32", "diloco_powersgd:32", "diloco_powersgd:128"),
         "mnist": {"workers": (2, 4), "seeds": (42, 7, 1), "epochs": 12,
-                  # the example's flags of each run; () is per-step averaging
+                  # the example's flags of each run; () is per-step averaging (its rate
+                  # scaled with the workers; the rounds' unscaled, the example's default)
                   "runs": ((), ("--sync-every", "8"), ("--sync-every", "32"),
-                           ("--sync-every", "128"),
+                           ("--sync-every", "128"), ("--sync-every", "32", "--scale-lr"),
                            ("--sync-every", "32", "--outer-lr", "0.7"),
                            ("--sync-every", "32", "--outer-lr", "0.7",
                             "--outer-momentum", "0.5"),
                            ("--sync-every", "32", "--local-sgd-warmup", "24"),
                            ("--sync-every", "32", "--compression", "fp16"),
-                           ("--sync-every", "32", "--sync-delay", "32"))}}
+                           ("--sync-every", "32", "--compression", "2bit",
+                            "--threshold", "0.01"),
+                           ("--sync-every", "32", "--compression", "powersgd"),
+                           ("--sync-every", "32", "--sync-delay", "32"))},
+        # the language model example on a fifth of its corpus (about 108,000 training
+        # words: 154 windows of 10 x 35 words per epoch on 2 workers, 77 on 4), 2 epochs
+        "lm": {"workers": (2, 4), "seeds": (42,), "epochs": 2,
+               "args": ("--train-fraction", "0.2"),
+               "runs": ((), ("--sync-every", "8"), ("--sync-every", "32"),
+                        ("--sync-every", "128"))}}
 SLOW_QUICK = {"hosts": 2, "rates": ("100mbit",),
               "models": {"resnet50": {"batch": 4, "image": 64, "steps": 1}},
               "impls": ("per_step", "diloco:8", "diloco_fp16_overlap:8"),
               "mnist": {"workers": (2,), "seeds": (42,), "epochs": 3,
                         "runs": ((), ("--sync-every", "8"),
-                                 ("--sync-every", "8", "--outer-lr", "0.7"))}}
+                                 ("--sync-every", "8", "--outer-lr", "0.7"))},
+              "lm": {"workers": (2,), "seeds": (42,), "epochs": 1,
+                     "args": ("--train-fraction", "0.05"),
+                     "runs": ((), ("--sync-every", "8"))}}
 SLOW_RESULTS = "RESULTS-cluster-slow-links.md"
 # At 100 Mbit/s VGG-16's first Dense weight (392 MiB) takes 33 s to send, longer than
 # Gloo's default of 30 s for one operation ("Timed out waiting 30000ms for send
@@ -528,10 +543,31 @@ def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
             "seconds": time.monotonic() - started}
 
 
+def run_lm_example(flags, workers: int, seed: int, epochs: int, args, timeout: float,
+                   workdir: Path) -> dict:
+    """The language model example with ``flags`` on ``workers`` local workers (horovod);
+    its summary's validation perplexity."""
+    argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
+            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "language_model" /
+                                                    "train_lm.py"),
+            "--epochs", str(epochs), "--seed", str(seed), "--log-interval", "100000",
+            *args, *flags]
+    env = dict(worker_env(), PYTHONPATH=str(REPO))
+    started = time.monotonic()
+    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout + 60)
+    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] summary:")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]}
+    fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
+    return {"val_ppl": float(fields["val_ppl"]), "val_loss": float(fields["val_loss"]),
+            "seconds": time.monotonic() - started}
+
+
 def run_slow_links(cfg: dict, timeout: float) -> dict:
     """Part 8: DiLoCo rounds against per-step averaging on emulated links, and the MNIST
     example's accuracy for each H."""
-    setting = {"load_start": os.getloadavg(), "throughput": [], "mnist": []}
+    setting = {"load_start": os.getloadavg(), "throughput": [], "mnist": [], "lm": []}
     for rate in cfg["rates"]:
         log(f"slow links: {cfg['hosts']} hosts at {rate}")
         with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
@@ -560,6 +596,16 @@ def run_slow_links(cfg: dict, timeout: float) -> dict:
                     setting["mnist"].append({"workers": workers, "flags": list(flags),
                                              "seed": seed, "epochs": mnist["epochs"],
                                              **found})
+        lm = cfg["lm"]
+        for workers in lm["workers"]:
+            for flags in lm["runs"]:
+                for seed in lm["seeds"]:
+                    found = run_lm_example(flags, workers, seed, lm["epochs"], lm["args"],
+                                           timeout, Path(tmp))
+                    log(f"  language model, {workers} workers, "
+                        f"{' '.join(flags) or 'per step'}, seed {seed}: {found}")
+                    setting["lm"].append({"workers": workers, "flags": list(flags),
+                                          "seed": seed, "epochs": lm["epochs"], **found})
     setting["load_end"] = os.getloadavg()
     return setting
 
@@ -569,7 +615,7 @@ def run_slow_part(args, results: dict, out: Path) -> None:
     measure a piece of it again: that piece's entries in the raw file are replaced,
     the others kept, and the report says which run measured what."""
     cfg = json.loads(json.dumps(SLOW_QUICK if args.quick else SLOW))
-    pieces = set(args.slow_only or ("throughput", "mnist"))
+    pieces = set(args.slow_only or ("throughput", "mnist", "lm"))
     if args.slow_rate:
         cfg["rates"] = [r for r in cfg["rates"] if r in args.slow_rate]
     if args.slow_model:
@@ -578,21 +624,30 @@ def run_slow_part(args, results: dict, out: Path) -> None:
         cfg["rates"] = []
     if "mnist" not in pieces:
         cfg["mnist"]["workers"] = []
+    if "lm" not in pieces:
+        cfg["lm"]["workers"] = []
     raw = out.with_name(out.stem.lower() + ".json")
     partial = bool(args.slow_only or args.slow_rate or args.slow_model)
     slow = json.loads(raw.read_text()) if partial and raw.exists() else \
         {"machine": results["machine"], "config": cfg, "throughput": [], "mnist": [],
-         "runs": []}
+         "lm": [], "runs": []}
+    slow.setdefault("lm", [])
     run = {"command": results["command"], "uptime_start": uptime(), "measured": {
         "rates": cfg["rates"], "models": list(cfg["models"]),
-        "mnist_workers": cfg["mnist"]["workers"]}}
+        "mnist_workers": cfg["mnist"]["workers"], "lm_workers": cfg["lm"]["workers"]}}
     found = run_slow_links(cfg, args.job_timeout)
     run["uptime_end"] = uptime()
     measured = {(t["rate"], t["model"]) for t in found["throughput"]}
     slow["throughput"] = [t for t in slow["throughput"]
                           if (t["rate"], t["model"]) not in measured] + found["throughput"]
-    if found["mnist"]:
-        slow["mnist"] = found["mnist"]
+    # the report describes each piece with the settings of the run that measured it
+    config = slow["config"]
+    for piece in ("mnist", "lm"):
+        if found[piece]:
+            slow[piece] = found[piece]
+            config[piece] = cfg[piece]
+    if found["throughput"]:
+        config["impls"] = cfg["impls"]
     slow["runs"].append(run)
     slow_report.write(slow, out)
     raw.write_text(json.dumps(slow, indent=1, default=str))
@@ -1073,7 +1128,7 @@ def parse_args(argv=None):
                              "would otherwise lose its other rows")
     parser.add_argument("--job-timeout", type=float, default=420,
                         help="seconds one benchmark job may run (default: 420)")
-    parser.add_argument("--slow-only", action="append", choices=("throughput", "mnist"),
+    parser.add_argument("--slow-only", action="append", choices=("throughput", "mnist", "lm"),
                         help="part 8: measure only this piece (repeatable), replacing its "
                              "entries in results-cluster-slow-links.json")
     parser.add_argument("--slow-rate", action="append", metavar="RATE",

@@ -48,6 +48,8 @@ and the outer update without waiting for them.
 """
 from __future__ import annotations
 
+import copy
+
 import mxnet as mx
 import numpy as np
 
@@ -96,6 +98,15 @@ def _outer(optimizer, params: dict | None) -> mx.optimizer.Optimizer:
     except (ValueError, TypeError, mx.base.MXNetError) as err:
         raise ValueError(f"outer_optimizer={optimizer!r} with {params} cannot be created: "
                          f"{err}") from None
+
+
+def _leaves(state) -> list[mx.nd.NDArray]:
+    """The NDArrays of an optimizer state (an array, a tuple of them, nested, or None)."""
+    if isinstance(state, mx.nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [leaf for part in state for leaf in _leaves(part)]
+    return []
 
 
 class LocalSGD:
@@ -248,6 +259,85 @@ class LocalSGD:
         else:
             for i, delta in zip(positions, deltas):
                 averager.reduce([i], [delta], describe=describe)
+
+    # ------------------------------------------------------------ in memory
+    def state_arrays(self) -> dict[str, mx.nd.NDArray]:
+        """The round's live arrays by name, for ``dg.elastic.State``: the anchors, the
+        outer optimizer's states, the codec's, and with an overlap the buffers of a sum
+        in flight and of the parameters at its synchronisation (allocated once, so
+        their names stay from the first synchronisation on, pending or not)."""
+        arrays = {f"anchor.{i}": a for i, a in (self._anchors or {}).items()}
+        if self.delay:
+            arrays.update((f"sum.{i}", d) for i, d in self._deltas.items())
+            arrays.update((f"at_sync.{i}", a) for i, a in self._at_sync.items())
+        if self._outer is not None:
+            for index, state in self._outer.states.items():
+                arrays.update((f"outer.{index}.{j}", leaf)
+                              for j, leaf in enumerate(_leaves(state)))
+        if self.codec is not None:
+            arrays.update((f"codec.{name}", a) for name, a in self.codec.state_arrays().items())
+        return arrays
+
+    def state_counters(self) -> dict:
+        """The position, whether a sum is pending, the outer optimizer's counters and
+        which of :meth:`state_arrays` exist (their shapes, for a new worker)."""
+        shapes = {name: (tuple(a.shape), np.dtype(a.dtype).name)
+                  for name, a in self.state_arrays().items() if not name.startswith("codec.")}
+        outer = None
+        if self._outer is not None:
+            opt = self._outer.optimizer
+            tables = opt._all_index_update_counts
+            outer = {"num_update": opt.num_update, "current": next(
+                (d for d, t in tables.items() if t is opt._index_update_count), 0),
+                "tables": {d: dict(t) for d, t in tables.items()},
+                "lr_scheduler": copy.deepcopy(opt.lr_scheduler)}
+        return {"steps": self.steps, "in_round": self.in_round,
+                "synchronisations": self.synchronisations, "pending": self._pending,
+                "shapes": shapes, "outer": outer,
+                "codec": None if self.codec is None else self.codec.state_counters()}
+
+    def set_state_counters(self, saved: dict, ctx_of) -> None:
+        """Put back :meth:`state_counters`; arrays made since go, those a new worker
+        lacks are made (zeros on ``ctx_of(position)``, for the caller to fill)."""
+        self.steps, self.in_round = saved["steps"], saved["in_round"]
+        self.synchronisations, self._pending = saved["synchronisations"], saved["pending"]
+        shapes = saved["shapes"]
+
+        def kept(prefix, held):
+            wanted = {int(name[len(prefix):]): shape for name, shape in shapes.items()
+                      if name.startswith(prefix)}
+            for i in [i for i in held if i not in wanted]:
+                del held[i]
+            for i, (shape, dtype) in wanted.items():
+                if i not in held:
+                    held[i] = mx.nd.zeros(shape, ctx=ctx_of(i), dtype=dtype)
+            return held
+
+        anchors = kept("anchor.", dict(self._anchors or {}))
+        self._anchors = anchors or None
+        if self.delay:
+            kept("sum.", self._deltas)
+            kept("at_sync.", self._at_sync)
+        if self._outer is not None:
+            self._set_outer_counters(saved["outer"], shapes)
+        if self.codec is not None:
+            self.codec.set_state_counters(saved["codec"], ctx_of)
+
+    def _set_outer_counters(self, saved: dict, shapes: dict) -> None:
+        updater, opt = self._outer, self._outer.optimizer
+        opt.num_update = saved["num_update"]
+        opt._all_index_update_counts = {d: dict(t) for d, t in saved["tables"].items()}
+        opt._index_update_count = opt._all_index_update_counts.setdefault(
+            saved["current"], {})
+        opt.lr_scheduler = copy.deepcopy(saved["lr_scheduler"])
+        wanted = {int(name.split(".")[1]) for name in shapes if name.startswith("outer.")}
+        for index in [i for i in updater.states if i not in wanted]:
+            del updater.states[index]
+            updater.states_synced.pop(index, None)
+        for index in wanted - set(updater.states):
+            updater.states[index] = opt.create_state_multi_precision(
+                index, self._anchors[index])
+            updater.states_synced[index] = True
 
     # ------------------------------------------------------------ checkpoints
     def shared_state(self) -> dict:

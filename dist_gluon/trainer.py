@@ -101,6 +101,36 @@ class TrainerBase(gluon.Trainer):
         """dist_async: whether the servers hold weights since this trainer's first step."""
         return False
 
+    def extra_state(self) -> tuple[dict[str, mx.nd.NDArray], dict]:
+        """What training continues from besides the parameters and the optimizer's
+        states and counters, for ``dg.elastic.State``'s commits in memory: the live
+        arrays by name (the codec's residuals, and with ``sync_every`` the round's
+        anchor, outer optimizer states and a sum in flight), which the caller copies
+        on MXNet's engine and copies back, and the picklable counters (the position in
+        the round, which of those arrays exist and their shapes).
+        :meth:`set_extra_counters` puts the counters back."""
+        arrays, counters = {}, {}
+        codec = self._averager.codec
+        if codec is not None:
+            arrays.update((f"codec.{name}", a) for name, a in codec.state_arrays().items())
+            counters["codec"] = codec.state_counters()
+        return arrays, counters
+
+    def set_extra_counters(self, counters: dict) -> None:
+        """Put back the counters of :meth:`extra_state` (after its arrays, on a restore;
+        before them, on a new worker): arrays made since they were taken are dropped,
+        and those this trainer lacks are made, zeros on the parameter's first device,
+        for the caller to fill."""
+        codec = self._averager.codec
+        if codec is not None and "codec" in counters:
+            codec.set_state_counters(counters["codec"], self._first_context)
+
+    def _first_context(self, position):
+        """The first device of the parameter at model ``position``."""
+        if isinstance(position, int) and 0 <= position < len(self._model_params):
+            return self._model_params[position].list_ctx()[0]
+        return self._contexts[0]
+
     def optimizer_positions(self) -> list[int]:
         """The model position of each optimizer index: ``optimizer_positions()[i]`` is
         where ``self._params[i]`` sits in :attr:`model_params`."""
@@ -553,6 +583,23 @@ class DistributedTrainer(TrainerBase):
         self._refuse_on_servers("allreduce_grads")
         _timeline.begin_step(self._last_grad_written)
         super().allreduce_grads()
+
+    def extra_state(self) -> tuple[dict[str, mx.nd.NDArray], dict]:
+        arrays, counters = super().extra_state()
+        if self._local_sgd is not None:
+            arrays.update((f"rounds.{name}", a)
+                          for name, a in self._local_sgd.state_arrays().items())
+            counters["rounds"] = self._local_sgd.state_counters()
+        return arrays, counters
+
+    extra_state.__doc__ = TrainerBase.extra_state.__doc__
+
+    def set_extra_counters(self, counters: dict) -> None:
+        super().set_extra_counters(counters)
+        if self._local_sgd is not None and "rounds" in counters:
+            self._local_sgd.set_state_counters(counters["rounds"], self._first_context)
+
+    set_extra_counters.__doc__ = TrainerBase.set_extra_counters.__doc__
 
     @property
     def sync_every(self) -> int:

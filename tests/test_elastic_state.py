@@ -158,3 +158,132 @@ def test_without_a_launcher_run_syncs_once_calls_back_never_and_returns():
     assert calls == [] and state.commits == 4      # sync's commit, then one per step
     with pytest.raises(TypeError, match="must be a dist_gluon.elastic.State"):
         train(None, 1)
+
+
+# ---------------------------------------------------------------- Local SGD, codecs
+class _OneWorker:
+    """A backend of one worker whose sum is the identity: the codecs' error feedback
+    runs as in a job of several workers (on one process no codec runs)."""
+    num_workers, rank, type = 1, 0, "local"
+    _exact_integers = ("int32", 31)
+
+    def pushpull(self, key, value, out=None, priority=0):
+        pass
+
+
+def _rounds_model(compression="2bit", sync_delay=0):
+    mx.random.seed(1)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(8, in_units=3), gluon.nn.Dense(1, in_units=8))
+    net.initialize(mx.init.Xavier())
+    trainer = dg.DistributedTrainer(
+        net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kv="local",
+        sync_every=4, outer_optimizer="nag", sync_delay=sync_delay, compression=compression,
+        outer_optimizer_params={"learning_rate": 0.7, "momentum": 0.9})
+    return net, trainer
+
+
+def _rounds_step(net, trainer, seed):
+    """A step, then both codecs' error feedback (the gradients' and the
+    pseudo-gradients') on arrays of this step."""
+    _step(net, trainer, seed)
+    params = trainer.model_params
+    for codec, scale, key in ((trainer.codec, 1.0, "g"),
+                              (trainer._local_sgd.codec, 0.01, "o")):
+        grads = [p.grad() * scale for p in params]
+        codec.reduce(_OneWorker(), list(range(len(params))),
+                     [f"{key}{i}" for i in range(len(params))], grads, 0)
+
+
+def _rounds_snapshot(net, trainer):
+    rounds = trainer._local_sgd
+    arrays, counters = trainer.extra_state()
+    return (_snapshot(net, trainer), {k: a.asnumpy() for k, a in arrays.items()},
+            (rounds.steps, rounds.in_round, rounds.synchronisations, rounds._pending,
+             rounds.outer_updater.optimizer.num_update))
+
+
+def _assert_rounds_same(a, b):
+    _assert_same(a[0], b[0])
+    assert sorted(a[1]) == sorted(b[1])
+    for name in a[1]:
+        np.testing.assert_array_equal(a[1][name], b[1][name], err_msg=name)
+    assert a[2] == b[2]
+
+
+@pytest.mark.parametrize("compression,sync_delay", [
+    ("2bit", 0), ({"type": "powersgd", "rank": 1, "min_compression_rate": 0}, 3),
+    ({"type": "onebit", "ef": "vanilla", "min_compress_bytes": 0}, 0)])
+def test_restore_keeps_the_local_sgd_round_and_the_codecs_residuals_exactly(compression,
+                                                                            sync_delay):
+    net, trainer = _rounds_model(compression, sync_delay)
+    state = dg.elastic.State(net=net, trainer=trainer)
+    state.sync()
+    for i in range(6):          # one synchronisation, then 2 steps into the second round
+        _rounds_step(net, trainer, i)
+        state.commit()
+    kept = _rounds_snapshot(net, trainer)
+    names = kept[1]
+    assert any(n.startswith("rounds.anchor.") for n in names)
+    # with the overlap (D = 3) the first synchronisation's sum is still pending
+    assert any(n.startswith("rounds.sum." if sync_delay else "rounds.outer.") for n in names)
+    assert trainer._local_sgd._pending == ("late" if sync_delay else None)
+    assert any(n.startswith("codec.") for n in names)
+    assert any(n.startswith("rounds.codec.") for n in names)
+    assert kept[2][:2] == (6, 2)
+    for i in range(6, 9):       # across the next synchronisation: all of it moves
+        _rounds_step(net, trainer, i)
+    assert trainer._local_sgd.synchronisations == 2
+    state.restore()
+    _assert_rounds_same(_rounds_snapshot(net, trainer), kept)
+    for i in range(6, 12):
+        _rounds_step(net, trainer, i)
+    other_net, other_trainer = _rounds_model(compression, sync_delay)
+    for i in range(12):
+        _rounds_step(other_net, other_trainer, i)
+    _assert_rounds_same(_rounds_snapshot(net, trainer),
+                        _rounds_snapshot(other_net, other_trainer))
+
+
+def test_a_restore_to_before_the_first_round_drops_what_the_round_made_since():
+    net, trainer = _rounds_model()
+    state = dg.elastic.State(net=net, trainer=trainer)
+    state.sync()                # no anchor, outer state or residual yet
+    for i in range(5):
+        _rounds_step(net, trainer, i)
+    state.restore()
+    assert trainer.extra_state()[0] == {}
+    assert trainer._local_sgd.outer_updater.states == {}
+    for i in range(4):
+        _rounds_step(net, trainer, i)
+    other_net, other_trainer = _rounds_model()
+    for i in range(4):
+        _rounds_step(other_net, other_trainer, i)
+    _assert_rounds_same(_rounds_snapshot(net, trainer),
+                        _rounds_snapshot(other_net, other_trainer))
+
+
+def test_a_new_worker_takes_the_round_from_the_layout_and_arrays_of_a_peer():
+    # State.sync's path on a new worker, on one process: rank 0's layout, then its
+    # arrays by key (the broadcast)
+    net, trainer = _rounds_model()
+    state = dg.elastic.State(net=net, trainer=trainer)
+    for i in range(6):
+        _rounds_step(net, trainer, i)
+    state.commit()
+    new_net, new_trainer = _rounds_model()
+    new_net(mx.nd.ones((1, 3)))
+    joiner = dg.elastic.State(net=new_net, trainer=new_trainer)
+    joiner._take_layout(state._layout())
+    keys, arrays = state._keyed_arrays()
+    new_keys, new_arrays = joiner._keyed_arrays()
+    assert new_keys == keys
+    for source, target in zip(arrays, new_arrays):
+        source.copyto(target)
+    _assert_rounds_same(_rounds_snapshot(new_net, new_trainer),
+                        _rounds_snapshot(net, trainer))
+    for i in range(6, 12):
+        _rounds_step(net, trainer, i)
+        _rounds_step(new_net, new_trainer, i)
+    _assert_rounds_same(_rounds_snapshot(new_net, new_trainer),
+                        _rounds_snapshot(net, trainer))

@@ -21,7 +21,7 @@ JOBS = {"horovod": ("horovod", []), "horovod_mpi": ("horovod", ["--transport", "
 # every case against its replay, within float32 rounding
 EXACT = ["per_step", "sync1_outer_sgd", "local", "local_adam", "local_warmup",
          "diloco_sgd1", "diloco_nag", "heads", "local_overlap", "diloco_overlap"]
-CHECKPOINTED = ["diloco_nag", "diloco_overlap"]
+CHECKPOINTED = ["diloco_nag", "diloco_overlap", "diloco_2bit"]
 
 
 def _mpi_ready() -> bool:
@@ -109,6 +109,15 @@ def test_a_checkpoint_restored_mid_round_continues_exactly(job, case):
                       _case(job, f"straight_{case}", rank)) == 0.0
 
 
+def test_2bit_pseudo_gradients_leave_every_rank_the_same_weights(job, replayed):
+    # each rank sends its delta plus what the last round left (a checkpoint resumes it
+    # exactly: test_a_checkpoint_restored_mid_round_continues_exactly); the workers end
+    # equal, and not equal to the uncompressed rounds (the codec ran)
+    rank0 = _case(job, "diloco_2bit", 0)
+    assert _error(_case(job, "diloco_2bit", 1), rank0) == 0.0
+    assert _error(rank0, _params(replayed / "diloco_2bit_replay.npz")) > 1e-3
+
+
 def test_an_overlapped_round_differs_from_the_waiting_one(job):
     assert _error(_case(job, "diloco_overlap", 0), _case(job, "diloco_nag", 0)) > 1e-4
 
@@ -183,3 +192,36 @@ def test_bad_round_arguments_are_value_errors_and_one_process_trains_plainly(tmp
     assert "outer_optimizer='nosuch'" in lines[6]
     assert "leave its rescale_grad at 1" in lines[7]
     assert float(lines[8].split()[-1]) < 1e-6
+
+
+ELASTIC = WORKERS / "local_sgd_elastic.py"
+
+
+def _elastic_run(directory, *args):
+    directory.mkdir()
+    argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+            "--backend", "horovod", "--max-restarts", "1", "--timeout", "150", "--",
+            sys.executable, str(ELASTIC), str(directory), *args]
+    assert_ok(subprocess.run(argv, cwd=directory, env=process_env(), capture_output=True,
+                             text=True, timeout=240))
+    events = [json.loads(line) for line in (directory / "events.jsonl").open()]
+    return [e for e in events if e["event"] == "start"], _params(directory / "weights.npz")
+
+
+@pytest.mark.spawns
+def test_a_worker_killed_mid_round_heals_from_its_peer_with_the_round_and_the_residuals(
+        tmp_path):
+    # one node, two workers under @dg.elastic.run: rank 1 is SIGKILLed after step 8,
+    # rank 0 keeps its process and goes back to its last commit, a new rank 1 takes
+    # rank 0's state from memory: the anchor, the outer Nesterov momentum, the position
+    # in the round and both 2-bit codecs' residuals must travel for the weights to
+    # equal those of the run without a fault (every rank trains on the same batches,
+    # so rank 0's state is rank 1's)
+    starts, straight = _elastic_run(tmp_path / "straight")
+    assert len(starts) == 1
+    starts, healed = _elastic_run(tmp_path / "healed", "--kill-rank-at", "1", "8")
+    assert len(starts) == 2, starts
+    assert starts[1]["pids"][0] == starts[0]["pids"][0]      # rank 0 kept its process
+    assert starts[1]["pids"][1] != starts[0]["pids"][1]      # rank 1 is a new one
+    assert starts[1]["step"] >= 8 and starts[1]["in_round"] > 0, starts   # mid-round
+    assert _error(healed, straight) == 0.0

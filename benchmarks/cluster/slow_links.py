@@ -11,10 +11,11 @@ copy of the parameters and of their deltas):
   right after its trainer (``compute_seconds``, their mean), so that each trainer's
   scaling compares two figures taken under the same load;
 - ``per_step``: ``dg.DistributedTrainer`` averaging the gradients every step;
-- ``diloco:H`` / ``diloco_fp16:H``: DiLoCo (outer Nesterov, lr 0.7, momentum 0.9) every H
-  steps, the pseudo-gradients in float32 / float16. Local SGD puts the same bytes on
-  the wire at the same moments (only the outer update differs), so it is not timed
-  apart;
+- ``diloco:H`` / ``diloco_fp16:H`` / ``diloco_2bit:H`` / ``diloco_powersgd:H``: DiLoCo
+  (outer Nesterov, lr 0.7, momentum 0.9) every H steps, the pseudo-gradients in
+  float32, float16, 2-bit (threshold 1e-3, error feedback) or PowerSGD (rank 4, error
+  feedback). Local SGD puts the same bytes on the wire at the same moments (only the
+  outer update differs), so it is not timed apart;
 - ``diloco_fp16_overlap:H``: the same with ``sync_delay=H``: each round's sum runs
   during the next round, whose last step applies it.
 
@@ -42,6 +43,10 @@ from train import MODELS, build_model, busy_share, machine_ticks
 import dist_gluon as dg
 
 INNER = ("sgd", {"learning_rate": 0.001, "momentum": 0.9, "wd": 1e-5})
+# the pseudo-gradients' codec of each DiLoCo variant (the bytes on the wire do not
+# depend on the 2-bit threshold)
+CODECS = {"diloco": None, "diloco_fp16": "fp16",
+          "diloco_2bit": {"type": "2bit", "threshold": 1e-3}, "diloco_powersgd": "powersgd"}
 OUTER = {"learning_rate": 0.7, "momentum": 0.9}
 
 
@@ -49,7 +54,9 @@ def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(MODELS), required=True)
     parser.add_argument("--impls", required=True,
-                        help="comma-separated: compute, per_step, diloco:H, diloco_fp16:H")
+                        help="comma-separated: compute, per_step, diloco:H, diloco_fp16:H, "
+                             "diloco_2bit:H, diloco_powersgd:H, each DiLoCo one with "
+                             "_overlap")
     parser.add_argument("--batch", type=int, default=16, help="batch size per worker")
     parser.add_argument("--image", type=int, default=112, help="input height and width")
     parser.add_argument("--steps", type=int, default=2,
@@ -102,7 +109,7 @@ def main():
             trainer = dg.DistributedTrainer(
                 params, INNER[0], dict(INNER[1]), kv=kv, sync_every=int(every),
                 outer_optimizer="nag", outer_optimizer_params=dict(OUTER),
-                compression="fp16" if name.startswith("diloco_fp16") else None,
+                compression=CODECS[name.removesuffix("_overlap")],
                 sync_delay=int(every) if name.endswith("overlap") else 0)
         one_step(trainer)                   # untimed: the optimizer's states, the keys
         if name in ("compute", "per_step"):

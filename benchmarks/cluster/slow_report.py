@@ -51,7 +51,9 @@ def _throughput(rows: list[dict]) -> list[str]:
                 continue
             compute = _compute(entry)
             figures = _round_figures(entry)
-            wire = "float16" if impl.startswith("diloco_fp16") else "float32"
+            wire = {"diloco_fp16": "float16", "diloco_2bit": "2-bit",
+                    "diloco_powersgd": "PowerSGD rank 4"}.get(
+                impl.partition(":")[0].removesuffix("_overlap"), "float32")
             if "overlap" in impl:
                 wire += ", overlapped with the next round (sync_delay = H)"
             if figures is None or not compute:
@@ -68,29 +70,40 @@ def _throughput(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _mnist(rows: list[dict]) -> list[str]:
-    lines = ["| workers | the example's flags | val_acc, mean of seeds | each seed | "
-             "against per-step (points) |",
+def _by_flags(rows: list[dict], field: str, digits: int, against: str,
+              scale: float) -> list[str]:
+    """One line per (workers, flags): the mean of ``field`` over the seeds, each seed's,
+    and the mean's difference to per-step averaging's (times ``scale``)."""
+    lines = [f"| workers | the example's flags | {field}, mean of seeds | each seed | "
+             f"against per-step ({against}) |",
              "|---|---|---|---|---|"]
     groups: dict = {}
     for r in rows:
         groups.setdefault((r["workers"], tuple(r["flags"])), []).append(r)
     for key in groups:
         workers, flags = key
-        base = [r.get("val_acc", float("nan")) for r in groups.get((workers, ()), [])]
+        base = [r.get(field, float("nan")) for r in groups.get((workers, ()), [])]
         runs = groups[key]
-        accs = [r["val_acc"] for r in runs if "val_acc" in r]
-        seeds = ", ".join(f"{r['val_acc']:.4f}" if "val_acc" in r else "failed"
+        values = [r[field] for r in runs if field in r]
+        seeds = ", ".join(f"{r[field]:.{digits}f}" if field in r else "failed"
                           for r in runs)
         what = " ".join(flags) or "(per-step averaging)"
-        if len(accs) != len(runs) or not accs:
+        if len(values) != len(runs) or not values:
             lines.append(f"| {workers} | `{what}` | – | {seeds} | – |")
             continue
-        mean = statistics.mean(accs)
+        mean = statistics.mean(values)
         delta = "–" if not flags or not base else \
-            f"{(mean - statistics.mean(base)) * 100:+.2f}"
-        lines.append(f"| {workers} | `{what}` | {mean:.4f} | {seeds} | {delta} |")
+            f"{(mean - statistics.mean(base)) * scale:+.2f}"
+        lines.append(f"| {workers} | `{what}` | {mean:.{digits}f} | {seeds} | {delta} |")
     return lines
+
+
+def _mnist(rows: list[dict]) -> list[str]:
+    return _by_flags(rows, "val_acc", 4, "points", 100)
+
+
+def _lm(rows: list[dict]) -> list[str]:
+    return _by_flags(rows, "val_ppl", 1, "perplexity", 1)
 
 
 def _measured(what: dict) -> str:
@@ -100,6 +113,9 @@ def _measured(what: dict) -> str:
                      f"{', '.join(what['rates'])}")
     if what["mnist_workers"]:
         parts.append(f"MNIST on {', '.join(map(str, what['mnist_workers']))} workers")
+    if what.get("lm_workers"):
+        parts.append(f"the language model on {', '.join(map(str, what['lm_workers']))} "
+                     "workers")
     return " and ".join(parts) or "nothing"
 
 
@@ -137,8 +153,9 @@ def write(results: dict, path: Path) -> None:
         "",
         f"examples/mnist/train_gluon.py (the scikit-learn digits: 1,437 training and 360 "
         f"validation images, so one image is 0.28 points), {mnist['epochs']} epochs, batch "
-        f"32 per worker, the example's defaults otherwise (learning rate 0.02 x workers "
-        f"after a 1-epoch warm-up, momentum 0.9, cosine decay), seeds "
+        f"32 per worker, the example's defaults otherwise (learning rate 0.02, momentum "
+        f"0.9, cosine decay after a 1-epoch warm-up; per-step averaging scales the rate "
+        f"with the workers, rounds keep one worker's unless `--scale-lr`), seeds "
         f"{list(mnist['seeds'])}, horovod on one host. The accuracy is the summary line's, "
         "after the last (shortened) round's synchronisation. A diverged run (NaN loss, "
         "chance accuracy) counts in the mean as it ended.",
@@ -146,4 +163,21 @@ def write(results: dict, path: Path) -> None:
         *_mnist(results["mnist"]),
         "",
     ]
+    lm = cfg.get("lm")
+    if results.get("lm") and lm:
+        text += [
+            "## Language model perplexity",
+            "",
+            f"examples/language_model/train_lm.py with `{' '.join(lm['args'])}` (a part "
+            f"of each training document), {lm['epochs']} epochs, the example's defaults "
+            "otherwise (SGD lr 20 unscaled, clipping 0.25 of the global batch's norm, "
+            "divided for a local step), seeds "
+            f"{list(lm['seeds'])}, horovod on one host. The perplexity is the summary "
+            "line's: the last epoch's validation perplexity, of the synchronised weights "
+            "(the example cuts an epoch's last round short). A round longer than an "
+            "epoch is cut at the epoch's end.",
+            "",
+            *_lm(results["lm"]),
+            "",
+        ]
     path.write_text("\n".join(text))

@@ -19,6 +19,15 @@ class Codec:
     State that differs between workers (residuals) is :meth:`local_state`; state that is
     the same on every worker (PowerSGD's Q, step counts) is :meth:`shared_state`. Both
     are dicts of picklable values, saved by Checkpointer.
+
+    The same state, kept in memory at every step by ``dg.elastic.State``, is
+    :meth:`state_arrays` (the live arrays, by name, which the state copies on MXNet's
+    engine and copies back) and :meth:`state_counters` (the picklable rest, and which
+    arrays exist); :meth:`set_state_counters` puts the counters back, dropping arrays
+    made after them and making those a new worker lacks. A codec declares its arrays in
+    ``_array_fields`` (name -> the attribute holding a dict index -> array) and its
+    counters in ``_counter_fields``; one whose state has another shape overrides the
+    three methods.
     """
 
     name = "base"
@@ -39,6 +48,48 @@ class Codec:
 
     def load_state(self, shared: dict, local: dict) -> None:
         """Restore state saved by :meth:`shared_state` and :meth:`local_state`."""
+
+    # ------------------------------------------------------------ in memory
+    _array_fields: dict[str, str] = {}
+    _counter_fields: tuple[str, ...] = ()
+
+    def state_arrays(self) -> dict[str, mx.nd.NDArray]:
+        """The state's live arrays by name (``'<field>.<index>'``); an array still held
+        in NumPy since :meth:`load_state` becomes an NDArray here, on the CPU (the
+        codec moves it to the gradient's device at its next step)."""
+        arrays = {}
+        for field, attribute in self._array_fields.items():
+            held = getattr(self, attribute)
+            for index, value in held.items():
+                if isinstance(value, np.ndarray):
+                    value = held[index] = mx.nd.array(value, dtype=value.dtype)
+                arrays[f"{field}.{index}"] = value
+        return arrays
+
+    def state_counters(self) -> dict:
+        """The counters (copies) and the layout of :meth:`state_arrays`."""
+        layout = [(field, index, tuple(a.shape), np.dtype(a.dtype).name)
+                  for field, attribute in self._array_fields.items()
+                  for index, a in getattr(self, attribute).items()]
+        return {"layout": layout,
+                "counters": {name: dict(getattr(self, name)) for name in self._counter_fields}}
+
+    def set_state_counters(self, saved: dict, ctx_of) -> None:
+        """Put back :meth:`state_counters`: an array the layout lacks goes, one it names
+        that this codec lacks is made (zeros, on ``ctx_of(index)``) for the caller to
+        fill."""
+        wanted: dict = {}
+        for field, index, shape, dtype in saved["layout"]:
+            wanted.setdefault(field, {})[index] = (shape, dtype)
+        for field, attribute in self._array_fields.items():
+            held, mine = getattr(self, attribute), wanted.get(field, {})
+            for index in [i for i in held if i not in mine]:
+                del held[index]
+            for index, (shape, dtype) in mine.items():
+                if index not in held:
+                    held[index] = mx.nd.zeros(shape, ctx=ctx_of(index), dtype=dtype)
+        for name, value in saved["counters"].items():
+            setattr(self, name, dict(value))
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())

@@ -211,6 +211,9 @@ def _allgather(kv, key: str, part: mx.nd.NDArray, priority: int) -> mx.nd.NDArra
 
 
 # ------------------------------------------------------------------ the codecs
+_ARRAY_FIELDS = ("momentum", "error", "server_error", "nag")
+
+
 class _TensorState:
     """One tensor's state: this worker's momentum and error, and the server's error and
     Nesterov momentum (identical on every worker), its step count (the random draws'
@@ -369,6 +372,29 @@ class BytePSCompressor(Codec):
         return {"server_error": self._collect("server_error"), "nag": self._collect("nag"),
                 "steps": {i: s.steps for i, s in self._states.items()},
                 "last_lr": {i: s.last_lr for i, s in self._states.items()}}
+
+    def state_arrays(self) -> dict[str, mx.nd.NDArray]:
+        return {f"{field}.{i}": getattr(s, field) for i, s in self._states.items()
+                for field in _ARRAY_FIELDS if getattr(s, field) is not None}
+
+    def state_counters(self) -> dict:
+        layout = [(field, i, tuple(a.shape), np.dtype(a.dtype).name)
+                  for i, s in self._states.items() for field in _ARRAY_FIELDS
+                  if (a := getattr(s, field)) is not None]
+        return {"layout": layout,
+                "counters": {i: (s.steps, s.last_lr) for i, s in self._states.items()}}
+
+    def set_state_counters(self, saved: dict, ctx_of) -> None:
+        wanted = {(field, i): (shape, dtype) for field, i, shape, dtype in saved["layout"]}
+        self._states = {i: self._states.get(i) or _TensorState() for i in saved["counters"]}
+        for i, state in self._states.items():
+            state.steps, state.last_lr = saved["counters"][i]
+            for field in _ARRAY_FIELDS:
+                if (field, i) not in wanted:
+                    setattr(state, field, None)
+                elif getattr(state, field) is None:
+                    shape, dtype = wanted[(field, i)]
+                    setattr(state, field, mx.nd.zeros(shape, ctx=ctx_of(i), dtype=dtype))
 
     def _collect(self, field: str) -> dict:
         return {i: getattr(s, field).asnumpy() for i, s in self._states.items()

@@ -61,6 +61,8 @@ class PowerSGD(Codec):
     """
 
     name = "powersgd"
+    _array_fields = {"error": "_errors", "qt": "_qt"}
+    _counter_fields = ("_steps",)
 
     def __init__(self, rank: int = 4, warmup_steps: int = 0,
                  min_compression_rate: float = 2.0, min_size: int = 0, seed: int = 0):
@@ -161,8 +163,10 @@ class PowerSGD(Codec):
         error = self._errors.get(item.index)
         if isinstance(error, np.ndarray) and error.shape == (item.n, item.m):
             error = mx.nd.array(error, ctx=grad.context, dtype="float32")
-        elif not isinstance(error, mx.nd.NDArray) or error.shape != (item.n, item.m) \
-                or error.context != grad.context:
+        elif isinstance(error, mx.nd.NDArray) and error.shape == (item.n, item.m):
+            if error.context != grad.context:       # restored on the CPU
+                error = error.as_in_context(grad.context)
+        else:
             error = mx.nd.zeros((item.n, item.m), ctx=grad.context, dtype="float32")
         self._errors[item.index] = error
         g = grad.reshape((item.n, item.m))
@@ -197,7 +201,9 @@ class PowerSGD(Codec):
         """Q^T (r x m) on ``ctx``: the previous step's, a restored one, or a new one drawn
         from the seed (the same on every worker)."""
         qt = self._qt.get(index)
-        if qt is not None and qt.shape == (r, m) and qt.context == ctx:
+        if qt is not None and qt.shape == (r, m):
+            if qt.context != ctx:                   # restored on the CPU
+                qt = self._qt[index] = qt.as_in_context(ctx)
             return qt
         q = self._q.pop(index, None)        # restored by load_state, m x r
         if q is None or q.shape != (m, r):
@@ -206,6 +212,13 @@ class PowerSGD(Codec):
         qt = self._qt[index] = mx.nd.array(np.ascontiguousarray(q.T), ctx=ctx,
                                            dtype="float32")
         return qt
+
+    def state_arrays(self) -> dict[str, mx.nd.NDArray]:
+        # a Q restored by load_state and not used yet becomes its Q^T
+        for index, q in self._q.items():
+            self._qt[index] = mx.nd.array(np.ascontiguousarray(q.T), dtype="float32")
+        self._q = {}
+        return super().state_arrays()
 
     def shared_state(self) -> dict:
         q = {index: qt.asnumpy().T for index, qt in self._qt.items()}

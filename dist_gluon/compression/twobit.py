@@ -63,6 +63,7 @@ class TwoBit(Codec):
     """
 
     name = "2bit"
+    _array_fields = {"residual": "_residuals"}
 
     def __init__(self, threshold: float = 0.5, min_size: int = 0):
         self.threshold = check_number("threshold", threshold, 0, strict=True)
@@ -107,8 +108,13 @@ class TwoBit(Codec):
         residual = self._residuals.get(index)
         if isinstance(residual, np.ndarray) and residual.shape == (grad.size,):
             residual = mx.nd.array(residual, ctx=grad.context, dtype=grad.dtype)
-        elif (not isinstance(residual, mx.nd.NDArray) or residual.shape != (grad.size,)
-                or residual.dtype != grad.dtype or residual.context != grad.context):
+        elif isinstance(residual, mx.nd.NDArray) and residual.shape == (grad.size,):
+            # restored (a checkpoint's, or an elastic state's) on another device or dtype
+            if residual.context != grad.context:
+                residual = residual.as_in_context(grad.context)
+            if residual.dtype != grad.dtype:
+                residual = residual.astype(grad.dtype)
+        else:
             residual = mx.nd.zeros((grad.size,), ctx=grad.context, dtype=grad.dtype)
         self._residuals[index] = residual
         return residual

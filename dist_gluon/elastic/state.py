@@ -355,7 +355,9 @@ class State:
 
     def _keyed_arrays(self) -> tuple[list[tuple], list[mx.nd.NDArray]]:
         """Every array kept, keyed: ('p', i) the first copy of parameter i (in the
-        model's order), ('s', u, index, j) leaf j of updater u's state ``index``."""
+        model's order), ('s', u, index, j) leaf j of updater u's state ``index``, ('t',
+        name) the trainer's own (its ``extra_state()``: codec residuals, Local SGD's
+        round)."""
         keys, arrays = [], []
         for i, param in enumerate(self._params()):
             if param._data is not None:
@@ -366,7 +368,16 @@ class State:
                 for j, leaf in enumerate(_leaves(updater.states[index])):
                     keys.append(("s", u, index, j))
                     arrays.append(leaf)
+        extra = self._trainer_extra()[0]
+        for name in sorted(extra):
+            keys.append(("t", name))
+            arrays.append(extra[name])
         return keys, arrays
+
+    def _trainer_extra(self) -> tuple[dict, dict | None]:
+        """The trainer's ``extra_state()``: ({}, None) for a trainer without one."""
+        extra = getattr(self._trainer, "extra_state", None)
+        return extra() if extra is not None else ({}, None)
 
     def _all_copies(self, key: tuple, array: mx.nd.NDArray) -> list[mx.nd.NDArray]:
         """Where a kept array lives: every device's copy of a parameter."""
@@ -384,6 +395,7 @@ class State:
         for updater in self._updaters():
             for state in updater.states.values():
                 arrays.extend(_leaves(state))
+        arrays.extend(self._trainer_extra()[0].values())
         return arrays
 
     def _counters(self) -> dict | None:
@@ -396,7 +408,8 @@ class State:
         current = next((d for d, t in tables.items() if t is opt._index_update_count), 0)
         return {"num_update": opt.num_update,
                 "tables": {d: dict(t) for d, t in tables.items()}, "current": current,
-                "lr_scheduler": copy.deepcopy(opt.lr_scheduler)}
+                "lr_scheduler": copy.deepcopy(opt.lr_scheduler),
+                "trainer": self._trainer_extra()[1]}
 
     def _set_counters(self, counters: dict | None) -> None:
         if counters is None or self._trainer is None:
@@ -407,6 +420,8 @@ class State:
         opt._index_update_count = opt._all_index_update_counts.setdefault(
             counters["current"], {})
         opt.lr_scheduler = copy.deepcopy(counters["lr_scheduler"])
+        if counters.get("trainer") is not None:
+            self._trainer.set_extra_counters(counters["trainer"])
 
     def _layout(self) -> dict:
         """What a rank needs to receive rank 0's arrays: the parameters' shapes (a new

@@ -20,7 +20,8 @@ What makes it distributed (everything else is a plain Gluon training loop):
   that of one process evaluating the whole validation set;
 - each worker keeps ``--batch-size``, so the global batch is that times the workers;
   the learning rate grows with the number of workers too (``--scale-lr``, the linear
-  scaling rule), after a linear warmup;
+  scaling rule), after a linear warmup, except in Local SGD or DiLoCo rounds, whose
+  local steps each take one worker's batch at one worker's rate;
 - ``dg.Checkpointer`` writes a checkpoint every epoch and ``--resume`` continues from it;
 - over slow links, ``--sync-every H`` trains with Local SGD (each worker steps alone,
   the weights are averaged every H steps) and ``--outer-lr`` with DiLoCo (an outer
@@ -79,18 +80,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "re-forms with fewer workers (default: 32)")
     parser.add_argument("--lr", type=float, default=None,
                         help="learning rate of one worker (default: 0.02, or 0.04 with "
-                             "--compression 2bit, which runs without momentum)")
-    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=True,
+                             "--compression 2bit every step, which runs without momentum)")
+    parser.add_argument("--scale-lr", action=argparse.BooleanOptionalAction, default=None,
                         help="N workers use N times --lr, for their N times larger global "
                              "batch (the linear scaling rule, reached by the warmup); "
                              "--no-scale-lr keeps --lr on any number of workers. dist_async "
                              "always divides --lr by N instead, the staleness of a push "
-                             "(default: scale)")
+                             "(default: scale, except with --sync-every > 1 or --outer-lr, "
+                             "whose local steps each take one worker's batch: "
+                             "docs/slow-links.md)")
     parser.add_argument("--compression", default="none",
                         choices=("none", "fp16", "2bit", "powersgd"),
-                        help="gradient compression: none, fp16, 2bit (MXNet's, threshold 0.5) "
-                             "or powersgd "
-                             "(rank 4) (default: none)")
+                        help="gradient compression: none, fp16, 2bit (MXNet's, threshold "
+                             "--threshold) or powersgd (rank 4); with --sync-every or "
+                             "--outer-lr it compresses the pseudo-gradients (default: none)")
+    parser.add_argument("--threshold", type=float, default=0.5,
+                        help="--compression 2bit: values of at least this magnitude travel "
+                             "as +-threshold, the rest waits in the residual; in rounds it is "
+                             "in the units of a round's weight delta, far below a gradient's "
+                             "(docs/slow-links.md) (default: 0.5, MXNet's)")
     parser.add_argument("--sync-every", type=int, default=1, metavar="H",
                         help="Local SGD: each worker steps on its own gradients and the "
                              "weights are averaged every H steps (default: 1, the gradients "
@@ -148,11 +156,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.gpus is not None:
         args.devices = f"gpu:{args.gpus}"
-    two_bit = args.compression == "2bit"
+    # 2-bit error feedback on every step's gradients: no momentum on top of it. In
+    # rounds (--sync-every, --outer-lr) it compresses the pseudo-gradients instead, and
+    # the inner optimizer keeps its defaults
+    rounds = args.sync_every > 1 or args.outer_lr is not None
+    two_bit = args.compression == "2bit" and not rounds
     if args.lr is None:
         args.lr = 0.04 if two_bit else 0.02
     if args.momentum is None:
         args.momentum = 0.0 if two_bit else 0.9
+    if args.scale_lr is None:
+        # a Local SGD or DiLoCo step is one worker's step on its own batch: the rate of
+        # one worker, as DiLoCo and torchft keep it (docs/slow-links.md)
+        args.scale_lr = not rounds
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
     if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
@@ -324,7 +340,9 @@ def main(argv=None) -> None:
     trainer = dg.DistributedTrainer(
         net.collect_params(), "sgd",
         {"learning_rate": lr, "momentum": args.momentum, "wd": args.wd,
-         "lr_scheduler": schedule}, kv=kv, compression=args.compression, **rounds)
+         "lr_scheduler": schedule}, kv=kv, **rounds,
+        compression={"type": "2bit", "threshold": args.threshold}
+        if args.compression == "2bit" else args.compression)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
     def describe_lr() -> None:

@@ -31,7 +31,7 @@ X = rng.randn(STEPS, 8 * B, FEATURES).astype("float32")
 Y = rng.randint(0, CLASSES, (STEPS, 8 * B)).astype("float32")
 loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
 
-CHECKPOINTED = ("diloco_nag", "diloco_overlap")
+CHECKPOINTED = ("diloco_nag", "diloco_overlap", "diloco_2bit")
 # case -> (inner optimizer, its parameters, trainer keywords)
 CASES = {
     "per_step": ("sgd", SGD, {}),
@@ -45,6 +45,10 @@ CASES = {
     "diloco_nag": ("adam", ADAM, {"sync_every": H, "outer_optimizer": "nag",
                                   "outer_optimizer_params": NAG}),
     "local_fp16": ("sgd", SGD, {"sync_every": H, "compression": "fp16"}),
+    # 2-bit pseudo-gradients: each worker's residual carries over to the next round
+    "diloco_2bit": ("sgd", SGD, {"sync_every": H, "outer_optimizer": "nag",
+                                 "outer_optimizer_params": NAG,
+                                 "compression": {"type": "2bit", "threshold": 0.01}}),
     # overlap: a round's update reaches the workers D local steps late
     "local_overlap": ("sgd", SGD, {"sync_every": H, "sync_delay": H}),
     "diloco_overlap": ("adam", ADAM, {"sync_every": H, "outer_optimizer": "nag",
