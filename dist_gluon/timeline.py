@@ -326,7 +326,8 @@ class _Reporter:
             self._jobs.put(None)
             self._inputs.put(None)
             self._thread.join(timeout=CLOSE_WAIT)
-            self._inputs_thread.join(timeout=CLOSE_WAIT / 4)
+            if self._inputs_thread.ident is not None:   # started only with a timeline
+                self._inputs_thread.join(timeout=CLOSE_WAIT / 4)
         self._flush()
 
 

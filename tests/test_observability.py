@@ -325,3 +325,17 @@ def test_every_trainer_is_reported_in_the_report_and_the_timeline(tmp_path, kind
                        if e["pid"] == rank and e.get("cat") == "collective"}
         assert collectives == {"push," if kind == "dist_async" else "sum", "running"}, \
             collectives
+
+
+@pytest.mark.parametrize("events", [False, True])
+def test_the_workers_reporter_closes_silently_at_exit(tmp_path, events):
+    """A worker's reporter, with the timeline (two helper threads) or without it (one),
+    ends with its process without a word on stderr (an 'Exception ignored in atexit
+    callback' there reached every worker's output once)."""
+    code = textwrap.dedent(f"""
+        from dist_gluon import timeline
+        timeline._Reporter({str(tmp_path)!r}, 0, 0, events={events})
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=process_env(), timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
