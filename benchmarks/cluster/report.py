@@ -686,11 +686,12 @@ def elastic_section(results: dict) -> list[str]:
              "Python, so a worker blocked inside a collective, a pull from the lost host's "
              "server or a sum with its worker, waits for the SIGKILL). *cold start*: the "
              "first round's start, first worker process -> first step on 3 workers, for "
-             "comparison. Seconds; medians over "
-             f"{reps} repetition(s) of each fault ("
-             + ("each run's load: see the header" if merged else
-                f"{_load(s)}; `uptime` before: `{s.get('uptime_start', '?')}`, after: "
-                f"`{s.get('uptime_end', '?')}`") + ").", "",
+             "comparison. Seconds; "
+             + ("medians over each row's repetitions (its *runs* column; each run's load: "
+                "see the header)." if merged else
+                f"medians over {reps} repetition(s) of each fault ({_load(s)}; `uptime` "
+                f"before: `{s.get('uptime_start', '?')}`, after: "
+                f"`{s.get('uptime_end', '?')}`)."), "",
              "**This machine has 2 cores shared with other jobs.** During the recovery, "
              "2 workers (and on ps-lite their servers and the scheduler) start on them at "
              "once, next to whatever else runs: worker start, model build and checkpoint "
