@@ -37,7 +37,11 @@ scheduler on host 0. In every cluster:
    from the fault to the re-formed job's first step, split into detection, the
    takeover (host 0 only: the survivors end their workers, then elect), re-formation,
    worker start, model build, checkpoint load and first step, from the launchers' lines
-   (stamped as they are read) and the workers' clocks.
+   (stamped as they are read) and the workers' clocks. The same faults again with the
+   job's state in memory (dg.elastic.State, no checkpoint): on horovod the survivors
+   keep their processes; on dist_sync and p3 the workers restart and take the state
+   from their node's shared memory (their start split into imports, ps-lite's start,
+   model build and state sync). --merge adds the rows run to the report already there.
 8. Slow links (``--only slow``; its own report, RESULTS-cluster-slow-links.md, and raw
    numbers, results-cluster-slow-links.json, which runs of the other parts never
    touch): ResNet-50 and VGG-16 on 2 hosts at 1 Gbit/s and at 100 Mbit/s, per-step
@@ -177,16 +181,15 @@ ASYNC = {"hosts": 2, "rate": "1gbit"}
 # (in another job) host 0, to a fault; the launchers keep their defaults (--silence-limit
 # 8, --heartbeat 0.5). Where host 0 is lost the checkpoints are node-local: its disk goes
 # with it, and a shared directory would hide what the survivors must hold themselves.
-# Two modes: "restart" (every worker restarts from the last checkpoint) and "memory"
-# (dg.elastic.State: the survivors keep their processes and their state in memory), the
-# latter on the backends of ELASTIC_MEMORY_BACKENDS by default (--elastic-backend and
-# --elastic-mode choose others).
+# Two modes on every backend: "restart" (every worker restarts from the last
+# checkpoint) and "memory" (dg.elastic.State: on horovod the survivors keep their
+# processes and their state in memory; on ps-lite the workers restart and take the
+# state from the node's shared memory).
 ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
            "backends": ("horovod", "dist_sync", "p3"), "modes": ("restart", "memory"),
            "faults": ("kill", "link"),
            "lost_hosts": (2, 0), "node_local": (0,),
            "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
-ELASTIC_MEMORY_BACKENDS = ("horovod",)
 ELASTIC_TAG = "ELASTIC "
 # the phases of a recovery, each named for the boundary that ends it; it begins at the
 # boundary before it that the recovery has ("electing" and "took" only where the host
@@ -912,11 +915,9 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
 
 def elastic_jobs(backends=None, modes=None) -> list[tuple[str, str]]:
     """Part 7's (backend, mode) pairs: each backend of ``backends`` (default
-    ELASTIC['backends']) in each mode of ``modes`` (default ELASTIC['modes']), the
-    memory mode by default only on ELASTIC_MEMORY_BACKENDS."""
+    ELASTIC['backends']) in each mode of ``modes`` (default ELASTIC['modes'])."""
     return [(b, m) for m in (modes or ELASTIC["modes"])
-            for b in (backends or ELASTIC["backends"])
-            if m == "restart" or backends or b in ELASTIC_MEMORY_BACKENDS]
+            for b in (backends or ELASTIC["backends"])]
 
 
 def run_elastic(cfg, timeout: float, lost_hosts=None, backends=None, modes=None,
@@ -1139,8 +1140,7 @@ def parse_args(argv=None):
                         choices=ELASTIC["backends"], metavar="BACKEND",
                         help="part 7 (elastic): only this backend (repeatable), in every "
                              "mode of --elastic-mode; default: "
-                             f"{', '.join(ELASTIC['backends'])} restarting from checkpoints, "
-                             f"{', '.join(ELASTIC_MEMORY_BACKENDS)} in memory too")
+                             f"{', '.join(ELASTIC['backends'])}")
     parser.add_argument("--elastic-mode", action="append", choices=ELASTIC["modes"],
                         help="part 7 (elastic): only this mode (repeatable): restart "
                              "(from checkpoints) or memory (dg.elastic.State, the "
