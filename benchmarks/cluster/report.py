@@ -178,6 +178,7 @@ def _merged_runs(results: dict) -> list[str]:
         return []
     lines = ["- Part 7 merges several runs (`--merge`); the first is the one above, and "
              "each row's *run* says which measured it:"]
+    kept = [job.get("run", 0) for job in results["elastic"]["jobs"].values()]
     for i, run in enumerate(runs):
         others = run.get("others_cpu_share")
         start, end = run["load_start"], run["load_end"]
@@ -189,7 +190,8 @@ def _merged_runs(results: dict) -> list[str]:
                f"processes outside it used {others * 100:.0f}% of the CPU; ")
             + f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end "
             f"(`uptime` before: `{run.get('uptime_start', '?')}`, after: "
-            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s)")
+            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s), "
+            f"{kept.count(i)} of them shown (the others measured again later)")
     return lines
 
 
@@ -704,8 +706,9 @@ def elastic_section(results: dict) -> list[str]:
              + " | total | steps lost | old workers gone | cold start | runs |" + run_head,
              "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 5) + run_rule]
     failures = []
-    memory = {n: j for n, j in s["jobs"].items() if j.get("mode") == "memory"}
-    for name, job in s["jobs"].items():
+    jobs = _in_order(s)
+    memory = {n: j for n, j in jobs.items() if j.get("mode") == "memory"}
+    for name, job in jobs.items():
         if name in memory:
             continue
         good = [r for r in job["runs"] if "error" not in r]
@@ -746,6 +749,21 @@ def elastic_section(results: dict) -> list[str]:
 
 MEMORY_PHASES = ("detection", "workers ended", "election", "re-formation", "state sync",
                  "first step")
+
+
+def _in_order(s: dict) -> dict:
+    """Part 7's jobs by backend, host lost and fault, in the setting's orders (rows
+    merged from several runs come in the order they were run)."""
+    orders = [list(s.get("backends", ())), list(s.get("lost_hosts", ())),
+              list(s.get("faults", ()))]
+
+    def key(item):
+        job = item[1]
+        return tuple(order.index(v) if v in order else len(order)
+                     for order, v in zip(orders, (job["backend"], job.get("lost", 2),
+                                                  job["fault"])))
+
+    return dict(sorted(s["jobs"].items(), key=key))
 
 
 def _run_cell(job: dict, merged: bool) -> str:
