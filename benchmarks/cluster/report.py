@@ -190,8 +190,9 @@ def _merged_runs(results: dict) -> list[str]:
                f"processes outside it used {others * 100:.0f}% of the CPU; ")
             + f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end "
             f"(`uptime` before: `{run.get('uptime_start', '?')}`, after: "
-            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s), "
-            f"{kept.count(i)} of them shown (the others measured again later)")
+            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s)"
+            + ("" if kept.count(i) == len(run["jobs"]) else
+               f", {kept.count(i)} of them shown (the others measured again later)"))
     return lines
 
 
