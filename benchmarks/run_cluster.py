@@ -87,6 +87,8 @@ import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
 from cluster import report, scale, slow_report  # noqa: E402
 
+from dist_gluon.launch import statedir  # noqa: E402
+
 PY = sys.executable
 RESULT_TAG = "BENCH "
 LINK_TAG = "LINK "
@@ -874,6 +876,10 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
         codes = [codes[n] for n in range(len(procs))]
     finally:
         kill_leftovers(cluster)
+        # the node copies in /dev/shm (2 x 196 MiB per node in memory mode on ps-lite)
+        # of launchers the fault killed: the next launcher of that host would remove
+        # them, but none comes after the last job
+        statedir._remove_orphans(statedir.ROOT)
         if fault == "link":
             subprocess.run(["ip", "-n", cluster.hosts[lost].namespace, "link", "set", "eth0",
                             "up"], check=False)
