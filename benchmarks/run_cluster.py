@@ -37,7 +37,11 @@ scheduler on host 0. In every cluster:
    from the fault to the re-formed job's first step, split into detection, the
    takeover (host 0 only: the survivors end their workers, then elect), re-formation,
    worker start, model build, checkpoint load and first step, from the launchers' lines
-   (stamped as they are read) and the workers' clocks.
+   (stamped as they are read) and the workers' clocks. The same faults again with the
+   job's state in memory (dg.elastic.State, no checkpoint): on horovod the survivors
+   keep their processes; on dist_sync and p3 the workers restart and take the state
+   from their node's shared memory (their start split into imports, ps-lite's start,
+   model build and state sync). --merge adds the rows run to the report already there.
 8. Slow links (``--only slow``; its own report, RESULTS-cluster-slow-links.md, and raw
    numbers, results-cluster-slow-links.json, which runs of the other parts never
    touch): ResNet-50 and VGG-16 on 2 hosts at 1 Gbit/s and at 100 Mbit/s, per-step
@@ -83,6 +87,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
 from cluster import report, scale, slow_report  # noqa: E402
+
+from dist_gluon.launch import statedir  # noqa: E402
 
 PY = sys.executable
 RESULT_TAG = "BENCH "
@@ -178,28 +184,32 @@ ASYNC = {"hosts": 2, "rate": "1gbit"}
 # (in another job) host 0, to a fault; the launchers keep their defaults (--silence-limit
 # 8, --heartbeat 0.5). Where host 0 is lost the checkpoints are node-local: its disk goes
 # with it, and a shared directory would hide what the survivors must hold themselves.
-# Two modes: "restart" (every worker restarts from the last checkpoint) and "memory"
-# (dg.elastic.State: the survivors keep their processes and their state in memory), the
-# latter on the backends of ELASTIC_MEMORY_BACKENDS by default (--elastic-backend and
-# --elastic-mode choose others).
+# Two modes on every backend: "restart" (every worker restarts from the last
+# checkpoint) and "memory" (dg.elastic.State: on horovod the survivors keep their
+# processes and their state in memory; on ps-lite the workers restart and take the
+# state from the node's shared memory).
 ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
            "backends": ("horovod", "dist_sync", "p3"), "modes": ("restart", "memory"),
            "faults": ("kill", "link"),
            "lost_hosts": (2, 0), "node_local": (0,),
            "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
-ELASTIC_MEMORY_BACKENDS = ("horovod",)
 ELASTIC_TAG = "ELASTIC "
 # the phases of a recovery, each named for the boundary that ends it; it begins at the
 # boundary before it that the recovery has ("electing" and "took" only where the host
 # was lost: its takeover is the survivors ending their workers, then the election)
-# In memory mode the survivors' processes stay: "reset" (horovod initialised again in
-# the new round, the last commit put back) and "entered" (rank 0's state synced)
-BOUNDS = ("fault", "lost", "electing", "took", "spawned", "reset", "created", "built",
-          "restored", "entered", "first_step")
+# In memory mode on horovod the survivors' processes stay: "reset" (horovod initialised
+# again in the new round, the last commit put back) and "entered" (rank 0's state
+# synced). On ps-lite they restart, and the start is split finer: "imported" (mxnet and
+# dist_gluon imported), "backend" (dg.create() returned: ps-lite's scheduler, servers
+# and workers met), "entered" (the node's copy taken from /dev/shm and the freshest
+# commit synced, a commit made).
+BOUNDS = ("fault", "lost", "electing", "took", "spawned", "reset", "imported", "created",
+          "backend", "built", "restored", "entered", "first_step")
 PHASES = (("detection", "lost"), ("workers ended", "electing"), ("election", "took"),
-          ("re-formation", "spawned"), ("re-formation", "reset"), ("state sync", "entered"),
-          ("worker start", "created"), ("model build", "built"),
-          ("checkpoint load", "restored"), ("first step", "first_step"))
+          ("re-formation", "spawned"), ("re-formation", "reset"), ("imports", "imported"),
+          ("worker start", "created"), ("backend start", "backend"),
+          ("model build", "built"), ("checkpoint load", "restored"),
+          ("state sync", "entered"), ("first step", "first_step"))
 TOOK_OVER = "takes over as the job's host"
 # the host dropping a node that went silent while the round's processes ended
 LEFT_UNCONFIRMED = "did not confirm that its processes ended: it leaves the job"
@@ -841,6 +851,12 @@ def recovery(lines: _Lines, fault_at: float, lost: int, nodes: int) -> dict:
     if all("reset" in e["times"] for e in new):     # the processes stayed (memory mode)
         bounds.update({name: max(e["times"][name] for e in new)
                        for name in ("reset", "entered", "first_step")})
+    elif all("entered" in e["times"] for e in new):
+        # memory mode on ps-lite: new processes, their state from the node's memory
+        last = {name: max(e["times"][name] for e in new)
+                for name in ("imported", "created", "built", "entered", "first_step")}
+        bounds.update(spawned=min(e["times"]["process"] for e in new),
+                      backend=last.pop("created"), **last)
     else:
         bounds.update(spawned=min(e["times"]["process"] for e in new),
                       **{name: max(e["times"][name] for e in new)
@@ -915,6 +931,10 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
         codes = [codes[n] for n in range(len(procs))]
     finally:
         kill_leftovers(cluster)
+        # the node copies in /dev/shm (2 x 196 MiB per node in memory mode on ps-lite)
+        # of launchers the fault killed: the next launcher of that host would remove
+        # them, but none comes after the last job
+        statedir._remove_orphans(statedir.ROOT)
         if fault == "link":
             subprocess.run(["ip", "-n", cluster.hosts[lost].namespace, "link", "set", "eth0",
                             "up"], check=False)
@@ -930,16 +950,24 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
     said = lines.said(host)
     result.update(codes=codes, launcher=said, launcher_node=host, mode=mode,
                   node_local=lost in cfg["node_local"] and not memory)
+    # the survivors keep their processes where the backend can re-form in a process
+    # (horovod); on ps-lite they restart, and take their state from the node's memory
+    kept = memory and backend == "horovod"
     # when the broken round's workers on the hosts that stay were gone: a worker blocked
     # in a collective ends only at its launcher's SIGKILL, 0.5 s after its SIGTERM
-    result["old_ended"] = {} if memory else {
+    result["old_ended"] = {} if kept else {
         str(node): None if ended[pid] is None else ended[pid] - fault_at
         for pid, node in old.items()}
     if memory and "error" not in result:
         pids = {e["pid"] for e in result["timelines"] if e["reformation"] > 0}
-        if not pids <= set(old):
+        if kept and not pids <= set(old):
             result["error"] = (f"the re-formed job's workers {sorted(pids)} are not the "
                                f"survivors' processes {sorted(old)}")
+        elif not kept and pids & set(old):
+            result["error"] = (f"the re-formed job's workers {sorted(pids & set(old))} "
+                               "are the old round's: ps-lite's workers restart")
+        elif not kept and result["resumed_from"] == 0:
+            result["error"] = "the restarted workers began at step 0: no state in memory"
     if "error" not in result and any(codes[n] != 0 for n in stay):
         result["error"] = (f"nodes {stay[0]} and {stay[1]} ended with "
                            f"{[codes[n] for n in stay]}: " + " | ".join(said[-6:]))
@@ -948,20 +976,20 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
 
 def elastic_jobs(backends=None, modes=None) -> list[tuple[str, str]]:
     """Part 7's (backend, mode) pairs: each backend of ``backends`` (default
-    ELASTIC['backends']) in each mode of ``modes`` (default ELASTIC['modes']), the
-    memory mode by default only on ELASTIC_MEMORY_BACKENDS."""
+    ELASTIC['backends']) in each mode of ``modes`` (default ELASTIC['modes'])."""
     return [(b, m) for m in (modes or ELASTIC["modes"])
-            for b in (backends or ELASTIC["backends"])
-            if m == "restart" or backends or b in ELASTIC_MEMORY_BACKENDS]
+            for b in (backends or ELASTIC["backends"])]
 
 
-def run_elastic(cfg, timeout: float, lost_hosts=None, backends=None, modes=None) -> dict:
+def run_elastic(cfg, timeout: float, lost_hosts=None, backends=None, modes=None,
+                faults=None) -> dict:
     """Part 7: recovery of an elastic ResNet-50 job from a lost host, on every backend
     and mode (elastic_jobs); ``lost_hosts``: the hosts to break (default
-    ELASTIC['lost_hosts']), one at a time."""
+    ELASTIC['lost_hosts']), one at a time; ``faults``: how (default ELASTIC['faults'])."""
     lost_hosts = tuple(lost_hosts or ELASTIC["lost_hosts"])
+    faults = tuple(faults or ELASTIC["faults"])
     pairs = elastic_jobs(backends, modes)
-    setting = dict(ELASTIC, lost_hosts=lost_hosts, load_start=os.getloadavg(),
+    setting = dict(ELASTIC, lost_hosts=lost_hosts, faults=faults, load_start=os.getloadavg(),
                    uptime_start=uptime(), jobs={})
     log(f"elastic: {ELASTIC['hosts']} hosts at {ELASTIC['rate']}, --nnodes "
         f"{ELASTIC['nnodes']}, host(s) {', '.join(map(str, lost_hosts))} lost, "
@@ -970,7 +998,7 @@ def run_elastic(cfg, timeout: float, lost_hosts=None, backends=None, modes=None)
             emulated_cluster.EmulatedCluster(num_hosts=ELASTIC["hosts"],
                                              rate=ELASTIC["rate"]) as cluster:
         for backend, mode in pairs:
-            for lost, fault in itertools.product(lost_hosts, ELASTIC["faults"]):
+            for lost, fault in itertools.product(lost_hosts, faults):
                 runs = []
                 for rep in range(cfg["elastic_reps"]):
                     run = run_elastic_job(cluster, backend, fault, lost, timeout, Path(tmp),
@@ -1056,6 +1084,35 @@ def part_results(results: dict, part: str) -> dict | None:
 
 def raw_path(report_path: Path) -> Path:
     return report_path.with_name(report_path.stem.lower() + ".json")
+
+
+def _elastic_run(results: dict) -> dict:
+    """What a report that merges several runs of part 7 says of one of them."""
+    s = results["elastic"]
+    return {"command": results["command"], "date": results["machine"]["date"],
+            "minutes": results.get("minutes"), "cpu": results["machine"].get("cpu"),
+            "dist_gluon": results["machine"]["versions"].get("dist_gluon"),
+            "others_cpu_share": results.get("others_cpu_share"),
+            "load_start": s.get("load_start"), "load_end": s.get("load_end"),
+            "uptime_start": s.get("uptime_start"), "uptime_end": s.get("uptime_end"),
+            "jobs": list(s["jobs"])}
+
+
+def merge_elastic(results: dict, path: Path) -> dict:
+    """Part 7's rows of ``results`` added to the report at ``path`` (its raw numbers
+    beside it): a row run again replaces the old one, the others stay; the first run's
+    header and settings stay, and ``elastic_runs`` lists every run with its load and
+    which rows it measured (each job's ``run`` is its index there)."""
+    raw = raw_path(path)
+    if not raw.exists():
+        return results
+    merged = json.loads(raw.read_text())
+    runs = merged.setdefault("elastic_runs", [_elastic_run(merged)])
+    runs.append(_elastic_run(results))
+    jobs = merged["elastic"]["jobs"]
+    for name, job in results["elastic"]["jobs"].items():
+        jobs[name] = dict(job, run=len(runs) - 1)
+    return merged
 
 
 def write_reports(results: dict, parts, out: Path | None) -> list[Path]:
@@ -1144,13 +1201,26 @@ def parse_args(argv=None):
                         choices=ELASTIC["backends"], metavar="BACKEND",
                         help="part 7 (elastic): only this backend (repeatable), in every "
                              "mode of --elastic-mode; default: "
-                             f"{', '.join(ELASTIC['backends'])} restarting from checkpoints, "
-                             f"{', '.join(ELASTIC_MEMORY_BACKENDS)} in memory too")
+                             f"{', '.join(ELASTIC['backends'])}")
     parser.add_argument("--elastic-mode", action="append", choices=ELASTIC["modes"],
                         help="part 7 (elastic): only this mode (repeatable): restart "
                              "(from checkpoints) or memory (dg.elastic.State, the "
                              "survivors keep their processes); default: both")
+    parser.add_argument("--elastic-fault", action="append", choices=ELASTIC["faults"],
+                        help="part 7 (elastic): only this fault (repeatable): kill (every "
+                             "process of the host SIGKILLed) or link (its link down); "
+                             "default: both")
+    parser.add_argument("--merge", action="store_true",
+                        help="part 7 (elastic): add the rows run to the report already "
+                             "there (--out, or RESULTS-cluster-elastic.md) and its raw "
+                             "numbers, replacing the rows run again and keeping the others; "
+                             "its header then names every run merged in, with its load")
     args = parser.parse_args(argv)
+    if args.merge:
+        if args.only != ["elastic"]:
+            parser.error("--merge adds rows of part 7 to its report: give --only elastic "
+                         "alone")
+        args.out = args.out or HERE / PART_FILES["elastic"]
     if args.out is None and args.quick:
         args.out = HERE / "RESULTS-cluster-quick.md"
     if args.variant and args.out is None:
@@ -1230,7 +1300,17 @@ def main(argv=None) -> int:
             results["async"] = run_async(cfg, args.job_timeout)
         if "elastic" in parts:
             results["elastic"] = run_elastic(cfg, args.job_timeout, args.lost_host,
-                                             args.elastic_backend, args.elastic_mode)
+                                             args.elastic_backend, args.elastic_mode,
+                                             args.elastic_fault)
+            results["minutes"] = (time.monotonic() - started) / 60
+            results["others_cpu_share"] = local_bench.others_share(
+                cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
+            if args.merge:
+                # the report's other rows stay, each run with its own header facts
+                merged = merge_elastic(dict(results, load_end=os.getloadavg()), args.out)
+                write_reports(merged, parts, args.out)
+                log(f"merged part 7's rows into {args.out} (and the raw numbers beside it)")
+                return _failed(results)
         if "slow" in parts:
             # its own files, whatever else runs: reruns of other parts never overwrite it
             slow_out = HERE / (SLOW_RESULTS if not args.quick else
@@ -1257,6 +1337,11 @@ def main(argv=None) -> int:
     written = write_reports(results, parts, args.out)
     log(f"wrote {', '.join(str(p) for p in written)} (and the raw numbers beside each) in "
         f"{results['minutes']:.1f} minutes")
+    return _failed(results)
+
+
+def _failed(results: dict) -> int:
+    """1 (and their names logged) if any job of the run failed, else 0."""
     failed = [f"{s['hosts']}x{s['rate']} collectives {label}" for s in results["settings"]
               for label, job in s.get("comm", {}).items() if "error" in job]
     failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]

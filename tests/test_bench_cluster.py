@@ -56,3 +56,67 @@ def test_another_nodes_loss_or_a_workers_line_is_not_the_detection():
     assert run_cluster._detection(lines, 100.0, lost=2, nodes=3) == ({}, 0, None)
     assert run_cluster.recovery(lines, 100.0, lost=2, nodes=3)["error"] == \
         "node 0 never said node 2 was lost or left the job"
+
+
+def timeline(rank: int, pid: int, reformation: int, resumed_from: int, **times) -> tuple:
+    """A worker's ELASTIC timeline line, as the launcher's stdout carries it."""
+    payload = {"event": "timeline", "rank": rank, "pid": pid, "host": f"dgc-h{rank}",
+               "workers": 3 if reformation == 0 else 2, "reformation": reformation,
+               "restart": reformation, "resumed_from": resumed_from, "times": times}
+    return run_cluster.ELASTIC_TAG + run_cluster.json.dumps(payload)
+
+
+def test_restarted_pslite_workers_in_memory_mode_are_timed_from_process_start_to_first_step():
+    """On ps-lite the in-memory mode restarts the workers: the phases are the new
+    processes' start, their imports, ps-lite's start, the model, the state synced from
+    the node's copy and the first step, each up to the last worker."""
+    step = {"event": "step", "step": 3, "reformation": 0, "time": 99.0}
+    lines = run_cluster._Lines()
+    lines.lines = [
+        (50.0, 0, "stdout", timeline(0, 11, 0, 0, process=40.0, first_step=60.0)),
+        (50.0, 1, "stdout", timeline(1, 12, 0, 0, process=40.5, first_step=61.0)),
+        (99.0, 0, "stdout", run_cluster.ELASTIC_TAG + run_cluster.json.dumps(step)),
+        (100.1, 0, "stderr", HOST + "node 2 (dgc-h2) lost: its launcher's connection closed"),
+        (100.2, 0, "stderr", HOST + "re-forming with 2 nodes (2 workers) from the workers' "
+                                    "last commit in memory"),
+        (112.0, 0, "stdout", timeline(0, 21, 1, 3, process=100.5, imported=104.0,
+                                      created=105.0, built=106.0, entered=109.0,
+                                      first_step=111.0)),
+        (112.0, 1, "stdout", timeline(1, 22, 1, 3, process=100.4, imported=104.5,
+                                      created=105.1, built=106.5, entered=109.5,
+                                      first_step=111.5)),
+    ]
+    found = run_cluster.recovery(lines, 100.0, lost=2, nodes=3)
+    assert "error" not in found
+    assert found["phases"] == pytest.approx({
+        "detection": 0.1, "re-formation": 0.3, "imports": 4.1, "backend start": 0.6,
+        "model build": 1.4, "state sync": 3.0, "first step": 2.0})
+    assert found["total"] == pytest.approx(11.5)
+    assert (found["resumed_from"], found["steps_lost"]) == (3, 0)
+
+
+def test_merged_rows_replace_the_same_rows_and_keep_the_others(tmp_path):
+    """--merge: a row run again replaces its old one, the others stay, and every run is
+    listed with its own load and rows."""
+    def run(command, jobs, load):
+        return {"command": command, "minutes": 1.0, "others_cpu_share": 0.5,
+                "machine": {"date": "today", "cpu": "AMD EPYC",
+                            "versions": {"dist_gluon": "abc"}},
+                "elastic": {"jobs": jobs, "load_start": [load] * 3, "load_end": [load] * 3,
+                            "uptime_start": "up", "uptime_end": "up"}}
+
+    report = tmp_path / "RESULTS-cluster-elastic.md"
+    first = run("first", {"horovod host 2 kill": {"runs": [1]},
+                          "p3 host 2 kill memory": {"runs": [2]}}, 5.0)
+    run_cluster.raw_path(report).write_text(run_cluster.json.dumps(first))
+    merged = run_cluster.merge_elastic(
+        run("second", {"p3 host 2 kill memory": {"runs": [3]},
+                       "p3 host 0 kill memory": {"runs": [4]}}, 9.0), report)
+    assert merged["command"] == "first"
+    assert merged["elastic"]["jobs"] == {
+        "horovod host 2 kill": {"runs": [1]},
+        "p3 host 2 kill memory": {"runs": [3], "run": 1},
+        "p3 host 0 kill memory": {"runs": [4], "run": 1}}
+    assert [(r["command"], r["load_start"][0], r["jobs"]) for r in merged["elastic_runs"]] == [
+        ("first", 5.0, ["horovod host 2 kill", "p3 host 2 kill memory"]),
+        ("second", 9.0, ["p3 host 2 kill memory", "p3 host 0 kill memory"])]

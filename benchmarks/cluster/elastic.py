@@ -15,6 +15,8 @@ Every rank prints one ``ELASTIC {json}`` line per round with wall-clock times
 
 - ``process``: this process's start, from ``/proc/self/stat`` (before the interpreter
   loaded anything; 10 ms resolution);
+- ``script``: this script began (the interpreter is up); ``imported``: mxnet, numpy
+  and dist_gluon imported;
 - ``created``: ``dg.create()`` returned (imports and the backend's rendezvous done);
 - ``built``: the model built, its shapes known and the trainer made;
 - ``restored``: ``Checkpointer.restore`` returned;
@@ -30,7 +32,10 @@ committed after every step, the loop under ``@dg.elastic.run``, no checkpoint): 
 survivors keep their processes, and each entry of the training function after a
 re-formation prints a timeline with ``reset`` (the reset callback ran: horovod
 initialised again in the new round, the last commit put back), ``entered`` (rank 0's
-state synced, the function entered) and ``first_step``.
+state synced, the function entered) and ``first_step``. On ps-lite the workers restart
+instead (the state comes from the node's shared memory): a restarted worker's timeline
+has the start's marks above, then ``entered`` (the node's copy taken and the freshest
+commit of the job synced, inside ``dg.elastic.run``) and ``first_step``.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ from mxnet import autograd, gluon  # noqa: E402
 
 import dist_gluon as dg  # noqa: E402
 
+IMPORTED = time.time()
 TAG = "ELASTIC "
 OPTIMIZER_PARAMS = {"learning_rate": 0.001, "momentum": 0.9, "wd": 1e-5}
 
@@ -88,7 +94,7 @@ def main() -> None:
                         help="keep the state in memory (dg.elastic.State, a commit every "
                              "step) instead of checkpoints: the workers keep their processes")
     args = parser.parse_args()
-    times = {"process": process_start(), "script": STARTED}
+    times = {"process": process_start(), "script": STARTED, "imported": IMPORTED}
 
     kv = dg.create()
     times["created"] = time.time()

@@ -109,6 +109,7 @@ def header(results: dict) -> list[str]:
         "jobs): "
         + ("**the machine was busy, so the figures are noisier and the compute slower than "
            "on an idle machine**." if busy else "the machine was otherwise essentially idle."),
+        *_merged_runs(results),
         *(["- Horovod over MPI: " + ("measured (rows 'horovod (MPI)')."
                                      if results["mpi"] is None
                                      else f"not measured: {results['mpi']}.")]
@@ -167,6 +168,31 @@ def header(results: dict) -> list[str]:
         "time. GB/s is algorithm bandwidth: B / time (10^9 bytes).",
         "",
     ]
+    return lines
+
+
+def _merged_runs(results: dict) -> list[str]:
+    """The header's lines on the runs of part 7 merged into this report (--merge)."""
+    runs = results.get("elastic_runs")
+    if not runs:
+        return []
+    lines = ["- Part 7 merges several runs (`--merge`); the first is the one above, and "
+             "each row's *run* says which measured it:"]
+    kept = [job.get("run", 0) for job in results["elastic"]["jobs"].values()]
+    for i, run in enumerate(runs):
+        others = run.get("others_cpu_share")
+        start, end = run["load_start"], run["load_end"]
+        lines.append(
+            f"  {i + 1}. `{run['command']}` on {run['date']}"
+            + (f" in {run['minutes']:.1f} minutes" if run.get("minutes") else "")
+            + f", dist_gluon {run['dist_gluon']}, {run.get('cpu') or '?'}: "
+            + ("" if others is None else
+               f"processes outside it used {others * 100:.0f}% of the CPU; ")
+            + f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end "
+            f"(`uptime` before: `{run.get('uptime_start', '?')}`, after: "
+            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s)"
+            + ("" if kept.count(i) == len(run["jobs"]) else
+               f", {kept.count(i)} of them shown (the others measured again later)"))
     return lines
 
 
@@ -587,6 +613,8 @@ def elastic_section(results: dict) -> list[str]:
     reps = results["config"].get("elastic_reps", 1)
     lost_hosts = s.get("lost_hosts", (2,))
     node0 = 0 in lost_hosts
+    merged = bool(results.get("elastic_runs"))
+    run_head, run_rule = (" run |", "---:|") if merged else ("", "")
     lines = ["## Recovery of an elastic job from a lost host", "",
              f"{s['hosts']} emulated hosts at {s['rate'].replace('gbit', ' Gbit/s')}, one "
              f"worker each, launched with `--nnodes {s['nnodes']} --max-restarts "
@@ -661,9 +689,12 @@ def elastic_section(results: dict) -> list[str]:
              "Python, so a worker blocked inside a collective, a pull from the lost host's "
              "server or a sum with its worker, waits for the SIGKILL). *cold start*: the "
              "first round's start, first worker process -> first step on 3 workers, for "
-             "comparison. Seconds; medians over "
-             f"{reps} repetition(s) of each fault ({_load(s)}; `uptime` before: "
-             f"`{s.get('uptime_start', '?')}`, after: `{s.get('uptime_end', '?')}`).", "",
+             "comparison. Seconds; "
+             + ("medians over each row's repetitions (its *runs* column; each run's load: "
+                "see the header)." if merged else
+                f"medians over {reps} repetition(s) of each fault ({_load(s)}; `uptime` "
+                f"before: `{s.get('uptime_start', '?')}`, after: "
+                f"`{s.get('uptime_end', '?')}`)."), "",
              "**This machine has 2 cores shared with other jobs.** During the recovery, "
              "2 workers (and on ps-lite their servers and the scheduler) start on them at "
              "once, next to whatever else runs: worker start, model build and checkpoint "
@@ -673,11 +704,12 @@ def elastic_section(results: dict) -> list[str]:
              "other processes in the header also counts the lost host's processes that the "
              "faults ended: their CPU time never reaches this benchmark's accounting.)", "",
              "| backend | host lost | checkpoints | fault | " + " | ".join(ELASTIC_PHASES)
-             + " | total | steps lost | old workers gone | cold start | runs |",
-             "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 5)]
+             + " | total | steps lost | old workers gone | cold start | runs |" + run_head,
+             "|---|---|---|---|" + "---:|" * (len(ELASTIC_PHASES) + 5) + run_rule]
     failures = []
-    memory = {n: j for n, j in s["jobs"].items() if j.get("mode") == "memory"}
-    for name, job in s["jobs"].items():
+    jobs = _in_order(s)
+    memory = {n: j for n, j in jobs.items() if j.get("mode") == "memory"}
+    for name, job in jobs.items():
         if name in memory:
             continue
         good = [r for r in job["runs"] if "error" not in r]
@@ -693,17 +725,22 @@ def elastic_section(results: dict) -> list[str]:
             f"{_seconds(_gone(r) for r in good)} | "
             f"{_seconds(r.get('cold_start') for r in good)} | "
             f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
-            + " |")
-    if memory:
-        lines += _memory_rows(memory, failures)
+            + " |" + _run_cell(job, merged))
+    kept = {n: j for n, j in memory.items() if j["backend"] == "horovod"}
+    if kept:
+        lines += _memory_rows(kept, failures, merged)
+    if len(kept) < len(memory):
+        lines += _node_copy_rows({n: j for n, j in memory.items() if n not in kept},
+                                 failures, merged)
     for lost in lost_hosts:
         example = next((r for job in s["jobs"].values() if job.get("lost", 2) == lost
                         for r in job["runs"] if "error" not in r), None)
         if example is None:
             continue
         node = example.get("launcher_node", 0)
+        why = example["lost_line"].split(" lost: ")[-1].split(") ", 1)[-1]
         lines += ["", f"What node {node}'s launcher said when host {lost} was lost, e.g. ("
-                  + example["lost_line"].split(" lost: ")[1] + "):", "", "```",
+                  + why + "):", "", "```",
                   *(line for line in example["launcher"]
                     if any(text in line for text in _TOLD)), "```"]
     if failures:
@@ -715,7 +752,27 @@ MEMORY_PHASES = ("detection", "workers ended", "election", "re-formation", "stat
                  "first step")
 
 
-def _memory_rows(jobs: dict, failures: list) -> list[str]:
+def _in_order(s: dict) -> dict:
+    """Part 7's jobs by backend, host lost and fault, in the setting's orders (rows
+    merged from several runs come in the order they were run)."""
+    orders = [list(s.get("backends", ())), list(s.get("lost_hosts", ())),
+              list(s.get("faults", ()))]
+
+    def key(item):
+        job = item[1]
+        return tuple(order.index(v) if v in order else len(order)
+                     for order, v in zip(orders, (job["backend"], job.get("lost", 2),
+                                                  job["fault"])))
+
+    return dict(sorted(s["jobs"].items(), key=key))
+
+
+def _run_cell(job: dict, merged: bool) -> str:
+    """The *run* column of a report that merges runs: which one measured the row."""
+    return f" {job.get('run', 0) + 1} |" if merged else ""
+
+
+def _memory_rows(jobs: dict, failures: list, merged: bool = False) -> list[str]:
     """The rows of the jobs whose workers keep their processes (dg.elastic.State)."""
     lines = ["", "### In memory: the survivors keep their processes", "",
              "The same job written in horovod elastic's shape (cluster/elastic.py "
@@ -740,8 +797,8 @@ def _memory_rows(jobs: dict, failures: list) -> list[str]:
              "job trains again (the restart rows: those since the last checkpoint; here "
              "the step in flight is not counted, since it never finished).", "",
              "| backend | host lost | fault | " + " | ".join(MEMORY_PHASES)
-             + " | total | steps lost | cold start | runs |",
-             "|---|---|---|" + "---:|" * (len(MEMORY_PHASES) + 4)]
+             + " | total | steps lost | cold start | runs |" + (" run |" if merged else ""),
+             "|---|---|---|" + "---:|" * (len(MEMORY_PHASES) + 4) + ("---:|" if merged else "")]
     for name, job in jobs.items():
         good = [r for r in job["runs"] if "error" not in r]
         failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
@@ -754,7 +811,65 @@ def _memory_rows(jobs: dict, failures: list) -> list[str]:
             f"{_steps(r.get('steps_lost') for r in good)} | "
             f"{_seconds(r.get('cold_start') for r in good)} | "
             f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
-            + " |")
+            + " |" + _run_cell(job, merged))
+    return lines
+
+
+NODE_COPY_PHASES = ("detection", "workers ended", "election", "re-formation", "imports",
+                    "backend start", "model build", "state sync", "first step")
+
+
+def _node_copy_rows(jobs: dict, failures: list, merged: bool) -> list[str]:
+    """The rows of the in-memory jobs on ps-lite: the workers restart, and take their
+    state from the node's shared memory (dist_gluon/elastic/nodecopy.py)."""
+    lines = ["", "### In memory on ps-lite: the workers restart, their state from the "
+             "node's shared memory", "",
+             "The same `--memory` job on dist_sync and p3. ps-lite starts once per process "
+             "(tools/pslite_restart.py), so the launchers end every worker and start new "
+             "ones, as in the restart mode; but every commit also lands in the node's "
+             "shared memory (dist_gluon/elastic/nodecopy.py: the node's first worker "
+             "commits into two slot files in a /dev/shm directory the launcher made for "
+             "the job), and a restarted worker takes its state from there inside "
+             "`@dg.elastic.run` (`State.sync`: the node's copy, then the freshest commit of "
+             "the job from the lowest rank holding it, then a commit), never from a "
+             "checkpoint. Phases, each up to the last of the re-formed job's workers (its "
+             "first one, for the start):", "",
+             "- **detection**, **workers ended**, **election**, **re-formation**: as in "
+             "the restart rows (re-formation ends when the first new worker process "
+             "starts).",
+             "- **imports**: process start -> mxnet, numpy and dist_gluon imported (the "
+             "interpreter's start and the imports).",
+             "- **backend start**: -> `dg.create()` returned: ps-lite's scheduler, servers "
+             "and workers met (the scheduler and the servers start with the round).",
+             "- **model build**: building ResNet-50, a forward pass for its shapes, the "
+             "trainer.",
+             "- **state sync**: -> the training function entered: the node's copy read "
+             "from /dev/shm into the model and the optimizer, the commits' numbers "
+             "gathered (and the arrays broadcast from the freshest rank if the nodes "
+             "differ), a commit into the node's copy.",
+             "- **first step**: -> the first step of the re-formed job finished and "
+             "committed.", "",
+             "*steps lost*: as in the table above (the step in flight is not counted). "
+             "*old workers gone*: as in the restart rows.", "",
+             "| backend | host lost | fault | " + " | ".join(NODE_COPY_PHASES)
+             + " | total | steps lost | old workers gone | cold start | runs |"
+             + (" run |" if merged else ""),
+             "|---|---|---|" + "---:|" * (len(NODE_COPY_PHASES) + 5)
+             + ("---:|" if merged else "")]
+    for name, job in jobs.items():
+        good = [r for r in job["runs"] if "error" not in r]
+        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
+                     for i, r in enumerate(job["runs"]) if "error" in r]
+        totals = ", ".join(f"{r['total']:.1f}" for r in good)
+        lines.append(
+            f"| {job['backend']} | {job.get('lost', 2)} | {job['fault']} | "
+            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in NODE_COPY_PHASES)
+            + f" | {_seconds(r['total'] for r in good)} | "
+            f"{_steps(r.get('steps_lost') for r in good)} | "
+            f"{_seconds(_gone(r) for r in good)} | "
+            f"{_seconds(r.get('cold_start') for r in good)} | "
+            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
+            + " |" + _run_cell(job, merged))
     return lines
 
 
