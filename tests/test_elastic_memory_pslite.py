@@ -170,6 +170,22 @@ def test_the_launcher_makes_the_nodes_directory_closed_removes_it_and_dead_launc
     assert listing == "False"
 
 
+def test_a_killed_launchers_control_records_are_removed_by_the_next_launcher(tmp_path):
+    """The job-control directories (one per round of a launcher, in /dev/shm) of a
+    launcher that was SIGKILLed are removed by the next launcher of the host; a live
+    launcher's and names of another kind are left."""
+    from dist_gluon.launch import statedir
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"dg-control-{dead.pid}-12345-x1y2"
+    live = tmp_path / (statedir.control_prefix() + "a0b1")
+    other = tmp_path / "dg-control-abc123"
+    for path in (orphan, live, other):
+        path.mkdir(mode=0o700)
+    statedir.remove_orphan_controls(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name])
+
+
 @pytest.mark.parametrize("backend", ["dist_sync", "dist_async"])
 def test_a_killed_worker_restarts_with_its_peers_from_the_nodes_memory(tmp_path, backend):
     """One node, two workers (--nnodes 1:1): rank 1 is SIGKILLed after 3 steps; both

@@ -66,9 +66,9 @@ class Node:
         self._records: dict[int, jobcontrol.Record] = {}
         self._stacks_files: dict[int, str] = {}
         self._stack_offsets: dict[int, int] = {}
-        self._control_dir = tempfile.mkdtemp(prefix="dg-control-",
-                                              dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                              else None)
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        statedir.remove_orphan_controls(root)
+        self._control_dir = tempfile.mkdtemp(prefix=statedir.control_prefix(), dir=root)
         # a kept worker's record stays in its first round's directory
         self._dirs = [self._control_dir] + (kept._dirs if kept is not None else [])
         self._kept = kept

@@ -7,7 +7,8 @@ when the launcher exits (:func:`remove`). Its name says the job, the node and th
 launcher's process (with the process's start time, so a reused pid is not mistaken for
 it): two jobs, or two launchers of one host, never share one. A launcher that was
 killed cannot remove its own: the next launcher that makes one on the host removes the
-directories whose launcher is gone (:func:`_remove_orphans`). Mode 0700, as the job's
+directories whose launcher is gone (:func:`_remove_orphans`); the job-control
+records' directories likewise (:func:`remove_orphan_controls`). Mode 0700, as the job's
 control records.
 """
 from __future__ import annotations
@@ -22,6 +23,9 @@ ROOT = "/dev/shm"
 ENV_DIR, ENV_JOB = "DG_STATE_DIR", "DG_JOB_ID"
 _PREFIX = "dg-state-"
 _NAME = re.compile(_PREFIX + r"[0-9a-f]+-node\d+-(\d+)-(\d+)$")
+# the job-control records' directories (launch/node.py): one per round of a launcher
+CONTROL_PREFIX = "dg-control-"
+_CONTROL_NAME = re.compile(CONTROL_PREFIX + r"(\d+)-(\d+)-\w+$")
 _made: str | None = None
 
 
@@ -59,10 +63,24 @@ def remove() -> None:
         _made = None
 
 
-def _remove_orphans(root: str) -> None:
-    """Remove this user's state directories whose launcher is gone."""
-    for path in glob.glob(os.path.join(root, _PREFIX + "*")):
-        match = _NAME.search(os.path.basename(path))
+def control_prefix() -> str:
+    """The name's start of this launcher's job-control directories: it says the
+    launcher's process (pid and start time), so that the next launcher of the host can
+    tell them from a live launcher's once this one was killed (:func:`remove_orphan_controls`)."""
+    pid = os.getpid()
+    return f"{CONTROL_PREFIX}{pid}-{_start_time(pid)}-"
+
+
+def remove_orphan_controls(root: str) -> None:
+    """Remove this user's job-control directories whose launcher is gone (killed: a
+    launcher that exits removes its own)."""
+    _remove_orphans(root, CONTROL_PREFIX, _CONTROL_NAME)
+
+
+def _remove_orphans(root: str, prefix: str = _PREFIX, name: re.Pattern = _NAME) -> None:
+    """Remove this user's directories of ``prefix`` whose launcher is gone."""
+    for path in glob.glob(os.path.join(root, prefix + "*")):
+        match = name.search(os.path.basename(path))
         try:
             mine = os.stat(path).st_uid == os.getuid()
         except OSError:
