@@ -93,5 +93,8 @@ def test_timeline_keeps_a_killed_hosts_steps_shows_the_reformation_and_the_survi
     for rank in (0, 1):
         after = [e for e in steps(rank) if e["ts"] > loss[0]["ts"]]
         assert len(after) >= 5 and after[0]["args"]["step"] == 1, (rank, after[:3])
-        assert len(steps(rank)) - len(after) >= len(lost), rank
+        # before it, the lost rank's steps, but the last one perhaps: the step in flight
+        # at the kill can end on the lost rank (its ring allreduce done) and fail on the
+        # survivors, which then go back to their last commit (seen once in 3 CI runs)
+        assert len(steps(rank)) - len(after) >= len(lost) - 1, (rank, len(lost))
     assert not [e for e in lost if e["ts"] > killed]
