@@ -30,9 +30,13 @@ class _FailingProp(mx.operator.CustomOpProp):
 
 def _model(optimizer="sgd", params=None):
     mx.random.seed(1)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(4, in_units=3), gluon.nn.BatchNorm(in_channels=4),
-            gluon.nn.Dense(1, in_units=4))
+    # the same parameter names in every model made: gluon.Trainer orders parameters by
+    # name, so 'dense9_' and 'dense10_' (global counters, after other tests in the
+    # process) would give two models different indices for the same layer
+    net = gluon.nn.HybridSequential(prefix="model_")
+    with net.name_scope():
+        net.add(gluon.nn.Dense(4, in_units=3), gluon.nn.BatchNorm(in_channels=4),
+                gluon.nn.Dense(1, in_units=4))
     net.initialize(mx.init.Xavier())
     trainer = dg.DistributedTrainer(net.collect_params(), optimizer,
                                     params or {"learning_rate": 0.1, "momentum": 0.9},
@@ -173,8 +177,9 @@ class _OneWorker:
 
 def _rounds_model(compression="2bit", sync_delay=0):
     mx.random.seed(1)
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(8, in_units=3), gluon.nn.Dense(1, in_units=8))
+    net = gluon.nn.HybridSequential(prefix="model_")     # the same names: see _model
+    with net.name_scope():
+        net.add(gluon.nn.Dense(8, in_units=3), gluon.nn.Dense(1, in_units=8))
     net.initialize(mx.init.Xavier())
     trainer = dg.DistributedTrainer(
         net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kv="local",
