@@ -42,6 +42,15 @@ def parameter_list(params) -> list:
                     f"{type(params).__name__}")
 
 
+def optimizer_state_arrays(state) -> list[mx.nd.NDArray]:
+    """The NDArrays of one optimizer state (an array, a tuple of them, nested, or None)."""
+    if isinstance(state, mx.nd.NDArray):
+        return [state]
+    if isinstance(state, (tuple, list)):
+        return [leaf for part in state for leaf in optimizer_state_arrays(part)]
+    return []
+
+
 def _spec(item, index: int) -> dict:
     if isinstance(item, Parameter):
         initialised = item._data is not None

@@ -54,6 +54,7 @@ import mxnet as mx
 import numpy as np
 
 from .averaging import _GradientAverager
+from .broadcast import optimizer_state_arrays
 
 
 def check_sync_every(sync_every, warmup, outer_optimizer, outer_optimizer_params,
@@ -98,15 +99,6 @@ def _outer(optimizer, params: dict | None) -> mx.optimizer.Optimizer:
     except (ValueError, TypeError, mx.base.MXNetError) as err:
         raise ValueError(f"outer_optimizer={optimizer!r} with {params} cannot be created: "
                          f"{err}") from None
-
-
-def _leaves(state) -> list[mx.nd.NDArray]:
-    """The NDArrays of an optimizer state (an array, a tuple of them, nested, or None)."""
-    if isinstance(state, mx.nd.NDArray):
-        return [state]
-    if isinstance(state, (tuple, list)):
-        return [leaf for part in state for leaf in _leaves(part)]
-    return []
 
 
 class LocalSGD:
@@ -273,7 +265,7 @@ class LocalSGD:
         if self._outer is not None:
             for index, state in self._outer.states.items():
                 arrays.update((f"outer.{index}.{j}", leaf)
-                              for j, leaf in enumerate(_leaves(state)))
+                              for j, leaf in enumerate(optimizer_state_arrays(state)))
         if self.codec is not None:
             arrays.update((f"codec.{name}", a) for name, a in self.codec.state_arrays().items())
         return arrays

@@ -13,7 +13,7 @@ from . import async_updates
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
-from .broadcast import ParameterSync, parameter_list
+from .broadcast import ParameterSync, optimizer_state_arrays, parameter_list
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
 from .local_sgd import LocalSGD, check_sync_every
@@ -216,7 +216,7 @@ class TrainerBase(gluon.Trainer):
         updater = self._updaters[0]
         # DistributedTrainer wraps its updaters for the length of an update
         states = getattr(updater, "_updater", updater).states
-        return {p: list(_arrays(states.get(i)))
+        return {p: optimizer_state_arrays(states.get(i))
                 for i, p in enumerate(self.optimizer_positions()) if p is not None}
 
     def _last_grad_written(self):
@@ -271,15 +271,6 @@ class TrainerBase(gluon.Trainer):
             data = pickle.dumps(remap_states(pickle.loads(data),
                                              index_mapping(positions, mine)), protocol=4)
         set_trainer_states(self, data)
-
-
-def _arrays(state):
-    """The NDArrays of an optimizer state (an array, a tuple of them, nested, or None)."""
-    if isinstance(state, mx.nd.NDArray):
-        yield state
-    elif isinstance(state, (tuple, list)):
-        for part in state:
-            yield from _arrays(part)
 
 
 def positions_in(items: list, order: list) -> list[int | None]:

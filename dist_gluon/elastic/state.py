@@ -20,7 +20,7 @@ import mxnet as mx
 from mxnet.base import MXNetError
 
 from ..backends import Backend, resolve
-from ..broadcast import parameter_list
+from ..broadcast import optimizer_state_arrays, parameter_list
 from . import stop
 
 _KEY = "__dg_elastic"
@@ -55,15 +55,6 @@ def clear_failures(arrays) -> None:
             break
         except MXNetError:
             continue
-
-
-def _leaves(state) -> list[mx.nd.NDArray]:
-    """The NDArrays of one optimizer state (an array, a tuple of them, nested, None)."""
-    if isinstance(state, mx.nd.NDArray):
-        return [state]
-    if isinstance(state, (tuple, list)):
-        return [leaf for part in state for leaf in _leaves(part)]
-    return []
 
 
 class _Snapshot:
@@ -337,7 +328,7 @@ class State:
         # be created again by the next update
         for u, updater in enumerate(self._updaters()):
             for index in [i for i in updater.states if ("s", u, i, 0) not in saved
-                          and _leaves(updater.states[i])]:
+                          and optimizer_state_arrays(updater.states[i])]:
                 del updater.states[index]
                 updater.states_synced.pop(index, None)
         self._set_counters(snapshot.counters)
@@ -365,7 +356,7 @@ class State:
                 arrays.append(param.list_data()[0])
         for u, updater in enumerate(self._updaters()):
             for index in sorted(updater.states):
-                for j, leaf in enumerate(_leaves(updater.states[index])):
+                for j, leaf in enumerate(optimizer_state_arrays(updater.states[index])):
                     keys.append(("s", u, index, j))
                     arrays.append(leaf)
         extra = self._trainer_extra()[0]
@@ -394,7 +385,7 @@ class State:
                     arrays.extend(param.list_grad())
         for updater in self._updaters():
             for state in updater.states.values():
-                arrays.extend(_leaves(state))
+                arrays.extend(optimizer_state_arrays(state))
         arrays.extend(self._trainer_extra()[0].values())
         return arrays
 
@@ -430,7 +421,7 @@ class State:
         keys, _ = self._keyed_arrays()
         return {"shapes": [tuple(p.shape) if p._data is not None else None
                            for p in self._params()],
-                "states": [[i for i in sorted(u.states) if _leaves(u.states[i])]
+                "states": [[i for i in sorted(u.states) if optimizer_state_arrays(u.states[i])]
                            for u in self._updaters()],
                 "keys": [list(k) for k in keys],
                 "counters": self._counters(), "extras": self._extras,
