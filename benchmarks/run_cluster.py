@@ -533,14 +533,14 @@ def run_async(cfg, timeout: float) -> dict:
     return setting
 
 
-def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
-              workdir: Path) -> dict:
-    """The MNIST example with ``flags`` on ``workers`` local workers (horovod); its
-    summary fields."""
+def run_example(script: str, flags, workers: int, seed: int, epochs: int, timeout: float,
+                workdir: Path, metric: str, log_interval: int = 1000) -> dict:
+    """The example ``script`` (under examples/) with ``flags`` on ``workers`` local
+    workers (horovod): its summary's ``metric`` and val_loss, or the error."""
     argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
-            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "mnist" /
-                                                    "train_gluon.py"),
-            "--epochs", str(epochs), "--seed", str(seed), "--log-interval", "1000", *flags]
+            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / script),
+            "--epochs", str(epochs), "--seed", str(seed), "--log-interval",
+            str(log_interval), *flags]
     env = dict(worker_env(), PYTHONPATH=str(REPO))
     started = time.monotonic()
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
@@ -549,29 +549,24 @@ def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]}
     fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
-    return {"val_acc": float(fields["val_acc"]), "val_loss": float(fields["val_loss"]),
+    return {metric: float(fields[metric]), "val_loss": float(fields["val_loss"]),
             "seconds": time.monotonic() - started}
+
+
+def run_mnist(flags, workers: int, seed: int, epochs: int, timeout: float,
+              workdir: Path) -> dict:
+    """The MNIST example with ``flags`` on ``workers`` local workers (horovod); its
+    summary's validation accuracy."""
+    return run_example("mnist/train_gluon.py", flags, workers, seed, epochs, timeout,
+                       workdir, "val_acc")
 
 
 def run_lm_example(flags, workers: int, seed: int, epochs: int, args, timeout: float,
                    workdir: Path) -> dict:
     """The language model example with ``flags`` on ``workers`` local workers (horovod);
     its summary's validation perplexity."""
-    argv = [PY, "-m", "dist_gluon.launch", "-n", str(workers), "--backend", "horovod",
-            "--timeout", str(timeout), "--", PY, str(REPO / "examples" / "language_model" /
-                                                    "train_lm.py"),
-            "--epochs", str(epochs), "--seed", str(seed), "--log-interval", "100000",
-            *args, *flags]
-    env = dict(worker_env(), PYTHONPATH=str(REPO))
-    started = time.monotonic()
-    proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout + 60)
-    lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] summary:")]
-    if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]}
-    fields = dict(item.split("=", 1) for item in lines[-1].split()[1:])
-    return {"val_ppl": float(fields["val_ppl"]), "val_loss": float(fields["val_loss"]),
-            "seconds": time.monotonic() - started}
+    return run_example("language_model/train_lm.py", [*args, *flags], workers, seed,
+                       epochs, timeout, workdir, "val_ppl", log_interval=100000)
 
 
 def run_slow_links(cfg: dict, timeout: float) -> dict:
