@@ -712,20 +712,9 @@ def elastic_section(results: dict) -> list[str]:
     for name, job in jobs.items():
         if name in memory:
             continue
-        good = [r for r in job["runs"] if "error" not in r]
-        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
-                     for i, r in enumerate(job["runs"]) if "error" in r]
-        totals = ", ".join(f"{r['total']:.1f}" for r in good)
-        lines.append(
-            f"| {job['backend']} | {job.get('lost', 2)} | "
-            f"{'node-local' if job.get('node_local') else 'shared'} | {job['fault']} | "
-            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in ELASTIC_PHASES)
-            + f" | {_seconds(r['total'] for r in good)} | "
-            f"{_steps(r.get('steps_lost') for r in good)} | "
-            f"{_seconds(_gone(r) for r in good)} | "
-            f"{_seconds(r.get('cold_start') for r in good)} | "
-            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
-            + " |" + _run_cell(job, merged))
+        checkpoints = "node-local" if job.get("node_local") else "shared"
+        lines.append(_job_row(name, job, [checkpoints], ELASTIC_PHASES, failures, merged,
+                              gone=True))
     kept = {n: j for n, j in memory.items() if j["backend"] == "horovod"}
     if kept:
         lines += _memory_rows(kept, failures, merged)
@@ -772,6 +761,25 @@ def _run_cell(job: dict, merged: bool) -> str:
     return f" {job.get('run', 0) + 1} |" if merged else ""
 
 
+def _job_row(name: str, job: dict, cells: list[str], phases: tuple, failures: list,
+             merged: bool, gone: bool) -> str:
+    """One job's row of part 7: backend, host lost, ``cells``, fault, the median of each
+    of ``phases`` and of the total, steps lost, (``gone``: old workers gone,) cold
+    start, the repetitions that ran; each failed repetition is added to ``failures``."""
+    good = [r for r in job["runs"] if "error" not in r]
+    failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
+                 for i, r in enumerate(job["runs"]) if "error" in r]
+    totals = ", ".join(f"{r['total']:.1f}" for r in good)
+    row = [job["backend"], str(job.get("lost", 2)), *cells, job["fault"],
+           *(_seconds(r["phases"].get(p) for r in good) for p in phases),
+           _seconds(r["total"] for r in good), _steps(r.get("steps_lost") for r in good)]
+    if gone:
+        row.append(_seconds(_gone(r) for r in good))
+    row += [_seconds(r.get("cold_start") for r in good),
+            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")]
+    return "| " + " | ".join(row) + " |" + _run_cell(job, merged)
+
+
 def _memory_rows(jobs: dict, failures: list, merged: bool = False) -> list[str]:
     """The rows of the jobs whose workers keep their processes (dg.elastic.State)."""
     lines = ["", "### In memory: the survivors keep their processes", "",
@@ -800,18 +808,7 @@ def _memory_rows(jobs: dict, failures: list, merged: bool = False) -> list[str]:
              + " | total | steps lost | cold start | runs |" + (" run |" if merged else ""),
              "|---|---|---|" + "---:|" * (len(MEMORY_PHASES) + 4) + ("---:|" if merged else "")]
     for name, job in jobs.items():
-        good = [r for r in job["runs"] if "error" not in r]
-        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
-                     for i, r in enumerate(job["runs"]) if "error" in r]
-        totals = ", ".join(f"{r['total']:.1f}" for r in good)
-        lines.append(
-            f"| {job['backend']} | {job.get('lost', 2)} | {job['fault']} | "
-            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in MEMORY_PHASES)
-            + f" | {_seconds(r['total'] for r in good)} | "
-            f"{_steps(r.get('steps_lost') for r in good)} | "
-            f"{_seconds(r.get('cold_start') for r in good)} | "
-            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
-            + " |" + _run_cell(job, merged))
+        lines.append(_job_row(name, job, [], MEMORY_PHASES, failures, merged, gone=False))
     return lines
 
 
@@ -857,19 +854,7 @@ def _node_copy_rows(jobs: dict, failures: list, merged: bool) -> list[str]:
              "|---|---|---|" + "---:|" * (len(NODE_COPY_PHASES) + 5)
              + ("---:|" if merged else "")]
     for name, job in jobs.items():
-        good = [r for r in job["runs"] if "error" not in r]
-        failures += [f"{name}, repetition {i + 1}: {r['error'][:300]}"
-                     for i, r in enumerate(job["runs"]) if "error" in r]
-        totals = ", ".join(f"{r['total']:.1f}" for r in good)
-        lines.append(
-            f"| {job['backend']} | {job.get('lost', 2)} | {job['fault']} | "
-            + " | ".join(_seconds(r["phases"].get(p) for r in good) for p in NODE_COPY_PHASES)
-            + f" | {_seconds(r['total'] for r in good)} | "
-            f"{_steps(r.get('steps_lost') for r in good)} | "
-            f"{_seconds(_gone(r) for r in good)} | "
-            f"{_seconds(r.get('cold_start') for r in good)} | "
-            f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")
-            + " |" + _run_cell(job, merged))
+        lines.append(_job_row(name, job, [], NODE_COPY_PHASES, failures, merged, gone=True))
     return lines
 
 
