@@ -314,7 +314,7 @@ class State:
             clear_failures(copies.values())
             raise
         if target.slot is not None and self._serial is not None:
-            self._node_copy.publish(target.slot, self._serial, self._layout())
+            self._node_copy.publish(target.slot, self._serial, self._layout(target))
         object.__setattr__(self, "_good", target)
 
     def _put_back(self, snapshot: _Snapshot) -> None:
@@ -414,18 +414,21 @@ class State:
         if counters.get("trainer") is not None:
             self._trainer.set_extra_counters(counters["trainer"])
 
-    def _layout(self) -> dict:
+    def _layout(self, snapshot: _Snapshot | None = None) -> dict:
         """What a rank needs to receive rank 0's arrays: the parameters' shapes (a new
         worker's deferred parameters take them), which optimizer states exist, the
-        counters and the extras."""
-        keys, _ = self._keyed_arrays()
+        counters and the extras; those of ``snapshot`` (a commit just made: its keys,
+        counters and extras, not taken again), else the current ones."""
+        if snapshot is None:
+            keys, counters, extras = self._keyed_arrays()[0], self._counters(), self._extras
+        else:
+            keys, counters, extras = list(snapshot.arrays), snapshot.counters, snapshot.extras
         return {"shapes": [tuple(p.shape) if p._data is not None else None
                            for p in self._params()],
                 "states": [[i for i in sorted(u.states) if optimizer_state_arrays(u.states[i])]
                            for u in self._updaters()],
                 "keys": [list(k) for k in keys],
-                "counters": self._counters(), "extras": self._extras,
-                "serial": self._serial}
+                "counters": counters, "extras": extras, "serial": self._serial}
 
     def _take_layout(self, layout: dict) -> None:
         params = self._params()
