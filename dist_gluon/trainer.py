@@ -9,7 +9,7 @@ import warnings
 import mxnet as mx
 from mxnet import gluon
 
-from . import async_updates
+from . import async_updates, sharding
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
@@ -219,6 +219,9 @@ class TrainerBase(gluon.Trainer):
         return {p: optimizer_state_arrays(states.get(i))
                 for i, p in enumerate(self.optimizer_positions()) if p is not None}
 
+    def _states_loaded(self) -> None:
+        """Called once states were loaded into the updaters (set_trainer_states)."""
+
     def _last_grad_written(self):
         """The gradient a backward writes last: the first trainable parameter's."""
         return next((p.list_grad()[0] for p in self._model_params
@@ -303,6 +306,8 @@ def set_trainer_states(trainer: gluon.Trainer, blob: bytes) -> None:
         updater.optimizer = trainer._updaters[0].optimizer
     trainer._optimizer = trainer._updaters[0].optimizer
     trainer._optimizer.param_dict = dict(enumerate(trainer._params))
+    if isinstance(trainer, TrainerBase):
+        trainer._states_loaded()
 
 
 def remap_states(states, mapping: dict[int, int]):
@@ -425,6 +430,17 @@ class DistributedTrainer(TrainerBase):
         (1 to ``sync_every``) further local steps, after which its update is added to
         their parameters: the global update arrives that many steps late, on top of
         their progress meanwhile (:mod:`dist_gluon.local_sgd`).
+    shard_optimizer_states : bool, default False
+        ZeRO stage 1 (:mod:`dist_gluon.sharding`): each of N workers keeps the optimizer
+        state of 1/N of every tensor's elements and updates only that part; the
+        gradients travel as a reduce-scatter and the new weights as an allgather (the
+        bytes of one allreduce on horovod), and the weights are those of the unsharded
+        trainer. ``save_states`` and Checkpointer still write the whole states in
+        gluon.Trainer's layout. Optimizers that need whole tensors (LAMB, LARS) are
+        refused, and so are ``sync_every``, ``dg.elastic.State`` and AMP; to clip by
+        the global norm call :meth:`clip_global_norm` between ``allreduce_grads()``
+        and ``update()``. On dist_async the servers already hold the optimizer state
+        and nothing changes; on one process neither.
 
     Examples
     --------
@@ -454,7 +470,7 @@ class DistributedTrainer(TrainerBase):
                  gradient_predivide_factor: float = 1.0, prefix: str | None = None,
                  sync_every: int = 1, outer_optimizer=None,
                  outer_optimizer_params: dict | None = None, local_sgd_warmup: int = 0,
-                 sync_delay: int = 0):
+                 sync_delay: int = 0, shard_optimizer_states: bool = False):
         check_sync_every(sync_every, local_sgd_warmup, outer_optimizer,
                          outer_optimizer_params, sync_delay)
         compression = check_compression(compression)
@@ -484,8 +500,29 @@ class DistributedTrainer(TrainerBase):
             self._local_sgd = LocalSGD(self._kv, self._prefix, sync_every, local_sgd_warmup,
                                        outer_optimizer, outer_optimizer_params, compression,
                                        sync_delay)
+        self._sharding = self._make_sharding(shard_optimizer_states)
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
+
+    def _make_sharding(self, shard: bool) -> sharding.OptimizerSharding | None:
+        """The sharded optimizer states, when asked for, or a ValueError naming what
+        they do not combine with."""
+        if not shard:
+            return None
+        if self._local_sgd is not None:
+            raise ValueError("shard_optimizer_states=True and sync_every/outer_optimizer "
+                             "(Local SGD, DiLoCo) do not combine: a Local SGD worker steps "
+                             "its own optimizer on its own gradients, which needs its "
+                             "whole optimizer state; drop one of them")
+        sharding.check_optimizer(self._optimizer)
+        if self._server_updates is not None:
+            return None     # dist_async: the servers hold the optimizer state already
+        return sharding.OptimizerSharding(self._kv, self._prefix)
+
+    @property
+    def shard_optimizer_states(self) -> bool:
+        """Whether each worker keeps only its part of the optimizer states."""
+        return self._sharding is not None and self._sharding.active
 
     @property
     def updates_on_servers(self) -> bool:
@@ -665,6 +702,9 @@ class DistributedTrainer(TrainerBase):
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()
+        if self.shard_optimizer_states and averager.sums_plainly:
+            self._sharding.reduce_scatter(entries, self._describe)
+            return
         if not averager.distributed or (averager.codec is not None and averager.codec.batched):
             # 2-bit and PowerSGD pack and pipeline a whole step's tensors; on one process
             # reduce() sends nothing but refuses a gradient the codec cannot take, so
@@ -674,12 +714,20 @@ class DistributedTrainer(TrainerBase):
         else:
             for i, grad in entries:
                 averager.reduce([i], [grad], describe=self._describe)
+        if self.shard_optimizer_states:
+            self._sharding.keep_parts(entries, self._describe)
+            return
         self._spread_grads()
 
     def _update(self, ignore_stale_grad=False):
         # the freshness of every rank is settled by TrainerBase._update first
         updaters = self._updaters
-        self._updaters = [_SizeGroupedUpdater(u) for u in updaters]
+        if self.shard_optimizer_states:
+            self._refuse_amp_with_sharding()
+            self._updaters = [_ShardedUpdater(self, u) if k == 0 else _skip_update
+                              for k, u in enumerate(updaters)]
+        else:
+            self._updaters = [_SizeGroupedUpdater(u) for u in updaters]
         try:
             super()._update(ignore_stale_grad)
         finally:
@@ -688,10 +736,88 @@ class DistributedTrainer(TrainerBase):
     def save_states(self, fname: str) -> None:
         """Save the optimizer states (identical on every rank) from rank 0 only, indexed
         as gluon.Trainer indexes them (``gluon.Trainer.load_states`` reads the file);
-        every rank returns once the file is written."""
+        every rank returns once the file is written. With ``shard_optimizer_states``
+        the ranks' parts are gathered first: the file holds the whole states, and
+        every rank must call it."""
+        blob = self.whole_states_file()
         if self._kv.rank == 0:
-            super().save_states(fname)
+            if blob is None:
+                super().save_states(fname)
+            else:
+                with open(fname, "wb") as f:
+                    f.write(blob)
         self._kv.barrier()
+
+    def whole_states_file(self) -> bytes | None:
+        """With ``shard_optimizer_states``: the bytes of the states file of the whole
+        optimizer states, gathered from every rank's parts (a collective: every rank
+        calls it). None without sharding, where ``gluon.Trainer.save_states`` writes
+        the file from any rank's states."""
+        if not self.shard_optimizer_states:
+            return None
+        if not self._kv_initialized:
+            self._init_kvstore()
+        if self._params_to_init:
+            self._init_params()
+        return self._sharding.state_file(self._updaters[0], self._optimizer, self._params)
+
+    def _states_loaded(self) -> None:
+        # after whole states were loaded: keep this rank's part of them
+        if self.shard_optimizer_states:
+            self._sharding.keep_own_states(self._updaters, self._params)
+
+    def clip_global_norm(self, max_norm: float) -> float:
+        """Between ``allreduce_grads()`` and ``update()``: scale the summed gradients so
+        that their global 2-norm is at most ``max_norm``, as
+        ``gluon.utils.clip_global_norm`` does on one process; returns the norm before
+        clipping. With ``shard_optimizer_states`` each rank holds only its part of the
+        summed gradients, which ``gluon.utils.clip_global_norm`` cannot see: this norm
+        is over every rank's parts (one scalar sum). Every rank must call it.
+
+        Parameters
+        ----------
+        max_norm : float
+            The largest global norm the gradients keep.
+
+        Returns
+        -------
+        float
+            The global norm of the summed gradients before clipping.
+        """
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be positive, got {max_norm}")
+        if self.shard_optimizer_states:
+            if not self._sharding.has_parts:
+                raise RuntimeError("clip_global_norm() works on the gradients that "
+                                   "allreduce_grads() summed: call it after "
+                                   "trainer.allreduce_grads() and before trainer.update()")
+            norm = float(self._sharding.global_norm().asscalar())
+        else:
+            grads = [p.list_grad()[0] for p in self._model_params if p.grad_req != "null"]
+            norm = float(mx.nd.sqrt(mx.nd.add_n(*[
+                mx.nd.sum(mx.nd.square(g.astype("float32"))) for g in grads])).asscalar())
+        if norm > max_norm:
+            factor = max_norm / (norm + 1e-8)
+            if self.shard_optimizer_states:
+                self._sharding.scale_parts(factor)
+            else:
+                for param in self._model_params:
+                    if param.grad_req != "null":
+                        for grad in param.list_grad():
+                            grad *= factor
+        return norm
+
+    def _optimizer_states(self) -> dict[int, list]:
+        # with sharding each rank holds other parts: the sync check compares weights only
+        return {} if self.shard_optimizer_states else super()._optimizer_states()
+
+    def _refuse_amp_with_sharding(self) -> None:
+        if getattr(self, "_amp_loss_scaler", None) is not None:
+            raise RuntimeError(
+                "shard_optimizer_states=True and AMP (mx.contrib.amp.init_trainer) do not "
+                "combine yet: AMP decides to skip a step from each rank's own gradients "
+                "before they are summed, and a sharded step needs every rank to take "
+                "part; use shard_optimizer_states=False with AMP")
 
     def load_states(self, fname: str) -> None:
         """Load optimizer states from ``fname`` as read by rank 0, so only rank 0 needs
@@ -725,6 +851,26 @@ class _SizeGroupedUpdater:
         if small:
             small.sort(key=lambda entry: entry[2].size)
             self._updater(*(list(column) for column in zip(*small)))
+
+
+class _ShardedUpdater:
+    """The first device's updater with ``shard_optimizer_states``: gluon's update calls
+    it with every parameter to update; it updates this rank's part of each and gathers
+    the whole weights onto every device (dist_gluon.sharding)."""
+
+    def __init__(self, trainer: DistributedTrainer, updater):
+        self._trainer = trainer
+        self._updater = updater
+
+    def __call__(self, indices, grads, weights):
+        trainer = self._trainer
+        trainer._sharding.update(_SizeGroupedUpdater(self._updater), indices, weights,
+                                 trainer.optimizer_positions(), trainer._params)
+
+
+def _skip_update(indices, grads, weights):
+    """Another device's updater with ``shard_optimizer_states``: the first device's
+    gathers the weights onto every device."""
 
 
 def _unwrap_distributed_optimizer(optimizer):

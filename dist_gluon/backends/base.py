@@ -80,6 +80,15 @@ def _count_variable(name: str) -> int:
     return value
 
 
+def shard_bounds(size: int, num_workers: int, rank: int) -> tuple[int, int]:
+    """The elements ``[start, stop)`` of a 1-D array of ``size`` elements that ``rank``
+    holds when it is split over ``num_workers``: consecutive parts, the first
+    ``size % num_workers`` ranks one element more than the others (horovod's split)."""
+    base, extra = divmod(size, num_workers)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
 class Backend(KVStoreBase):
     """Base class of dist_gluon's communication backends.
 
@@ -287,6 +296,107 @@ class Backend(KVStoreBase):
                     raise ValueError(f"{op}: key {name!r} mixes shapes {vals[0].shape} "
                                      f"and {arr.shape}")
         return names, values, outs
+
+    # ------------------------------------------------------------ sharded collectives
+    def reducescatter(self, key, value, priority: int = 0) -> list[mx.nd.NDArray]:
+        """Sum 1-D arrays over the workers and return this rank's part of each sum.
+
+        Rank ``r`` gets the elements ``shard_bounds(size, num_workers, r)`` of each sum
+        (the first ``size % num_workers`` ranks one element more than the others, as
+        horovod splits), so the parts of all ranks, in rank order, are the sum.
+
+        Parameters
+        ----------
+        key : int, str, or list of them
+        value : NDArray or list of NDArray
+            One 1-D array per key, the same size on every rank. It may be overwritten
+            (a backend without a reduce-scatter of its own sums it in place).
+        priority : int
+            Higher priorities are communicated first where the backend supports it.
+
+        Returns
+        -------
+        list of NDArray
+            This rank's part of each sum, in the order of ``key``.
+        """
+        names, values = self._flat_arguments(key, value, "reducescatter")
+        if self.num_workers == 1:
+            return values
+        self._progress(names[0])
+        return self._reducescatter_(names, values, priority)
+
+    def allgather(self, key, value, size, priority: int = 0) -> list[mx.nd.NDArray]:
+        """Concatenate every rank's 1-D part of each array, in rank order: the inverse
+        of :meth:`reducescatter`'s split.
+
+        Parameters
+        ----------
+        key : int, str, or list of them
+        value : NDArray or list of NDArray
+            This rank's part of each array: its elements ``shard_bounds(size,
+            num_workers, rank)`` (the split of :meth:`reducescatter`).
+        size : int or list of int
+            The number of elements of each whole array.
+        priority : int
+            Higher priorities are communicated first where the backend supports it.
+
+        Returns
+        -------
+        list of NDArray
+            Each whole array, the same on every rank.
+        """
+        names, values = self._flat_arguments(key, value, "allgather")
+        sizes = [int(n) for n in _as_list(size)]
+        if len(sizes) != len(values):
+            raise ValueError(f"allgather: got {len(values)} values and {len(sizes)} sizes")
+        for name, arr, whole in zip(names, values, sizes):
+            start, stop = shard_bounds(whole, self.num_workers, self.rank)
+            if arr.size != stop - start:
+                raise ValueError(f"allgather: key {name!r}: rank {self.rank} of "
+                                 f"{self.num_workers} holds elements {start}:{stop} of "
+                                 f"{whole}, but its part has {arr.size}")
+        if self.num_workers == 1:
+            return values
+        self._progress(names[0])
+        return self._allgather_(names, values, sizes, priority)
+
+    def _flat_arguments(self, key, value, op: str):
+        names = [_key_name(k) for k in _as_list(key)]
+        values = _as_list(value)
+        if len(names) != len(values):
+            raise ValueError(f"{op}: got {len(names)} keys and {len(values)} values")
+        for name, arr in zip(names, values):
+            if not isinstance(arr, mx.nd.NDArray) or arr.ndim != 1:
+                raise ValueError(f"{op}: key {name!r} needs a 1-D NDArray, got "
+                                 f"{getattr(arr, 'shape', type(arr).__name__)}")
+        return names, values
+
+    def _reducescatter_(self, names, arrays, priority) -> list[mx.nd.NDArray]:
+        """A backend without a reduce-scatter of its own sums the whole arrays (the
+        bytes of an allreduce instead of half of them) and keeps its part."""
+        self._one_at_a_time(names, arrays)
+        self._allreduce_(names, arrays, priority)
+        parts = []
+        for arr in arrays:
+            start, stop = shard_bounds(arr.size, self.num_workers, self.rank)
+            parts.append(arr[start:stop].copy() if stop > start else
+                         mx.nd.empty((0,), ctx=arr.context, dtype=arr.dtype))
+        return parts
+
+    def _allgather_(self, names, arrays, sizes, priority) -> list[mx.nd.NDArray]:
+        """A backend without an allgather of its own sums arrays that are zeros but
+        for this rank's part: exact, since adding zeros rounds nothing."""
+        wholes = []
+        for arr, size in zip(arrays, sizes):
+            whole = mx.nd.zeros((size,), ctx=arr.context, dtype=arr.dtype)
+            start, stop = shard_bounds(size, self.num_workers, self.rank)
+            if stop > start:
+                whole[start:stop] = arr
+            wholes.append(whole)
+        keys = [f"__dg_gather.{name}" for name in names]
+        self._one_at_a_time(keys, wholes)
+        self._allreduce_(keys, wholes, priority)
+        return wholes
 
     def _allreduce_(self, names: list[str], arrays: list[mx.nd.NDArray], priority: int):
         raise NotImplementedError

@@ -11,6 +11,7 @@ mxnet or horovod.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import socket
 import time
@@ -210,6 +211,39 @@ class Horovod(Backend):
             for name, arr in zip(names, arrays):
                 self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority,
                                      op=self._hvd.Sum)
+
+    def _reducescatter_(self, names, arrays, priority):
+        return self._grouped("reducescatter", names, arrays, priority)
+
+    def _allgather_(self, names, arrays, sizes, priority):
+        return self._grouped("allgather", names, arrays, priority)
+
+    def _grouped(self, op: str, names, arrays, priority) -> list[mx.nd.NDArray]:
+        """horovod.mxnet's grouped reducescatter (a sum) or allgather of ``arrays``,
+        submitted under the submission lock and waited for outside it: horovod's own
+        functions wait while the caller would hold the lock, and a SyncBatchNorm
+        backward that the inputs depend on submits its sums under it. Its outputs
+        start as (1,) arrays that horovod resizes."""
+        from horovod.mxnet import mpi_ops
+        from mxnet.base import c_handle_array, c_str, check_call
+
+        outputs = [mx.nd.empty((1,), ctx=a.context, dtype=a.dtype) for a in arrays]
+        name = c_str(f"dg.{'rs' if op == 'reducescatter' else 'ag'}.{names[0]}.{len(names)}")
+        process_set = ctypes.c_int(mpi_ops.global_process_set.process_set_id)
+        lib = mpi_ops.MPI_MXNET_LIB_CTYPES
+        with self._submit_lock:
+            if op == "reducescatter":
+                check_call(lib.horovod_mxnet_reducescatter_async(
+                    c_handle_array(arrays), c_handle_array(outputs), name,
+                    ctypes.c_int(priority), process_set, ctypes.c_int(len(arrays)),
+                    ctypes.c_int(self._hvd.Sum), ctypes.c_double(1.0), ctypes.c_double(1.0)))
+            else:
+                check_call(lib.horovod_mxnet_allgather_async(
+                    c_handle_array(arrays), c_handle_array(outputs), name,
+                    ctypes.c_int(priority), process_set, ctypes.c_int(len(arrays))))
+        for out in outputs:
+            out.wait_to_read()
+        return outputs
 
     def _broadcast_(self, names, arrays, root_rank, priority):
         # Weights used by a hybridized forward (static_alloc) may hold MKLDNN-layout

@@ -1,0 +1,210 @@
+"""Worker script of tests/test_sharding.py: DistributedTrainer(...,
+shard_optimizer_states=True) against one process.
+
+    python sharding_cases.py OUT_DIR
+
+Every rank trains the sharded trainer on its share of each global batch and, alone, a
+plain gluon.Trainer on the whole global batch (the one-process reference, from the same
+initial weights), and checks that the weights agree; each case prints ``ok <case>``.
+"""
+import os
+import pickle
+import sys
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+import dist_gluon as dg
+
+out_dir = sys.argv[1]
+os.makedirs(out_dir, exist_ok=True)
+kv = dg.create()
+N, rank = kv.num_workers, kv.rank
+STEPS, FEATURES, HIDDEN, CLASSES = 4, 10, 17, 3
+GLOBAL = 6 * N + 1          # global batch: uneven shares (rank 0 gets one more sample)
+rng = np.random.RandomState(0)
+X = rng.randn(STEPS + 2, GLOBAL, FEATURES).astype("float32")
+Y = rng.randint(0, CLASSES, (STEPS + 2, GLOBAL)).astype("float32")
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+lo = [r * (GLOBAL // N) + min(r, GLOBAL % N) for r in range(N + 1)]
+
+
+def make_net(dtype="float32"):
+    # a bias of one element (Dense(1)): its parts are empty on every rank but rank 0
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(HIDDEN, activation="relu", in_units=FEATURES),
+            gluon.nn.Dense(1, in_units=HIDDEN), gluon.nn.Dense(CLASSES, in_units=1))
+    net.initialize(mx.init.Xavier())
+    mx.random.seed(7)
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.random.normal(0, 0.5, p.shape))
+    net.cast(dtype)
+    return net
+
+
+def forward_backward(net, step, share, dtype):
+    x = mx.nd.array(X[step, share], dtype=dtype)
+    y = mx.nd.array(Y[step, share], dtype=dtype)
+    with autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    return x.shape[0]
+
+
+def weights(net):
+    return [p.data().astype("float32").asnumpy() for p in net.collect_params().values()]
+
+
+def check(case, got, want, rtol=1e-4, atol=1e-5):
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not np.allclose(g, w, rtol=rtol, atol=atol):
+            raise AssertionError(f"{case}: parameter {i} differs from one process by "
+                                 f"{np.abs(g - w).max()}")
+    print(f"ok {case}", flush=True)
+
+
+def pair(opt, params, dtype="float32", **kw):
+    """(sharded net, its trainer, reference net, its gluon.Trainer)."""
+    net, ref = make_net(dtype), make_net(dtype)
+    trainer = dg.DistributedTrainer(net.collect_params(), opt, dict(params),
+                                    shard_optimizer_states=True, **kw)
+    reference = gluon.Trainer(ref.collect_params(), opt, dict(params), kvstore=None)
+    return net, trainer, ref, reference
+
+
+def run_steps(net, trainer, ref, reference, steps, dtype="float32", clip=None):
+    mine = slice(lo[rank], lo[rank + 1])
+    for step in steps:
+        n = forward_backward(net, step, mine, dtype)
+        total = forward_backward(ref, step, slice(0, GLOBAL), dtype)
+        if clip is None:
+            trainer.step(n)
+            reference.step(total)
+        else:
+            trainer.allreduce_grads()
+            norm = trainer.clip_global_norm(clip)
+            trainer.update(n)
+            want = gluon.utils.clip_global_norm(
+                [p.grad() for p in ref.collect_params().values()], clip)
+            assert abs(norm - want) <= 1e-4 * want, (norm, want)
+            reference.update(total)
+
+
+SCHEDULE = mx.lr_scheduler.FactorScheduler(step=2, factor=0.5, base_lr=0.05)
+CASES = {
+    "sgd": ("sgd", {"learning_rate": 0.1}),
+    "momentum": ("sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}),
+    "nag": ("nag", {"learning_rate": 0.1, "momentum": 0.9}),
+    "adam": ("adam", {"learning_rate": 0.01, "wd": 1e-3, "clip_gradient": 0.5}),
+    "rmsprop": ("rmsprop", {"learning_rate": 0.01, "centered": True}),
+    "adam_schedule": ("adam", {"learning_rate": 0.05, "lr_scheduler": SCHEDULE}),
+}
+
+for case, (opt, params) in CASES.items():
+    net, trainer, ref, reference = pair(opt, params)
+    assert trainer.shard_optimizer_states == (N > 1)
+    run_steps(net, trainer, ref, reference, range(STEPS))
+    check(case, weights(net), weights(ref))
+    if case == "adam" and N > 1:
+        # each rank holds the states of its part only
+        held = sum(s.size for state in trainer._updaters[0].states.values() for s in state)
+        whole = sum(s.size for state in reference._updaters[0].states.values() for s in state)
+        assert held <= whole // N + 2 * len(CASES), (held, whole)
+        print(f"ok {case}_states_part {held} of {whole}", flush=True)
+
+# allreduce_grads(), clip_global_norm() over every rank's parts, update()
+net, trainer, ref, reference = pair("sgd", {"learning_rate": 0.1, "momentum": 0.9})
+run_steps(net, trainer, ref, reference, range(STEPS), clip=0.3)
+check("clip_global_norm", weights(net), weights(ref))
+
+# multi_precision: float16 weights, float32 master copies in the parts' states (CPU has
+# no float16 Dense: the gradients are given, each rank's own, the reference their sum)
+def fp16_params():
+    params = gluon.ParameterDict("mp_")
+    for name, shape in (("w", (5, 7)), ("b", (2,))):
+        p = params.get(name, shape=shape, dtype="float16")
+        p.initialize(mx.init.Constant(0.5))
+    return params
+
+
+mine_params, ref_params = fp16_params(), fp16_params()
+trainer = dg.DistributedTrainer(mine_params, "sgd", {"learning_rate": 0.1, "momentum": 0.9,
+                                                      "multi_precision": True},
+                                shard_optimizer_states=True)
+reference = gluon.Trainer(ref_params, "sgd", {"learning_rate": 0.1, "momentum": 0.9,
+                                              "multi_precision": True}, kvstore=None)
+for step in range(STEPS):
+    for p, q in zip(mine_params.values(), ref_params.values()):
+        each = [np.random.RandomState(100 * step + r).randn(*p.shape) for r in range(N)]
+        p.grad()[:] = mx.nd.array(each[rank], dtype="float16")
+        q.grad()[:] = mx.nd.array(sum(each), dtype="float16")
+        p.data()._fresh_grad = q.data()._fresh_grad = True
+    trainer.step(1)
+    reference.step(N)
+check("multi_precision", [p.data().astype("float32").asnumpy() for p in mine_params.values()],
+      [p.data().astype("float32").asnumpy() for p in ref_params.values()], rtol=1e-2, atol=2e-3)
+if N > 1:
+    masters = [state[0] for state in trainer._updaters[0].states.values()]
+    assert all(m.dtype == np.float32 for m in masters), [m.dtype for m in masters]
+
+# save_states writes the whole states in gluon.Trainer's layout: gluon.Trainer loads
+# them and continues as the reference does; a sharded trainer loads them back
+net, trainer, ref, reference = pair("adam", {"learning_rate": 0.01})
+run_steps(net, trainer, ref, reference, range(2))
+path = os.path.join(out_dir, "sharded.states")
+trainer.save_states(path)
+with open(path, "rb") as f:
+    saved, saved_opt = pickle.loads(f.read())
+want = reference._updaters[0].states
+assert sorted(saved) == sorted(want), (sorted(saved), sorted(want))
+for index in want:
+    for got_leaf, want_leaf in zip(saved[index], want[index]):
+        assert got_leaf.shape == want_leaf.shape
+        assert np.allclose(got_leaf.asnumpy(), want_leaf.asnumpy(), rtol=1e-4, atol=1e-6)
+assert saved_opt._index_update_count == reference._optimizer._index_update_count
+print("ok save_states_whole", flush=True)
+plain = make_net()
+for p, q in zip(plain.collect_params().values(), net.collect_params().values()):
+    p.set_data(q.data())
+loaded = gluon.Trainer(plain.collect_params(), "adam", {"learning_rate": 0.01}, kvstore=None)
+loaded.load_states(path)
+resumed = make_net()
+for p, q in zip(resumed.collect_params().values(), net.collect_params().values()):
+    p.set_data(q.data())
+again = dg.DistributedTrainer(resumed.collect_params(), "adam", {"learning_rate": 0.01},
+                              shard_optimizer_states=True)
+again.load_states(path)
+mine = slice(lo[rank], lo[rank + 1])
+for step in (2, 3):
+    n = forward_backward(resumed, step, mine, "float32")
+    again.step(n)
+    total = forward_backward(plain, step, slice(0, GLOBAL), "float32")
+    loaded.step(total)
+    forward_backward(ref, step, slice(0, GLOBAL), "float32")
+    reference.step(total)
+check("load_states_into_gluon", weights(plain), weights(ref))
+check("load_states_sharded", weights(resumed), weights(ref))
+# a file of gluon.Trainer's loads into a sharded trainer with another world size's parts
+path = os.path.join(out_dir, "gluon.states")
+if rank == 0:
+    reference.save_states(path)
+kv.barrier()
+again.load_states(path)
+for step in (4, 5):
+    n = forward_backward(resumed, step, mine, "float32")
+    again.step(n)
+    total = forward_backward(ref, step, slice(0, GLOBAL), "float32")
+    reference.step(total)
+check("gluon_states_into_sharded", weights(resumed), weights(ref))
+
+# optimizers that need whole tensors are refused at construction, named
+for opt in ("lamb", "lars"):
+    try:
+        dg.DistributedTrainer(make_net().collect_params(), opt, {"learning_rate": 0.1},
+                              shard_optimizer_states=True)
+    except ValueError as err:
+        assert opt.upper() in str(err), err
+        print(f"ok refuses_{opt}", flush=True)
+    else:
+        raise AssertionError(f"{opt} was accepted with shard_optimizer_states=True")
