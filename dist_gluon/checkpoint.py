@@ -246,6 +246,9 @@ class Checkpointer:
                            "local": (self._kv.allgather_object(local)
                                      if self._kv.num_workers > 1 else [local])}
         local_sgd = _local_sgd_state(trainer, self._kv)
+        # with shard_optimizer_states every rank holds a part: gathered on every rank
+        states_file = trainer.whole_states_file() if hasattr(trainer, "whole_states_file") \
+            else None
         number, untrained = None, None
         if self._node_local and self._kv.num_workers > 1:
             found = self._checkpoints() if self._writes() else []
@@ -255,7 +258,8 @@ class Checkpointer:
         if self._writes():
             try:
                 status = ("ok", self._write(params, trainer, epoch, step, extra, rng,
-                                            compression, number, untrained, local_sgd))
+                                            compression, number, untrained, local_sgd,
+                                            states_file))
             except Exception as err:  # every rank must hear about it, or they would hang
                 status = ("error", f"rank {self._kv.rank} could not save a checkpoint in "
                                    f"{self._directory!r}: {type(err).__name__}: {err}")
@@ -288,7 +292,8 @@ class Checkpointer:
 
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
                compression, number: int | None = None,
-               untrained: dict | None = None, local_sgd: dict | None = None) -> str:
+               untrained: dict | None = None, local_sgd: dict | None = None,
+               states_file: bytes | None = None) -> str:
         arrays = {}
         for i, p in enumerate(params):
             if p._data is None:
@@ -308,7 +313,7 @@ class Checkpointer:
         os.mkdir(temp)
         try:
             self._fill(temp, params, arrays, trainer, epoch, step, extra, rng, compression,
-                       local_sgd)
+                       local_sgd, states_file)
             os.rename(temp, final)
         except BaseException:
             shutil.rmtree(temp, ignore_errors=True)
@@ -318,7 +323,8 @@ class Checkpointer:
         return final
 
     def _fill(self, temp: str, params: list, arrays: dict, trainer, epoch: int, step: int,
-              extra, rng, compression=None, local_sgd=None) -> None:
+              extra, rng, compression=None, local_sgd=None,
+              states_file: bytes | None = None) -> None:
         """Write and fsync every file of a checkpoint into ``temp``, meta.json last."""
         files = {}
         with open(os.path.join(temp, _PARAMS), "wb") as f:
@@ -327,7 +333,11 @@ class Checkpointer:
         if trainer is not None:
             # the base class writes the file itself; DistributedTrainer's would also
             # wait for the other ranks, which are waiting for this save
-            gluon.Trainer.save_states(trainer, os.path.join(temp, _TRAINER))
+            if states_file is None:
+                gluon.Trainer.save_states(trainer, os.path.join(temp, _TRAINER))
+            else:
+                with open(os.path.join(temp, _TRAINER), "wb") as f:
+                    f.write(states_file)
             files[_TRAINER] = _seal(os.path.join(temp, _TRAINER))
         if compression is not None:
             with open(os.path.join(temp, _COMPRESSION), "wb") as f:

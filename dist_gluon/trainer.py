@@ -500,6 +500,7 @@ class DistributedTrainer(TrainerBase):
             self._local_sgd = LocalSGD(self._kv, self._prefix, sync_every, local_sgd_warmup,
                                        outer_optimizer, outer_optimizer_params, compression,
                                        sync_delay)
+        self._shard_requested = bool(shard_optimizer_states)
         self._sharding = self._make_sharding(shard_optimizer_states)
         ParameterSync(self._model_params, self._kv, key=self._averager.key,
                       what="model given to DistributedTrainer").start()
@@ -521,7 +522,13 @@ class DistributedTrainer(TrainerBase):
 
     @property
     def shard_optimizer_states(self) -> bool:
-        """Whether each worker keeps only its part of the optimizer states."""
+        """Whether the trainer was built with ``shard_optimizer_states=True``."""
+        return self._shard_requested
+
+    @property
+    def _sharded(self) -> bool:
+        """Whether each worker keeps only its part of the optimizer states now (not on
+        one process, nor on dist_async, whose servers hold them)."""
         return self._sharding is not None and self._sharding.active
 
     @property
@@ -702,7 +709,7 @@ class DistributedTrainer(TrainerBase):
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()
-        if self.shard_optimizer_states and averager.sums_plainly:
+        if self._sharded and averager.sums_plainly:
             self._sharding.reduce_scatter(entries, self._describe)
             return
         if not averager.distributed or (averager.codec is not None and averager.codec.batched):
@@ -714,7 +721,7 @@ class DistributedTrainer(TrainerBase):
         else:
             for i, grad in entries:
                 averager.reduce([i], [grad], describe=self._describe)
-        if self.shard_optimizer_states:
+        if self._sharded:
             self._sharding.keep_parts(entries, self._describe)
             return
         self._spread_grads()
@@ -722,7 +729,7 @@ class DistributedTrainer(TrainerBase):
     def _update(self, ignore_stale_grad=False):
         # the freshness of every rank is settled by TrainerBase._update first
         updaters = self._updaters
-        if self.shard_optimizer_states:
+        if self._sharded:
             self._refuse_amp_with_sharding()
             self._updaters = [_ShardedUpdater(self, u) if k == 0 else _skip_update
                               for k, u in enumerate(updaters)]
@@ -753,7 +760,7 @@ class DistributedTrainer(TrainerBase):
         optimizer states, gathered from every rank's parts (a collective: every rank
         calls it). None without sharding, where ``gluon.Trainer.save_states`` writes
         the file from any rank's states."""
-        if not self.shard_optimizer_states:
+        if not self._sharded:
             return None
         if not self._kv_initialized:
             self._init_kvstore()
@@ -763,7 +770,7 @@ class DistributedTrainer(TrainerBase):
 
     def _states_loaded(self) -> None:
         # after whole states were loaded: keep this rank's part of them
-        if self.shard_optimizer_states:
+        if self._sharded:
             self._sharding.keep_own_states(self._updaters, self._params)
 
     def clip_global_norm(self, max_norm: float) -> float:
@@ -786,7 +793,7 @@ class DistributedTrainer(TrainerBase):
         """
         if not max_norm > 0:
             raise ValueError(f"max_norm must be positive, got {max_norm}")
-        if self.shard_optimizer_states:
+        if self._sharded:
             if not self._sharding.has_parts:
                 raise RuntimeError("clip_global_norm() works on the gradients that "
                                    "allreduce_grads() summed: call it after "
@@ -798,7 +805,7 @@ class DistributedTrainer(TrainerBase):
                 mx.nd.sum(mx.nd.square(g.astype("float32"))) for g in grads])).asscalar())
         if norm > max_norm:
             factor = max_norm / (norm + 1e-8)
-            if self.shard_optimizer_states:
+            if self._sharded:
                 self._sharding.scale_parts(factor)
             else:
                 for param in self._model_params:
@@ -809,7 +816,7 @@ class DistributedTrainer(TrainerBase):
 
     def _optimizer_states(self) -> dict[int, list]:
         # with sharding each rank holds other parts: the sync check compares weights only
-        return {} if self.shard_optimizer_states else super()._optimizer_states()
+        return {} if self._sharded else super()._optimizer_states()
 
     def _refuse_amp_with_sharding(self) -> None:
         if getattr(self, "_amp_loss_scaler", None) is not None:

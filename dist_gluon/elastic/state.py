@@ -125,6 +125,14 @@ class State:
             raise TypeError(f"net must be a gluon Block, got {type(net).__name__}")
         if trainer is not None and not hasattr(trainer, "_updaters"):
             raise TypeError(f"trainer must be a gluon.Trainer, got {type(trainer).__name__}")
+        if getattr(trainer, "shard_optimizer_states", False):
+            raise ValueError(
+                "dg.elastic.State and DistributedTrainer(shard_optimizer_states=True) do not "
+                "combine yet: each worker holds only its part of the optimizer states, so "
+                "a lost worker's part would be lost with it and a re-formation onto "
+                "another number of workers would need them re-sharded. Use "
+                "shard_optimizer_states=False with dg.elastic.State, or dg.Checkpointer "
+                "(which saves the whole states) for restarts")
         for name in extras:
             if name.startswith("_") or hasattr(type(self), name):
                 raise ValueError(f"{name!r} cannot be a value of the state: it starts "

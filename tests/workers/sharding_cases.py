@@ -103,7 +103,7 @@ CASES = {
 
 for case, (opt, params) in CASES.items():
     net, trainer, ref, reference = pair(opt, params)
-    assert trainer.shard_optimizer_states == (N > 1)
+    assert trainer.shard_optimizer_states
     run_steps(net, trainer, ref, reference, range(STEPS))
     check(case, weights(net), weights(ref))
     if case == "adam" and N > 1:
@@ -197,6 +197,83 @@ for step in (4, 5):
     total = forward_backward(ref, step, slice(0, GLOBAL), "float32")
     reference.step(total)
 check("gluon_states_into_sharded", weights(resumed), weights(ref))
+
+# Checkpointer saves the whole states and restores each rank's part
+ckpt = dg.Checkpointer(os.path.join(out_dir, "ckpt"))
+ckpt.save(resumed, again, epoch=0, step=6)
+restored = make_net()
+third = dg.DistributedTrainer(restored.collect_params(), "adam", {"learning_rate": 0.01},
+                              shard_optimizer_states=True)
+ckpt.restore(restored, third)
+check("checkpoint_restore_weights", weights(restored), weights(ref))
+for step in (0, 1):
+    n = forward_backward(restored, step, mine, "float32")
+    third.step(n)
+    total = forward_backward(ref, step, slice(0, GLOBAL), "float32")
+    reference.step(total)
+check("checkpoint_restore_continues", weights(restored), weights(ref))
+
+
+# compression (residuals per worker) and stale gradients: sharded as unsharded
+class TwoHeads(gluon.HybridBlock):
+    def __init__(self):
+        super().__init__()
+        self.body = gluon.nn.Dense(HIDDEN, in_units=FEATURES, activation="relu")
+        self.head_a = gluon.nn.Dense(CLASSES, in_units=HIDDEN)
+        self.head_b = gluon.nn.Dense(CLASSES, in_units=HIDDEN)
+
+    def hybrid_forward(self, F, x, use_b=False):
+        h = self.body(x)
+        return self.head_b(h) if use_b else self.head_a(h)
+
+
+def twin(case, opt, params, stale=False, tolerance=1e-5, **kw):
+    # head_b is never reached without stale: every rank skips it alike
+    nets = []
+    for shard in (True, False):
+        net = TwoHeads()
+        net.initialize(mx.init.Xavier())
+        mx.random.seed(11)
+        for p in net.collect_params().values():
+            p.set_data(mx.nd.random.normal(0, 0.5, p.shape))
+        trainer = dg.DistributedTrainer(net.collect_params(), opt, dict(params),
+                                        shard_optimizer_states=shard, **kw)
+        for step in range(STEPS):
+            x = mx.nd.array(X[step, mine])
+            y = mx.nd.array(Y[step, mine])
+            # stale: head_b is reached on rank 0 only, on odd steps
+            use_b = stale and step % 2 == 1 and rank == 0
+            with autograd.record():
+                loss = loss_fn(net(x, use_b), y)
+            loss.backward()
+            trainer.step(x.shape[0], ignore_stale_grad=True)
+        nets.append(net)
+    check(case, weights(nets[0]), weights(nets[1]), rtol=tolerance, atol=tolerance / 10)
+
+
+twin("compression_2bit", "adam", {"learning_rate": 0.01},
+     compression={"type": "2bit", "threshold": 0.01})
+# float16 sums round in the order horovod's ring adds them, which its fusion changes
+twin("compression_fp16", "sgd", {"learning_rate": 0.1, "momentum": 0.9}, compression="fp16",
+     tolerance=1e-3)
+twin("stale_gradients", "adam", {"learning_rate": 0.01}, stale=True)
+
+# refused combinations name both features
+try:
+    dg.elastic.State(net=resumed, trainer=again)
+except ValueError as err:
+    assert "shard_optimizer_states" in str(err) and "State" in str(err), err
+    print("ok refuses_elastic_state", flush=True)
+else:
+    raise AssertionError("dg.elastic.State accepted a sharded trainer")
+try:
+    dg.DistributedTrainer(make_net().collect_params(), "sgd", {"learning_rate": 0.1},
+                          shard_optimizer_states=True, sync_every=4)
+except ValueError as err:
+    assert "shard_optimizer_states" in str(err) and "sync_every" in str(err), err
+    print("ok refuses_local_sgd", flush=True)
+else:
+    raise AssertionError("sync_every was accepted with shard_optimizer_states=True")
 
 # optimizers that need whole tensors are refused at construction, named
 for opt in ("lamb", "lars"):
