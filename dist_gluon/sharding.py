@@ -1,29 +1,34 @@
 """The optimizer state sharded over the workers (ZeRO stage 1):
 ``DistributedTrainer(..., shard_optimizer_states=True)``.
 
-Every tensor is split into ``num_workers`` consecutive parts of its flattened elements
-(:func:`~dist_gluon.backends.base.shard_bounds`: the first ``size % N`` ranks hold one
-element more), so each worker holds the optimizer state of 1/N of every tensor: balanced
-by size to within one element per tensor, the same on every run and every rank, and a
-large tensor is spread over every worker. A step is:
+Every tensor is split along its first axis into ``num_workers`` consecutive parts
+(:func:`~dist_gluon.backends.base.shard_counts`): ``rows // N`` rows each, and one more
+for ``rows % N`` ranks, which start at rank ``position % N`` for the tensor at model
+``position`` so that no rank collects every tensor's extra row. Each worker holds the
+optimizer state of its rows of every tensor: about 1/N of the elements, balanced to
+within a row per tensor, the same on every run and rank, and a large tensor is spread
+over every worker (a tensor with fewer rows than workers is held whole by few of
+them). A step is:
 
-1. the gradients' reduce-scatter: each rank receives the sum over the workers of its
-   part of each gradient (the backend's ``reducescatter``; horovod's
-   ``grouped_reducescatter``), in groups of at most :data:`_GROUP_ELEMENTS` elements;
-   with compression or ``gradient_predivide_factor`` the codec sums the whole gradient
-   as without sharding (its residuals stay per worker) and each rank keeps its part;
-2. the update of the rank's part of each weight, by the trainer's own updater, whose
-   states therefore have the shape of the parts (gluon's optimizer indices, lr_mult,
-   wd_mult, update counts and schedules are unchanged: it is the same update, element
-   by element);
-3. the allgather of the updated parts: every rank ends with the whole new weights.
+1. the gradients' sum over the workers, as without sharding (the same allreduce per
+   tensor as its gradient is ready, with its priority, its codec and the residuals of
+   each worker's own): horovod 0.28.1's ``grouped_reducescatter`` moves half the bytes
+   but took 2.4x (2 ranks) to 8x (4 ranks) as long as an allreduce of the same 64 MiB
+   over Gloo on this machine, and blocks until all its tensors are ready, so the
+   backend's ``reducescatter`` is not on this path (benchmarks/RESULTS-memory.md);
+2. the update of this rank's rows of each weight by the trainer's own updater, whose
+   states have the shape of those rows (gluon's optimizer indices, ``lr_mult``,
+   ``wd_mult``, update counts and schedules are unchanged: it is the same update,
+   element by element, as the unsharded trainer's);
+3. the allgather of the updated rows (the backend's ``allgather``, in groups of at most
+   :data:`_GROUP_ELEMENTS` elements): every rank ends with the whole new weights.
 
 Only optimizers whose update of an element reads nothing but that element's weight,
 gradient and state are accepted (:data:`ELEMENTWISE`): LAMB, LARS and LBSGD scale a
 tensor's update by norms of the whole tensor, and are refused at construction rather
 than computed from a part. ``save_states`` and :class:`~dist_gluon.Checkpointer` gather
 the whole states into gluon.Trainer's layout; a file loads on any number of workers,
-sharded or not, and each rank keeps its part.
+sharded or not, and each rank keeps its rows.
 """
 from __future__ import annotations
 
@@ -34,7 +39,8 @@ import pickle
 import mxnet as mx
 import numpy as np
 
-from .backends.base import shard_bounds
+from . import timeline as _timeline
+from .backends.base import shard_counts
 from .broadcast import optimizer_state_arrays
 
 # The optimizers whose update is element by element, so that updating a part of a
@@ -52,7 +58,7 @@ _WHY_NOT = {
     "LBSGD": "its LARS warm-up scales each tensor by norms of the whole tensor",
     "SGLD": "its noise is drawn per tensor, so parts would not draw one process's noise",
 }
-# Elements per grouped collective: a group's outputs all exist until it is waited for,
+# Elements per grouped allgather: a group's outputs all exist until it is waited for,
 # so this bounds the transient memory of a step (64 MiB of float32, horovod's default
 # fusion buffer).
 _GROUP_ELEMENTS = 1 << 24
@@ -73,12 +79,12 @@ def check_optimizer(optimizer: mx.optimizer.Optimizer) -> None:
 
 
 class OptimizerSharding:
-    """Each worker's part of the gradients, updates and optimizer states.
+    """Each worker's rows of the gradients, updates and optimizer states.
 
     Parameters
     ----------
     kv : Backend
-        Its ``reducescatter`` and ``allgather`` carry the gradients and weights.
+        Its ``allgather`` carries the updated weights.
     prefix : str
         The trainer's key prefix.
     """
@@ -86,135 +92,111 @@ class OptimizerSharding:
     def __init__(self, kv, prefix: str):
         self.kv = kv
         self.prefix = prefix
-        # this step's part of each summed gradient, by model position, from the reduce
-        # until the update that consumes it
+        # this step's rows of each summed gradient (views), by model position, from the
+        # sum until the update that consumes them
         self._parts: dict[int, mx.nd.NDArray] = {}
+        self._summed = False
 
     @property
     def active(self) -> bool:
         """Whether there is anything to shard (one process holds every part)."""
         return self.kv.num_workers > 1
 
-    def bounds(self, size: int) -> tuple[int, int]:
-        """This rank's elements ``[start, stop)`` of a flattened tensor of ``size``."""
-        return shard_bounds(size, self.kv.num_workers, self.kv.rank)
+    def counts(self, position: int, shape) -> list[int]:
+        """Every rank's number of rows of the tensor of ``shape`` at model ``position``."""
+        return shard_counts(shape[0], self.kv.num_workers, position % self.kv.num_workers)
+
+    def bounds(self, position: int, shape) -> tuple[int, int]:
+        """This rank's rows ``[start, stop)`` of the tensor at model ``position``."""
+        counts = self.counts(position, shape)
+        start = sum(counts[:self.kv.rank])
+        return start, start + counts[self.kv.rank]
 
     # ------------------------------------------------------------ gradients
-    def reduce_scatter(self, entries: list[tuple[int, mx.nd.NDArray]], describe) -> None:
-        """Sum the gradients ``entries`` ((model position, gradient), the same on every
-        rank) over the workers, keeping this rank's part of each sum."""
-        self._check_dense(entries, describe)
-        for group in _groups(entries, lambda entry: entry[1]):
-            positions = [position for position, _ in group]
-            parts = self.kv.reducescatter([f"{self.prefix}.rs.{p}" for p in positions],
-                                          [grad.reshape((-1,)) for _, grad in group],
-                                          priority=-positions[0])
-            self._parts.update(zip(positions, parts))
-
     def keep_parts(self, entries: list[tuple[int, mx.nd.NDArray]], describe) -> None:
-        """Keep this rank's part of gradients already summed whole (by a codec)."""
-        self._check_dense(entries, describe)
-        for position, grad in entries:
-            self._parts[position] = self._part(grad)
-
-    def _part(self, array: mx.nd.NDArray) -> mx.nd.NDArray:
-        """A copy of this rank's part of ``array``, flattened (made by operators, so an
-        array in MKLDNN's layout is read correctly)."""
-        start, stop = self.bounds(array.size)
-        if stop == start:
-            return mx.nd.empty((0,), ctx=array.context, dtype=array.dtype)
-        return mx.nd.slice(mx.nd.reshape(array, shape=(-1,)), begin=(start,), end=(stop,))
-
-    @staticmethod
-    def _check_dense(entries, describe) -> None:
+        """Keep this rank's rows of the summed gradients ``entries`` ((model position,
+        gradient), summed whole in place): views, nothing is copied."""
+        self._summed = True
         for position, grad in entries:
             if grad.stype != "default":
                 raise TypeError(f"shard_optimizer_states=True shards dense gradients; "
                                 f"{describe(position)} has a {grad.stype} gradient (use "
                                 "sparse_grad=False, or shard_optimizer_states=False)")
-
-    def global_norm(self) -> mx.nd.NDArray:
-        """The 2-norm of this step's whole summed gradients, from every rank's parts
-        (one scalar sum over the workers), as a (1,) float32 array."""
-        squares = [mx.nd.sum(mx.nd.square(part.astype("float32")))
-                   for part in self._parts.values() if part.size]
-        total = mx.nd.add_n(*squares) if squares else mx.nd.zeros((1,))
-        total = total.reshape((1,))
-        self.kv.pushpull(f"{self.prefix}.norm", total)
-        return mx.nd.sqrt(total)
-
-    def scale_parts(self, factor: float) -> None:
-        """Multiply this step's gradient parts by ``factor`` (clipping)."""
-        for part in self._parts.values():
-            if part.size:       # MXNet 1.x takes a (0,) shape for an unknown one
-                part *= factor
-
-    @property
-    def has_parts(self) -> bool:
-        return bool(self._parts)
+            start, stop = self.bounds(position, grad.shape)
+            if stop > start:
+                self._parts[position] = grad[start:stop]
 
     # ------------------------------------------------------------ update
     def update(self, updater, indices, weights, positions: list, params: list) -> None:
-        """Update this rank's part of the weights of optimizer ``indices`` (their arrays
-        on the first device, ``weights``) with its part of the summed gradients, then
+        """Update this rank's rows of the weights of optimizer ``indices`` (their arrays
+        on the first device, ``weights``) with its rows of the summed gradients, then
         gather the whole new weights into every device of ``params`` (the trainer's,
         in optimizer order). Every rank calls it with the same indices."""
-        missing = [i for i in indices if positions[i] not in self._parts]
-        if missing:
-            self._parts.clear()
+        summed, self._summed = self._summed, False
+        if indices and not summed:
             raise RuntimeError(
                 "with shard_optimizer_states=True, update() applies the gradients that "
                 "allreduce_grads() summed: call trainer.allreduce_grads() before "
                 "trainer.update(batch_size) in every step (or call trainer.step)")
-        entries = []
+        rows, mine = [], []
         for index, weight in zip(indices, weights):
-            part = self._parts.pop(positions[index])
-            entries.append((index, part, self._part(weight)))
+            position = positions[index]
+            start, stop = self.bounds(position, weight.shape)
+            if stop > start:
+                # an operator's copy, not a view: it reads a weight held in MKLDNN's
+                # layout (a hybridized CPU model's) correctly
+                part = mx.nd.slice_axis(weight, axis=0, begin=start, end=stop)
+                mine.append((index, self._parts[position], part))
+            else:
+                part = mx.nd.empty((0,) + weight.shape[1:], ctx=weight.context,
+                                   dtype=weight.dtype)
+            rows.append((index, part))
         self._parts.clear()
-        mine = [entry for entry in entries if entry[1].size]
         if mine:
             updater(*(list(column) for column in zip(*mine)))
-        for group in _groups(entries, lambda entry: params[entry[0]].list_data()[0]):
-            wholes = self.kv.allgather([f"{self.prefix}.ag.{positions[i]}" for i, _, _ in group],
-                                       [w for _, _, w in group],
-                                       [params[i].list_data()[0].size for i, _, _ in group],
-                                       priority=-positions[group[0][0]])
-            for (index, _, _), whole in zip(group, wholes):
+        for group in _groups(rows, lambda entry: params[entry[0]].list_data()[0]):
+            keys = [f"{self.prefix}.ag.{positions[i]}" for i, _ in group]
+            wholes = self.kv.allgather(
+                keys, [part for _, part in group],
+                [self.counts(positions[i], params[i].shape) for i, _ in group],
+                priority=-positions[group[0][0]])
+            _timeline.collective(keys[0], wholes[0], _nbytes(wholes), "allgather")
+            for (index, _), whole in zip(group, wholes):
                 for data in params[index].list_data():
-                    whole.reshape(data.shape).copyto(data)
+                    whole.copyto(data)
 
     # ------------------------------------------------------------ states
-    def gather_states(self, updater, params: list) -> dict:
+    def gather_states(self, updater, params: list, positions: list) -> dict:
         """The whole optimizer states (gluon.Trainer's layout: optimizer index ->
-        state of the whole tensor) from every rank's parts; a collective. Rank 0 holds
-        a part of every tensor, so its states say which exist and their structure."""
-        layout = {index: _layout(state) for index, state in updater.states.items()}
-        if self.kv.num_workers > 1:
-            layout = self.kv.broadcast_object(layout)
+        state of the whole tensor) from every rank's rows; a collective. Which states
+        exist and their structure come from the ranks that hold rows of each tensor."""
+        mine = {index: _layout(state) for index, state in updater.states.items()}
+        layout: dict = {}
+        for each in (self.kv.allgather_object(mine) if self.kv.num_workers > 1 else [mine]):
+            for index, structure in each.items():
+                layout.setdefault(index, structure)
         whole: dict = {}
         for index in sorted(layout):
-            size = params[index].list_data()[0].size
-            start, stop = self.bounds(size)
+            shape, position = params[index].shape, positions[index]
+            start, stop = self.bounds(position, shape)
             state = updater.states.get(index)
-            if state is None or stop == start:
+            if state is None and stop > start:
+                raise RuntimeError(f"rank {self.kv.rank} holds rows of optimizer index "
+                                   f"{index} but no state for them, while other ranks do")
+            if stop == start:
                 state = _rebuild(layout[index], functools.partial(
-                    _empty, ctx=params[index].list_ctx()[0]))
+                    _no_rows, shape=shape, ctx=params[index].list_ctx()[0]))
             leaves = optimizer_state_arrays(state)
-            for leaf in leaves:
-                if leaf.size != stop - start:
-                    raise RuntimeError(f"optimizer state {index} holds {leaf.size} elements "
-                                       f"on rank {self.kv.rank}, its part has {stop - start}")
             gathered = self.kv.allgather([f"{self.prefix}.st.{index}.{k}"
-                                          for k in range(len(leaves))],
-                                         [leaf.reshape((-1,)) for leaf in leaves],
-                                         [size] * len(leaves))
-            shaped = iter([g.reshape(params[index].shape) for g in gathered])
-            whole[index] = _rebuild(layout[index], lambda _, arrays=shaped: next(arrays))
+                                          for k in range(len(leaves))], leaves,
+                                         [self.counts(position, shape)] * len(leaves))
+            arrays = iter(gathered)
+            whole[index] = _rebuild(layout[index], lambda _, arrays=arrays: next(arrays))
         return whole
 
     def merged_counts(self, optimizer: mx.optimizer.Optimizer) -> dict:
         """Every rank's update counts merged (a rank counts only the tensors it holds
-        a part of): index -> count, as one process's optimizer holds them."""
+        rows of): index -> count, as one process's optimizer holds them."""
         counts = [dict(optimizer._index_update_count)]
         if self.kv.num_workers > 1:
             counts = self.kv.allgather_object(counts[0])
@@ -224,40 +206,46 @@ class OptimizerSharding:
                 merged[index] = max(count, merged.get(index, count))
         return merged
 
-    def state_file(self, updater, optimizer, params: list) -> bytes:
+    def state_file(self, updater, optimizer, params: list, positions: list) -> bytes:
         """The bytes of ``gluon.Trainer.save_states``'s file of the whole states; a
         collective (every rank gets them)."""
-        states = self.gather_states(updater, params)
+        states = self.gather_states(updater, params, positions)
         whole = copy.copy(optimizer)
-        whole._index_update_count = self.merged_counts(optimizer)
-        whole.num_update = max(whole._index_update_count.values(),
-                               default=optimizer.num_update)
+        merged = self.merged_counts(optimizer)
+        # the updater switches _index_update_count to its device's table of these
+        device = next((d for d, table in optimizer._all_index_update_counts.items()
+                       if table is optimizer._index_update_count), 0)
+        whole._all_index_update_counts = {device: merged}
+        whole._index_update_count = merged
+        whole.num_update = max(merged.values(), default=optimizer.num_update)
         return pickle.dumps((states, whole), protocol=4)
 
-    def keep_own_states(self, updaters: list, params: list) -> None:
+    def keep_own_states(self, updaters: list, params: list, positions: list) -> None:
         """After whole states were loaded into ``updaters`` (gluon's, one per device):
-        keep this rank's part of each, on the first device's updater only."""
+        keep this rank's rows of each, on the first device's updater only."""
         first = updaters[0]
         mine = {}
         for index, state in first.states.items():
-            size = int(np.prod(params[index].shape))
-            start, stop = self.bounds(size)
-            if stop == start:
-                continue
-            mine[index] = _map_leaves(state, functools.partial(
-                self._part_of_whole, size=size, start=start, stop=stop, index=index))
+            shape = params[index].shape
+            start, stop = self.bounds(positions[index], shape)
+            if stop > start:
+                mine[index] = _map_leaves(state, functools.partial(
+                    _rows_of, shape=shape, start=start, stop=stop, index=index))
         first.states = mine
         first.states_synced = dict.fromkeys(mine, False)
         for other in updaters[1:]:
             other.states, other.states_synced = {}, {}
 
-    def _part_of_whole(self, leaf, size, start, stop, index):
-        if leaf.size == stop - start and leaf.size != size:
-            return leaf.reshape((-1,))     # a part already
-        if leaf.size != size:
-            raise ValueError(f"optimizer state {index} holds {leaf.size} elements, but its "
-                             f"parameter has {size}")
-        return self._part(leaf)
+
+def _rows_of(leaf, shape, start, stop, index):
+    if tuple(leaf.shape) != tuple(shape):
+        raise ValueError(f"optimizer state {index} has shape {leaf.shape}, but its "
+                         f"parameter has {shape}")
+    return mx.nd.slice_axis(leaf, axis=0, begin=start, end=stop)
+
+
+def _nbytes(arrays) -> int:
+    return sum(a.size * np.dtype(a.dtype).itemsize for a in arrays)
 
 
 def _groups(entries: list, array_of) -> list[list]:
@@ -296,8 +284,8 @@ def _rebuild(layout, make):
     return None
 
 
-def _empty(dtype, ctx):
-    return mx.nd.empty((0,), ctx=ctx, dtype=dtype)
+def _no_rows(dtype, shape, ctx):
+    return mx.nd.empty((0,) + tuple(shape[1:]), ctx=ctx, dtype=dtype)
 
 
 def _map_leaves(state, fn):

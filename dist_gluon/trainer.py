@@ -437,10 +437,11 @@ class DistributedTrainer(TrainerBase):
         bytes of one allreduce on horovod), and the weights are those of the unsharded
         trainer. ``save_states`` and Checkpointer still write the whole states in
         gluon.Trainer's layout. Optimizers that need whole tensors (LAMB, LARS) are
-        refused, and so are ``sync_every``, ``dg.elastic.State`` and AMP; to clip by
-        the global norm call :meth:`clip_global_norm` between ``allreduce_grads()``
-        and ``update()``. On dist_async the servers already hold the optimizer state
-        and nothing changes; on one process neither.
+        refused, and so are ``sync_every``, ``dg.elastic.State`` and AMP. Every rank
+        still holds the whole summed gradients after ``allreduce_grads()``, so
+        ``gluon.utils.clip_global_norm`` works as without sharding. On dist_async the
+        servers already hold the optimizer state and nothing changes; on one process
+        neither.
 
     Examples
     --------
@@ -709,9 +710,6 @@ class DistributedTrainer(TrainerBase):
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()
-        if self._sharded and averager.sums_plainly:
-            self._sharding.reduce_scatter(entries, self._describe)
-            return
         if not averager.distributed or (averager.codec is not None and averager.codec.batched):
             # 2-bit and PowerSGD pack and pipeline a whole step's tensors; on one process
             # reduce() sends nothing but refuses a gradient the codec cannot take, so
@@ -722,6 +720,8 @@ class DistributedTrainer(TrainerBase):
             for i, grad in entries:
                 averager.reduce([i], [grad], describe=self._describe)
         if self._sharded:
+            # the first device's updater updates this rank's rows and gathers the
+            # weights onto every device
             self._sharding.keep_parts(entries, self._describe)
             return
         self._spread_grads()
@@ -766,53 +766,14 @@ class DistributedTrainer(TrainerBase):
             self._init_kvstore()
         if self._params_to_init:
             self._init_params()
-        return self._sharding.state_file(self._updaters[0], self._optimizer, self._params)
+        return self._sharding.state_file(self._updaters[0], self._optimizer, self._params,
+                                         self.optimizer_positions())
 
     def _states_loaded(self) -> None:
         # after whole states were loaded: keep this rank's part of them
         if self._sharded:
-            self._sharding.keep_own_states(self._updaters, self._params)
-
-    def clip_global_norm(self, max_norm: float) -> float:
-        """Between ``allreduce_grads()`` and ``update()``: scale the summed gradients so
-        that their global 2-norm is at most ``max_norm``, as
-        ``gluon.utils.clip_global_norm`` does on one process; returns the norm before
-        clipping. With ``shard_optimizer_states`` each rank holds only its part of the
-        summed gradients, which ``gluon.utils.clip_global_norm`` cannot see: this norm
-        is over every rank's parts (one scalar sum). Every rank must call it.
-
-        Parameters
-        ----------
-        max_norm : float
-            The largest global norm the gradients keep.
-
-        Returns
-        -------
-        float
-            The global norm of the summed gradients before clipping.
-        """
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be positive, got {max_norm}")
-        if self._sharded:
-            if not self._sharding.has_parts:
-                raise RuntimeError("clip_global_norm() works on the gradients that "
-                                   "allreduce_grads() summed: call it after "
-                                   "trainer.allreduce_grads() and before trainer.update()")
-            norm = float(self._sharding.global_norm().asscalar())
-        else:
-            grads = [p.list_grad()[0] for p in self._model_params if p.grad_req != "null"]
-            norm = float(mx.nd.sqrt(mx.nd.add_n(*[
-                mx.nd.sum(mx.nd.square(g.astype("float32"))) for g in grads])).asscalar())
-        if norm > max_norm:
-            factor = max_norm / (norm + 1e-8)
-            if self._sharded:
-                self._sharding.scale_parts(factor)
-            else:
-                for param in self._model_params:
-                    if param.grad_req != "null":
-                        for grad in param.list_grad():
-                            grad *= factor
-        return norm
+            self._sharding.keep_own_states(self._updaters, self._params,
+                                           self.optimizer_positions())
 
     def _optimizer_states(self) -> dict[int, list]:
         # with sharding each rank holds other parts: the sync check compares weights only

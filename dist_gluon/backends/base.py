@@ -80,13 +80,32 @@ def _count_variable(name: str) -> int:
     return value
 
 
-def shard_bounds(size: int, num_workers: int, rank: int) -> tuple[int, int]:
-    """The elements ``[start, stop)`` of a 1-D array of ``size`` elements that ``rank``
-    holds when it is split over ``num_workers``: consecutive parts, the first
-    ``size % num_workers`` ranks one element more than the others (horovod's split)."""
+def shard_counts(size: int, num_workers: int, first: int = 0) -> list[int]:
+    """How many of ``size`` rows each rank holds when they are split over
+    ``num_workers`` in consecutive parts: ``size // num_workers`` each, and one more
+    for the ``size % num_workers`` ranks from rank ``first`` on (cyclically)."""
     base, extra = divmod(size, num_workers)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    return [base + (1 if (rank - first) % num_workers < extra else 0)
+            for rank in range(num_workers)]
+
+
+def shard_bounds(size: int, num_workers: int, rank: int, first: int = 0) -> tuple[int, int]:
+    """The rows ``[start, stop)`` that ``rank`` holds of :func:`shard_counts`'s split
+    (with ``first=0``, horovod's split: the first ranks hold one row more)."""
+    counts = shard_counts(size, num_workers, first)
+    start = sum(counts[:rank])
+    return start, start + counts[rank]
+
+
+def _rows(arr) -> int:
+    """The first axis' length; MXNet 1.x writes an array of no rows as shape (0,)."""
+    return arr.shape[0] if arr.size else 0
+
+
+def _no_rows(shape, ctx, dtype):
+    """An array of no rows of arrays of ``shape`` (which MXNet 1.x operators take for
+    an unknown shape: only collectives and copies see it)."""
+    return mx.nd.empty((0,) + tuple(shape[1:]), ctx=ctx, dtype=dtype)
 
 
 class Backend(KVStoreBase):
@@ -299,44 +318,46 @@ class Backend(KVStoreBase):
 
     # ------------------------------------------------------------ sharded collectives
     def reducescatter(self, key, value, priority: int = 0) -> list[mx.nd.NDArray]:
-        """Sum 1-D arrays over the workers and return this rank's part of each sum.
+        """Sum arrays over the workers and return this rank's rows of each sum.
 
-        Rank ``r`` gets the elements ``shard_bounds(size, num_workers, r)`` of each sum
-        (the first ``size % num_workers`` ranks one element more than the others, as
-        horovod splits), so the parts of all ranks, in rank order, are the sum.
+        Rank ``r`` gets the rows (first axis) ``shard_bounds(rows, num_workers, r)`` of
+        each sum: the first ``rows % num_workers`` ranks one row more, as horovod
+        splits; the parts of all ranks, in rank order, are the sum.
 
         Parameters
         ----------
         key : int, str, or list of them
         value : NDArray or list of NDArray
-            One 1-D array per key, the same size on every rank. It may be overwritten
-            (a backend without a reduce-scatter of its own sums it in place).
+            One array per key, the same shape on every rank. It may be overwritten (a
+            backend without a reduce-scatter of its own sums it in place).
         priority : int
             Higher priorities are communicated first where the backend supports it.
 
         Returns
         -------
         list of NDArray
-            This rank's part of each sum, in the order of ``key``.
+            This rank's rows of each sum, in the order of ``key``.
         """
-        names, values = self._flat_arguments(key, value, "reducescatter")
+        names, values = self._sharded_arguments(key, value, "reducescatter")
         if self.num_workers == 1:
             return values
         self._progress(names[0])
         return self._reducescatter_(names, values, priority)
 
-    def allgather(self, key, value, size, priority: int = 0) -> list[mx.nd.NDArray]:
-        """Concatenate every rank's 1-D part of each array, in rank order: the inverse
-        of :meth:`reducescatter`'s split.
+    def allgather(self, key, value, counts, priority: int = 0) -> list[mx.nd.NDArray]:
+        """Concatenate every rank's rows of each array along the first axis, in rank
+        order, on every rank.
 
         Parameters
         ----------
         key : int, str, or list of them
         value : NDArray or list of NDArray
-            This rank's part of each array: its elements ``shard_bounds(size,
-            num_workers, rank)`` (the split of :meth:`reducescatter`).
-        size : int or list of int
-            The number of elements of each whole array.
+            This rank's rows of each array (possibly none: a first axis of 0); the
+            other axes are the same on every rank.
+        counts : list of int, or list of such lists
+            For each key, the number of rows of every rank, in rank order (the same
+            on every rank; a backend without an allgather of its own places the rows
+            by them).
         priority : int
             Higher priorities are communicated first where the backend supports it.
 
@@ -345,53 +366,54 @@ class Backend(KVStoreBase):
         list of NDArray
             Each whole array, the same on every rank.
         """
-        names, values = self._flat_arguments(key, value, "allgather")
-        sizes = [int(n) for n in _as_list(size)]
-        if len(sizes) != len(values):
-            raise ValueError(f"allgather: got {len(values)} values and {len(sizes)} sizes")
-        for name, arr, whole in zip(names, values, sizes):
-            start, stop = shard_bounds(whole, self.num_workers, self.rank)
-            if arr.size != stop - start:
-                raise ValueError(f"allgather: key {name!r}: rank {self.rank} of "
-                                 f"{self.num_workers} holds elements {start}:{stop} of "
-                                 f"{whole}, but its part has {arr.size}")
+        names, values = self._sharded_arguments(key, value, "allgather")
+        counts = [list(c) for c in (counts if isinstance(key, (list, tuple)) else [counts])]
+        if len(counts) != len(values):
+            raise ValueError(f"allgather: got {len(values)} values and {len(counts)} "
+                             "row counts")
+        for name, arr, rows in zip(names, values, counts):
+            if len(rows) != self.num_workers or _rows(arr) != rows[self.rank]:
+                raise ValueError(f"allgather: key {name!r}: rank {self.rank} holds "
+                                 f"{_rows(arr)} rows, and the counts of the "
+                                 f"{self.num_workers} ranks are {rows}")
         if self.num_workers == 1:
             return values
         self._progress(names[0])
-        return self._allgather_(names, values, sizes, priority)
+        return self._allgather_(names, values, counts, priority)
 
-    def _flat_arguments(self, key, value, op: str):
+    def _sharded_arguments(self, key, value, op: str):
         names = [_key_name(k) for k in _as_list(key)]
         values = _as_list(value)
         if len(names) != len(values):
             raise ValueError(f"{op}: got {len(names)} keys and {len(values)} values")
         for name, arr in zip(names, values):
-            if not isinstance(arr, mx.nd.NDArray) or arr.ndim != 1:
-                raise ValueError(f"{op}: key {name!r} needs a 1-D NDArray, got "
-                                 f"{getattr(arr, 'shape', type(arr).__name__)}")
+            if not isinstance(arr, mx.nd.NDArray) or arr.stype != "default":
+                raise TypeError(f"{op}: key {name!r} needs a dense NDArray, got "
+                                f"{getattr(arr, 'stype', type(arr).__name__)}")
         return names, values
 
     def _reducescatter_(self, names, arrays, priority) -> list[mx.nd.NDArray]:
         """A backend without a reduce-scatter of its own sums the whole arrays (the
-        bytes of an allreduce instead of half of them) and keeps its part."""
+        bytes of an allreduce instead of half of them) and keeps its rows."""
         self._one_at_a_time(names, arrays)
         self._allreduce_(names, arrays, priority)
         parts = []
         for arr in arrays:
-            start, stop = shard_bounds(arr.size, self.num_workers, self.rank)
+            start, stop = shard_bounds(arr.shape[0], self.num_workers, self.rank)
             parts.append(arr[start:stop].copy() if stop > start else
-                         mx.nd.empty((0,), ctx=arr.context, dtype=arr.dtype))
+                         _no_rows(arr.shape, arr.context, arr.dtype))
         return parts
 
-    def _allgather_(self, names, arrays, sizes, priority) -> list[mx.nd.NDArray]:
+    def _allgather_(self, names, arrays, counts, priority) -> list[mx.nd.NDArray]:
         """A backend without an allgather of its own sums arrays that are zeros but
-        for this rank's part: exact, since adding zeros rounds nothing."""
+        for this rank's rows: exact, since adding zeros rounds nothing."""
         wholes = []
-        for arr, size in zip(arrays, sizes):
-            whole = mx.nd.zeros((size,), ctx=arr.context, dtype=arr.dtype)
-            start, stop = shard_bounds(size, self.num_workers, self.rank)
-            if stop > start:
-                whole[start:stop] = arr
+        for arr, rows in zip(arrays, counts):
+            start = sum(rows[:self.rank])
+            shape = (sum(rows),) + tuple(arr.shape[1:])
+            whole = mx.nd.zeros(shape, ctx=arr.context, dtype=arr.dtype)
+            if rows[self.rank]:
+                whole[start:start + rows[self.rank]] = arr
             wholes.append(whole)
         keys = [f"__dg_gather.{name}" for name in names]
         self._one_at_a_time(keys, wholes)

@@ -215,7 +215,7 @@ class Horovod(Backend):
     def _reducescatter_(self, names, arrays, priority):
         return self._grouped("reducescatter", names, arrays, priority)
 
-    def _allgather_(self, names, arrays, sizes, priority):
+    def _allgather_(self, names, arrays, counts, priority):
         return self._grouped("allgather", names, arrays, priority)
 
     def _grouped(self, op: str, names, arrays, priority) -> list[mx.nd.NDArray]:
