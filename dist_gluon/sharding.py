@@ -20,8 +20,9 @@ them). A step is:
    states have the shape of those rows (gluon's optimizer indices, ``lr_mult``,
    ``wd_mult``, update counts and schedules are unchanged: it is the same update,
    element by element, as the unsharded trainer's);
-3. the allgather of the updated rows (the backend's ``allgather``, in groups of at most
-   :data:`_GROUP_ELEMENTS` elements): every rank ends with the whole new weights.
+3. the whole new weights on every rank: each rank zeroes the rows it does not hold and
+   the weights are summed over the workers in place (:meth:`OptimizerSharding.
+   _gather_into` says why not the backend's ``allgather``).
 
 Only optimizers whose update of an element reads nothing but that element's weight,
 gradient and state are accepted (:data:`ELEMENTWISE`): LAMB, LARS and LBSGD scale a
@@ -58,10 +59,6 @@ _WHY_NOT = {
     "LBSGD": "its LARS warm-up scales each tensor by norms of the whole tensor",
     "SGLD": "its noise is drawn per tensor, so parts would not draw one process's noise",
 }
-# Elements per grouped allgather: a group's outputs all exist until it is waited for,
-# so this bounds the transient memory of a step (64 MiB of float32, horovod's default
-# fusion buffer).
-_GROUP_ELEMENTS = 1 << 24
 
 
 def check_optimizer(optimizer: mx.optimizer.Optimizer) -> None:
@@ -96,6 +93,10 @@ class OptimizerSharding:
         # sum until the update that consumes them
         self._parts: dict[int, mx.nd.NDArray] = {}
         self._summed = False
+        # this rank's rows of each weight, read before the update and updated there:
+        # kept from step to step (1/N of the weights' bytes), since a fresh array each
+        # step stays in the allocator's heap as much and fragments it
+        self._weight_rows: dict[int, mx.nd.NDArray] = {}
 
     @property
     def active(self) -> bool:
@@ -130,8 +131,8 @@ class OptimizerSharding:
     def update(self, updater, indices, weights, positions: list, params: list) -> None:
         """Update this rank's rows of the weights of optimizer ``indices`` (their arrays
         on the first device, ``weights``) with its rows of the summed gradients, then
-        gather the whole new weights into every device of ``params`` (the trainer's,
-        in optimizer order). Every rank calls it with the same indices."""
+        give every device of ``params`` (the trainer's, in optimizer order) the whole
+        new weights. Every rank calls it with the same indices."""
         summed, self._summed = self._summed, False
         if indices and not summed:
             raise RuntimeError(
@@ -140,30 +141,46 @@ class OptimizerSharding:
                 "trainer.update(batch_size) in every step (or call trainer.step)")
         rows, mine = [], []
         for index, weight in zip(indices, weights):
-            position = positions[index]
-            start, stop = self.bounds(position, weight.shape)
+            start, stop = self.bounds(positions[index], weight.shape)
+            part = None
             if stop > start:
-                # an operator's copy, not a view: it reads a weight held in MKLDNN's
-                # layout (a hybridized CPU model's) correctly
-                part = mx.nd.slice_axis(weight, axis=0, begin=start, end=stop)
-                mine.append((index, self._parts[position], part))
-            else:
-                part = mx.nd.empty((0,) + weight.shape[1:], ctx=weight.context,
-                                   dtype=weight.dtype)
-            rows.append((index, part))
+                # an operator's copy, not a view: a view of a weight held in MKLDNN's
+                # layout (a hybridized CPU model's after an inference forward) is read
+                # correctly but written wrongly
+                part = self._rows_buffer(positions[index], weight, stop - start)
+                mx.nd.slice_axis(weight, axis=0, begin=start, end=stop, out=part)
+                mine.append((index, self._parts[positions[index]], part))
+            rows.append((index, weight, start, stop, part))
         self._parts.clear()
         if mine:
             updater(*(list(column) for column in zip(*mine)))
-        for group in _groups(rows, lambda entry: params[entry[0]].list_data()[0]):
-            keys = [f"{self.prefix}.ag.{positions[i]}" for i, _ in group]
-            wholes = self.kv.allgather(
-                keys, [part for _, part in group],
-                [self.counts(positions[i], params[i].shape) for i, _ in group],
-                priority=-positions[group[0][0]])
-            _timeline.collective(keys[0], wholes[0], _nbytes(wholes), "allgather")
-            for (index, _), whole in zip(group, wholes):
-                for data in params[index].list_data():
-                    whole.copyto(data)
+        for index, weight, start, stop, part in rows:
+            self._gather_into(weight, start, stop, part, positions[index])
+            for data in params[index].list_data()[1:]:
+                weight.copyto(data)
+
+    def _rows_buffer(self, position: int, weight, rows: int) -> mx.nd.NDArray:
+        buffer = self._weight_rows.get(position)
+        shape = (rows,) + tuple(weight.shape[1:])
+        if buffer is None or buffer.shape != shape or buffer.dtype != weight.dtype:
+            buffer = mx.nd.empty(shape, ctx=weight.context, dtype=weight.dtype)
+            self._weight_rows[position] = buffer
+        return buffer
+
+    def _gather_into(self, weight, start, stop, part, position: int) -> None:
+        """Make ``weight`` the whole new weights, in place: zeros but for this rank's
+        updated rows, summed over the workers (exact: adding zeros rounds nothing).
+        The backend's allgather would move half the bytes, but it allocates its output
+        (a transient the size of the gathered tensors, which is what sharding saves)
+        and blocks the training thread until it has arrived; the sum runs on the
+        engine, in place, in priority order, while the next forward waits only for
+        the weights it reads."""
+        weight[:] = 0       # a write of the whole array: MKLDNN's layout is dropped
+        if part is not None:
+            weight[start:stop] = part
+        key = f"{self.prefix}.w.{position}"
+        self.kv.pushpull(key, weight, priority=-position)
+        _timeline.collective(key, weight, _nbytes([weight]), "gather (sum)")
 
     # ------------------------------------------------------------ states
     def gather_states(self, updater, params: list, positions: list) -> dict:
@@ -246,24 +263,6 @@ def _rows_of(leaf, shape, start, stop, index):
 
 def _nbytes(arrays) -> int:
     return sum(a.size * np.dtype(a.dtype).itemsize for a in arrays)
-
-
-def _groups(entries: list, array_of) -> list[list]:
-    """``entries`` cut into consecutive groups of one dtype and at most
-    :data:`_GROUP_ELEMENTS` elements (a larger tensor alone); the same on every rank."""
-    groups, current, count, dtype = [], [], 0, None
-    for entry in entries:
-        array = array_of(entry)
-        if current and (np.dtype(array.dtype) != dtype
-                        or count + array.size > _GROUP_ELEMENTS):
-            groups.append(current)
-            current, count = [], 0
-        current.append(entry)
-        count += array.size
-        dtype = np.dtype(array.dtype)
-    if current:
-        groups.append(current)
-    return groups
 
 
 def _layout(state):
