@@ -13,8 +13,9 @@ CASES = ["sgd", "momentum", "nag", "adam", "rmsprop", "adam_schedule", "clip_glo
          "multi_precision", "save_states_whole", "load_states_into_gluon",
          "load_states_sharded", "gluon_states_into_sharded", "checkpoint_restore_weights",
          "checkpoint_restore_continues", "compression_2bit", "compression_fp16",
-         "stale_gradients", "refuses_elastic_state", "refuses_local_sgd",
-         "backend_reducescatter_allgather", "refuses_lamb", "refuses_lars"]
+         "stale_gradients", "hybridized_conv_after_inference", "refuses_elastic_state",
+         "refuses_local_sgd", "backend_reducescatter_allgather", "refuses_lamb",
+         "refuses_lars"]
 
 
 def _passed(output: str, rank: int) -> list[str]:

@@ -262,6 +262,33 @@ twin("compression_fp16", "sgd", {"learning_rate": 0.1, "momentum": 0.9}, compres
      tolerance=1e-3)
 twin("stale_gradients", "adam", {"learning_rate": 0.01}, stale=True)
 
+# a hybridized convolutional model whose weights an inference forward leaves in
+# MKLDNN's layout between steps: sharded as unsharded
+def conv_run(shard):
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(8, 3, in_channels=3, activation="relu"),
+            gluon.nn.Conv2D(5, 3, in_channels=8), gluon.nn.GlobalAvgPool2D(), gluon.nn.Flatten())
+    net.initialize(mx.init.Xavier())
+    mx.random.seed(13)
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.random.normal(0, 0.3, p.shape))
+    net.hybridize(static_alloc=True, static_shape=True)
+    trainer = dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01},
+                                    shard_optimizer_states=shard)
+    images = np.random.RandomState(rank).rand(STEPS, 2, 3, 8, 8).astype("float32")
+    for step in range(STEPS):
+        x = mx.nd.array(images[step])
+        with autograd.record():
+            loss = loss_fn(net(x), mx.nd.array([0, 1]))
+        loss.backward()
+        trainer.step(2)
+        net(x).wait_to_read()          # inference: weights may be reordered in place
+    return weights(net)
+
+
+check("hybridized_conv_after_inference", conv_run(True), conv_run(False), rtol=1e-5,
+      atol=1e-6)
+
 # refused combinations name both features
 try:
     dg.elastic.State(net=resumed, trainer=again)
