@@ -21,6 +21,9 @@
    matrix and on
    ResNet-50's gradients, beside MXNet's own C++ 2-bit and a memory copy
    (bench_codecs.py, one process).
+6. Memory: peak resident memory, optimizer-state bytes and step time of each worker
+   with ``shard_optimizer_states`` and without, Adam on a BERT-base-sized model and on
+   ResNet-50, 2 and 4 workers, horovod and dist_sync (bench_memory.py).
 
 Every job runs through ``python -m dist_gluon.launch`` with OMP_NUM_THREADS=1 per
 process. Each part's report has a file of its own, benchmarks/RESULTS-<part>.md (comm,
@@ -67,6 +70,8 @@ FULL = {
     "mnist_large_batches": (128,),
     "syncbn": {"warmup": 3, "rounds": 10, "backends": BACKENDS},
     "codecs": {"quick": False},
+    "memory": {"models": ("bert", "resnet50"), "workers": (2, 4),
+               "backends": ("horovod", "dist_sync"), "warmup": 2, "steps": 4},
 }
 QUICK = {
     "sizes_mib": (1, 10), "comm_reps": 3, "comm_warmup": 1,
@@ -76,6 +81,8 @@ QUICK = {
     "mnist_large_batches": (),
     "syncbn": {"warmup": 1, "rounds": 3, "backends": ("horovod",)},
     "codecs": {"quick": True},
+    "memory": {"models": ("resnet50",), "workers": (2,), "backends": ("horovod",),
+               "warmup": 1, "steps": 2},
 }
 
 
@@ -375,6 +382,65 @@ def run_syncbn(cfg, timeout: float) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- part 6
+def run_memory(cfg, timeout: float) -> dict:
+    """Every rank's peak RSS, optimizer-state bytes and step time, sharded and not."""
+    opts = cfg["memory"]
+    rows = []
+    start = load()
+    for model in opts["models"]:
+        for backend in opts["backends"]:
+            for workers in opts["workers"]:
+                for shard in (0, 1):
+                    payload = launch(backend, workers, [
+                        str(HERE / "bench_memory.py"), "--model", model, "--shard",
+                        str(shard), "--warmup", str(opts["warmup"]), "--steps",
+                        str(opts["steps"])], timeout)
+                    log(f"memory, {model}, {backend}, {workers} workers, "
+                        f"{'sharded' if shard else 'unsharded'}: {describe(payload)}")
+                    payload.pop("stdout", None)
+                    rows.append(dict(payload, model=model, backend=backend, workers=workers,
+                                     shard=bool(shard)))
+    return {"rows": rows, "load_start": start, "load_end": load()}
+
+
+def memory_table(memory: dict) -> list[str]:
+    def gib(value):
+        return f"{value / (1 << 30):.2f}"
+
+    lines = ["| model | backend | workers | optimizer state / worker (GiB) | "
+             "peak RSS / worker (GiB) | step (s) | state vs unsharded | RSS saved / state "
+             "saved |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = memory["rows"]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['backend']} | {row['workers']} | "
+                         f"{'sharded' if row['shard'] else 'unsharded'}: failed "
+                         f"({row['error'][:120]}) | | | | |")
+            continue
+        ranks = row["ranks"]
+        state = max(r["state_bytes"] for r in ranks)
+        rss = max(r["peak_rss"] for r in ranks)
+        step = max(r["step"] for r in ranks)
+        label = "sharded" if row["shard"] else "unsharded"
+        compare = ["", ""]
+        base = next((b for b in rows if not b["shard"] and "error" not in b
+                     and (b["model"], b["backend"], b["workers"])
+                     == (row["model"], row["backend"], row["workers"])), None)
+        if row["shard"] and base is not None:
+            base_state = max(r["state_bytes"] for r in base["ranks"])
+            base_rss = max(r["peak_rss"] for r in base["ranks"])
+            base_step = max(r["step"] for r in base["ranks"])
+            compare = [f"{state / base_state:.3f} (1/N = {1 / row['workers']:.3f}); step "
+                       f"{step / base_step:.2f}x",
+                       f"{(base_rss - rss) / max(base_state - state, 1):.0%}"]
+        lines.append(f"| {row['model']} ({row['parameters'] / 1e6:.0f} M) | {row['backend']}"
+                     f" | {row['workers']} {label} | {gib(state)} | {gib(rss)} | {step:.2f} | "
+                     f"{compare[0]} | {compare[1]} |")
+    return lines
+
+
 # --------------------------------------------------------------------------- part 5
 CODEC_ROWS = ("2bit", "2bit operators", "powersgd", "powersgd operators", "fp16", "onebit",
               "onebit operators", "mxnet 2bit", "memory copy")
@@ -601,7 +667,33 @@ def targets(results: dict) -> list[str]:
                 rate = nbytes / t / 1e9
                 rows.append(f"| horovod over MPI, {case} sum >= {bound:g} GB/s | "
                             f"{rate:.2f} GB/s | {verdict(rate >= bound)} |")
-    return rows + codec_targets(results.get("codecs", {}))
+    return rows + codec_targets(results.get("codecs", {})) + memory_targets(
+        results.get("memory", {}))
+
+
+def memory_targets(memory: dict) -> list[str]:
+    """Issue 52's targets for Adam on 4 workers: state bytes <= 1/N + 5% of the
+    unsharded, peak RSS lower by >= 40% of the state, step <= 1.05x."""
+    rows = []
+    done = [r for r in memory.get("rows", []) if "error" not in r and r["workers"] == 4]
+    for row in (r for r in done if r["shard"]):
+        base = next((b for b in done if not b["shard"] and (b["model"], b["backend"])
+                     == (row["model"], row["backend"])), None)
+        if base is None:
+            continue
+        worst = {k: max(r[k] for r in row["ranks"]) for k in ("state_bytes", "peak_rss", "step")}
+        was = {k: max(r[k] for r in base["ranks"]) for k in ("state_bytes", "peak_rss", "step")}
+        what = f"{row['model']} on {row['backend']}, 4 workers"
+        share = worst["state_bytes"] / was["state_bytes"]
+        rows.append(f"| {what}: optimizer state per worker <= 1/4 + 5% of unsharded | "
+                    f"{share:.3f} | {verdict(share <= 0.25 + 0.05)} |")
+        saved = (was["peak_rss"] - worst["peak_rss"]) / was["state_bytes"]
+        rows.append(f"| {what}: peak RSS lower by >= 40% of the unsharded state | "
+                    f"{saved:.0%} | {verdict(saved >= 0.40)} |")
+        slower = worst["step"] / was["step"]
+        rows.append(f"| {what}: step <= 1.05x unsharded | {slower:.2f}x | "
+                    f"{verdict(slower <= 1.05)} |")
+    return rows
 
 
 def scaling_table(scaling: dict) -> list[str]:
@@ -817,12 +909,35 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             *codecs_table(codecs),
             "",
         ]
+    if "memory" in results:
+        memory = results["memory"]
+        text += [
+            "## 6. Memory: shard_optimizer_states",
+            "",
+            "Adam (two float32 states per parameter) through DistributedTrainer with "
+            "`shard_optimizer_states=True` (*sharded*) and without, "
+            f"{results['config']['memory']['steps']} timed steps after "
+            f"{results['config']['memory']['warmup']} warm-up ones, batch 1 x 8 tokens "
+            "(BERT-base-sized: BERT-base's parameter shapes on a feed-forward path, "
+            "benchmarks/bench_memory.py) or 2 images of 64 x 64 (ResNet-50 v1). Per "
+            "worker, the largest over the ranks: the bytes of the optimizer states it "
+            "holds, its peak resident memory (`ru_maxrss`: weights, gradients, states, "
+            "activations, MXNet and the transport's buffers, since the process started), "
+            "and the median step time. *RSS saved / state saved*: how much of the "
+            "optimizer-state bytes sharding saves shows up as lower peak RSS. Load "
+            f"average during this part: {memory['load_start'][0]:.2f} at its start, "
+            f"{memory['load_end'][0]:.2f} at its end; every worker of a job shares the "
+            "machine's cores, so step times of 4 workers are 2 workers' work per core.",
+            "",
+            *memory_table(memory),
+            "",
+        ]
     text += ["## Targets (reported, not asserted)", "", *targets(results), ""]
     path.write_text("\n".join(text))
 
 
 # --------------------------------------------------------------------------- reports
-PARTS = ("comm", "trainer", "scaling", "syncbn", "codecs")
+PARTS = ("comm", "trainer", "scaling", "syncbn", "codecs", "memory")
 
 
 def write_reports(results: dict, parts, out: Path | None, quick: bool) -> list[Path]:
@@ -853,7 +968,7 @@ def parse_args(argv=None):
                         help="smaller sizes and fewer repetitions (a few minutes); writes "
                              "RESULTS-quick.md unless --out is given")
     parser.add_argument("--only", action="append", choices=PARTS,
-                        help="run only this part (repeatable); default: all five")
+                        help="run only this part (repeatable); default: all six")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the report of every part run into this one file "
                              "(default: each part into its own benchmarks/RESULTS-<part>.md)")
@@ -887,6 +1002,8 @@ def main(argv=None) -> int:
             results["syncbn"] = run_syncbn(cfg, args.job_timeout)
         if "codecs" in parts:
             results["codecs"] = run_codecs(cfg, Path(tmp), args.job_timeout)
+        if "memory" in parts:
+            results["memory"] = run_memory(cfg, args.job_timeout)
     results["load_end"] = load()
     results["others_cpu_share"] = others_share(cpu_start, cpu_seconds(),
                                                results["machine"]["cores"] or 1)
@@ -902,6 +1019,8 @@ def main(argv=None) -> int:
     failed += [f"syncbn {backend}" for backend, payload in results.get("syncbn", {}).items()
                if "error" in payload]
     failed += ["codecs"] if "error" in results.get("codecs", {}) else []
+    failed += [f"memory {r['model']} {r['backend']} {r['workers']}"
+               for r in results.get("memory", {}).get("rows", []) if "error" in r]
     if failed:
         log(f"failed jobs: {', '.join(failed)}")
     return 1 if failed else 0

@@ -178,7 +178,9 @@ class OptimizerSharding:
         weight[:] = 0       # a write of the whole array: MKLDNN's layout is dropped
         if part is not None:
             weight[start:stop] = part
-        key = f"{self.prefix}.w.{position}"
+        # the gradient's own key: ps-lite keeps a copy per key on the servers and a
+        # buffer per slice on the workers, which a key of its own would double
+        key = f"{self.prefix}.{position}"
         self.kv.pushpull(key, weight, priority=-position)
         _timeline.collective(key, weight, _nbytes([weight]), "gather (sum)")
 
