@@ -437,7 +437,7 @@ class DistributedTrainer(TrainerBase):
         bytes of one allreduce on horovod), and the weights are those of the unsharded
         trainer. ``save_states`` and Checkpointer still write the whole states in
         gluon.Trainer's layout. Optimizers that need whole tensors (LAMB, LARS) are
-        refused, and so are ``sync_every``, ``dg.elastic.State`` and AMP. Every rank
+        refused, and so are ``sync_every`` and ``dg.elastic.State``. Every rank
         still holds the whole summed gradients after ``allreduce_grads()``, so
         ``gluon.utils.clip_global_norm`` works as without sharding. On dist_async the
         servers already hold the optimizer state and nothing changes; on one process
@@ -730,7 +730,6 @@ class DistributedTrainer(TrainerBase):
         # the freshness of every rank is settled by TrainerBase._update first
         updaters = self._updaters
         if self._sharded:
-            self._refuse_amp_with_sharding()
             self._updaters = [_ShardedUpdater(self, u) if k == 0 else _skip_update
                               for k, u in enumerate(updaters)]
         else:
@@ -778,14 +777,6 @@ class DistributedTrainer(TrainerBase):
     def _optimizer_states(self) -> dict[int, list]:
         # with sharding each rank holds other parts: the sync check compares weights only
         return {} if self._sharded else super()._optimizer_states()
-
-    def _refuse_amp_with_sharding(self) -> None:
-        if getattr(self, "_amp_loss_scaler", None) is not None:
-            raise RuntimeError(
-                "shard_optimizer_states=True and AMP (mx.contrib.amp.init_trainer) do not "
-                "combine yet: AMP decides to skip a step from each rank's own gradients "
-                "before they are summed, and a sharded step needs every rank to take "
-                "part; use shard_optimizer_states=False with AMP")
 
     def load_states(self, fname: str) -> None:
         """Load optimizer states from ``fname`` as read by rank 0, so only rank 0 needs

@@ -15,7 +15,7 @@ CASES = ["sgd", "momentum", "nag", "adam", "rmsprop", "adam_schedule", "clip_glo
          "checkpoint_restore_continues", "compression_2bit", "compression_fp16",
          "stale_gradients", "hybridized_conv_after_inference", "refuses_elastic_state",
          "refuses_local_sgd", "backend_reducescatter_allgather", "refuses_lamb",
-         "refuses_lars"]
+         "refuses_lars", "amp"]
 
 
 def _passed(output: str, rank: int) -> list[str]:

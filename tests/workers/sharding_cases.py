@@ -316,8 +316,8 @@ start, stop = shard_bounds(rows, N, rank)
 want = np.arange(rows * 3).reshape((rows, 3))[start:stop] * (N * (N + 1) // 2)
 assert np.array_equal(part.asnumpy(), want), (part.asnumpy(), want)
 counts = shard_counts(1, N, first=N - 1)          # one row, held by the last rank
-mine = mx.nd.ones((counts[rank], 3)) * 7 if counts[rank] else mx.nd.empty((0, 3))
-whole = kv.allgather(["ag", "ag2"], [mine, part],
+own = mx.nd.ones((counts[rank], 3)) * 7 if counts[rank] else mx.nd.empty((0, 3))
+whole = kv.allgather(["ag", "ag2"], [own, part],
                      [counts, shard_counts(rows, N)])
 assert whole[0].shape == (1, 3) and whole[0].asnumpy().tolist() == [[7, 7, 7]], whole[0]
 assert np.array_equal(whole[1].asnumpy(),
@@ -334,3 +334,35 @@ for opt in ("lamb", "lars"):
         print(f"ok refuses_{opt}", flush=True)
     else:
         raise AssertionError(f"{opt} was accepted with shard_optimizer_states=True")
+
+
+# AMP (last: amp.init() patches MXNet's operators for the rest of the process): the
+# loss scaler sees the whole summed gradients, so an overflow on one rank skips the
+# step on every rank, sharded as unsharded
+from mxnet.contrib import amp  # noqa: E402
+
+amp.init(target_dtype="bfloat16")
+
+
+def amp_run(shard):
+    net = make_net()
+    trainer = dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01},
+                                    shard_optimizer_states=shard)
+    amp.init_trainer(trainer)
+    for step in range(STEPS):
+        x = X[step, mine].copy()
+        if step == 1 and rank == N - 1:
+            x[0, 0] = np.inf                    # this rank's gradients overflow
+        with autograd.record():
+            loss = loss_fn(net(mx.nd.array(x)), mx.nd.array(Y[step, mine]))
+            with amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        trainer.step(x.shape[0])
+    return weights(net), trainer._amp_loss_scaler.loss_scale
+
+
+sharded, scale = amp_run(True)
+unsharded, unsharded_scale = amp_run(False)
+assert scale == unsharded_scale < 2.0 ** 16, (scale, unsharded_scale)    # one skip
+assert all(np.isfinite(w).all() for w in sharded)
+check("amp", sharded, unsharded, rtol=1e-5, atol=1e-6)
