@@ -24,10 +24,12 @@ them). A step is:
    the weights are summed over the workers in place (:meth:`OptimizerSharding.
    _gather_into` says why not the backend's ``allgather``).
 
-Only optimizers whose update of an element reads nothing but that element's weight,
-gradient and state are accepted (:data:`ELEMENTWISE`): LAMB, LARS and LBSGD scale a
-tensor's update by norms of the whole tensor, and are refused at construction rather
-than computed from a part. ``save_states`` and :class:`~dist_gluon.Checkpointer` gather
+Optimizers whose update of an element reads nothing but that element's weight,
+gradient and state are accepted (:data:`ELEMENTWISE`), and LAMB, whose per-layer trust
+ratio needs the norms of each whole tensor: they are summed over the ranks' rows
+(one small sum a step). LARS and LBSGD, which scale by norms too, are refused at
+construction rather than computed from a part, and so is any optimizer dist_gluon
+does not know. ``save_states`` and :class:`~dist_gluon.Checkpointer` gather
 the whole states into gluon.Trainer's layout; a file loads on any number of workers,
 sharded or not, and each rank keeps its rows.
 """
@@ -50,10 +52,11 @@ ELEMENTWISE = (mx.optimizer.SGD, mx.optimizer.NAG, mx.optimizer.Signum, mx.optim
                mx.optimizer.DCASGD, mx.optimizer.Adam, mx.optimizer.AdaGrad,
                mx.optimizer.RMSProp, mx.optimizer.AdaDelta, mx.optimizer.Ftrl,
                mx.optimizer.Adamax, mx.optimizer.Nadam)
+# Updated here by parts, with each tensor's norms summed over the ranks' parts
+# (OptimizerSharding._lamb_update): the trust ratio of the whole tensor, exactly.
+WHOLE_TENSOR_NORMS = (mx.optimizer.LAMB,)
 # Why the others cannot run on a part of a tensor.
 _WHY_NOT = {
-    "LAMB": "its per-layer trust ratio divides the norm of each whole weight by the "
-            "norm of its whole update",
     "LARS": "its layer-wise rate divides the norm of each whole weight by the norm of "
             "its whole gradient",
     "LBSGD": "its LARS warm-up scales each tensor by norms of the whole tensor",
@@ -63,12 +66,12 @@ _WHY_NOT = {
 
 def check_optimizer(optimizer: mx.optimizer.Optimizer) -> None:
     """Refuse an optimizer whose update needs whole tensors (a ValueError naming it)."""
-    if type(optimizer) in ELEMENTWISE:
+    if type(optimizer) in ELEMENTWISE + WHOLE_TENSOR_NORMS:
         return
     name = type(optimizer).__name__
     why = _WHY_NOT.get(name, "dist_gluon does not know that its update is element by "
                              "element (only MXNet's own optimizers are checked)")
-    accepted = ", ".join(sorted(cls.__name__ for cls in ELEMENTWISE))
+    accepted = ", ".join(sorted(cls.__name__ for cls in ELEMENTWISE + WHOLE_TENSOR_NORMS))
     raise ValueError(
         f"shard_optimizer_states=True updates each worker's part of every tensor, and "
         f"the optimizer {name} cannot run on a part: {why}. Use shard_optimizer_states="
@@ -128,11 +131,14 @@ class OptimizerSharding:
                 self._parts[position] = grad[start:stop]
 
     # ------------------------------------------------------------ update
-    def update(self, updater, indices, weights, positions: list, params: list) -> None:
+    def update(self, updater, indices, weights, positions: list, params: list,
+               apply=None) -> None:
         """Update this rank's rows of the weights of optimizer ``indices`` (their arrays
         on the first device, ``weights``) with its rows of the summed gradients, then
         give every device of ``params`` (the trainer's, in optimizer order) the whole
-        new weights. Every rank calls it with the same indices."""
+        new weights. Every rank calls it with the same indices. ``updater`` is the
+        trainer's ``mx.optimizer.Updater`` (its states are this rank's rows);
+        ``apply(indices, grads, weights)`` calls it (by default, directly)."""
         summed, self._summed = self._summed, False
         if indices and not summed:
             raise RuntimeError(
@@ -152,12 +158,65 @@ class OptimizerSharding:
                 mine.append((index, self._parts[positions[index]], part))
             rows.append((index, weight, start, stop, part))
         self._parts.clear()
-        if mine:
-            updater(*(list(column) for column in zip(*mine)))
+        if isinstance(updater.optimizer, WHOLE_TENSOR_NORMS):
+            self._lamb_update(updater, [index for index, *_ in rows], mine)
+        elif mine:
+            (apply or updater)(*(list(column) for column in zip(*mine)))
         for index, weight, start, stop, part in rows:
             self._gather_into(weight, start, stop, part, positions[index])
             for data in params[index].list_data()[1:]:
                 weight.copyto(data)
+
+    def _lamb_update(self, updater, indices: list, mine: list) -> None:
+        """LAMB on this rank's rows, with the trust ratio of each whole tensor: phase 1
+        (the Adam-like step, element by element) on the rows, each tensor's squared
+        norms of weight and step summed over the ranks' rows (one small sum for every
+        tensor), then phase 2 with the whole tensors' norms. ``indices``: every
+        optimizer index updated this step (the same on every rank), ``mine``: (index,
+        gradient rows, weight rows) of those this rank holds rows of."""
+        opt = updater.optimizer
+        opt._update_count(indices)      # every rank counts every tensor, as one process
+        squares = mx.nd.zeros((2 * len(indices),), dtype="float32")
+        slot = {index: k for k, index in enumerate(indices)}
+        steps = []
+        for index, grad, weight in mine:
+            if index not in updater.states:
+                updater.states[index] = opt.create_state_multi_precision(index, weight)
+                updater.states_synced[index] = True
+            elif not updater.states_synced[index]:
+                updater.states[index] = updater.sync_state_context(updater.states[index],
+                                                                   weight.context)
+                updater.states_synced[index] = True
+            state = updater.states[index]
+            master = opt.multi_precision and weight.dtype == np.float16
+            mean, var = state[1] if master else state
+            kwargs = {"beta1": opt.beta1, "beta2": opt.beta2, "epsilon": opt.epsilon,
+                      "bias_correction": opt.bias_correction, "rescale_grad": opt.rescale_grad,
+                      "t": opt._index_update_count[index], "wd": opt._get_wd(index)}
+            if opt.clip_gradient:
+                kwargs["clip_gradient"] = opt.clip_gradient
+            if master:
+                step = mx.nd.mp_lamb_update_phase1(weight, grad, mean, var, state[0], **kwargs)
+            else:
+                step = mx.nd.lamb_update_phase1(weight, grad, mean, var, **kwargs)
+            full = state[0] if master else weight
+            k = slot[index]
+            squares[2 * k:2 * k + 1] = mx.nd.sum(mx.nd.square(full.astype("float32")))
+            squares[2 * k + 1:2 * k + 2] = mx.nd.sum(mx.nd.square(step.astype("float32")))
+            steps.append((index, weight, step, master, state))
+        self.kv.pushpull(f"{self.prefix}.lamb_norms", squares)
+        norms = mx.nd.sqrt(squares)
+        bounds = {name: getattr(opt, name) for name in ("lower_bound", "upper_bound")
+                  if getattr(opt, name)}
+        for index, weight, step, master, state in steps:
+            k = slot[index]
+            r1, r2 = norms[2 * k:2 * k + 1], norms[2 * k + 1:2 * k + 2]
+            if master:
+                mx.nd.mp_lamb_update_phase2(weight, step, r1, r2, state[0],
+                                            lr=opt._get_lr(index), out=weight, **bounds)
+            else:
+                mx.nd.lamb_update_phase2(weight, step, r1, r2, lr=opt._get_lr(index),
+                                         out=weight, **bounds)
 
     def _rows_buffer(self, position: int, weight, rows: int) -> mx.nd.NDArray:
         buffer = self._weight_rows.get(position)

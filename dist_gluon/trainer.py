@@ -436,7 +436,8 @@ class DistributedTrainer(TrainerBase):
         gradients travel as a reduce-scatter and the new weights as an allgather (the
         bytes of one allreduce on horovod), and the weights are those of the unsharded
         trainer. ``save_states`` and Checkpointer still write the whole states in
-        gluon.Trainer's layout. Optimizers that need whole tensors (LAMB, LARS) are
+        gluon.Trainer's layout. LAMB's trust ratio uses the norms of whole tensors
+        (summed over the workers' rows); optimizers that would need more (LARS) are
         refused, and so are ``sync_every`` and ``dg.elastic.State``. Every rank
         still holds the whole summed gradients after ``allreduce_grads()``, so
         ``gluon.utils.clip_global_norm`` works as without sharding. On dist_async the
@@ -823,8 +824,9 @@ class _ShardedUpdater:
 
     def __call__(self, indices, grads, weights):
         trainer = self._trainer
-        trainer._sharding.update(_SizeGroupedUpdater(self._updater), indices, weights,
-                                 trainer.optimizer_positions(), trainer._params)
+        trainer._sharding.update(self._updater, indices, weights,
+                                 trainer.optimizer_positions(), trainer._params,
+                                 apply=_SizeGroupedUpdater(self._updater))
 
 
 def _skip_update(indices, grads, weights):

@@ -9,13 +9,13 @@ from conftest import REPO, assert_ok, launcher, run, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
 # tests/workers/sharding_cases.py prints "ok <case>" for each of these on every rank
-CASES = ["sgd", "momentum", "nag", "adam", "rmsprop", "adam_schedule", "clip_global_norm",
+CASES = ["sgd", "momentum", "nag", "adam", "rmsprop", "adam_schedule", "lamb", "clip_global_norm",
          "multi_precision", "save_states_whole", "load_states_into_gluon",
          "load_states_sharded", "gluon_states_into_sharded", "checkpoint_restore_weights",
          "checkpoint_restore_continues", "compression_2bit", "compression_fp16",
          "stale_gradients", "hybridized_conv_after_inference", "refuses_elastic_state",
-         "refuses_local_sgd", "backend_reducescatter_allgather", "refuses_lamb",
-         "refuses_lars", "amp"]
+         "refuses_local_sgd", "backend_reducescatter_allgather", "refuses_lars",
+         "refuses_lbsgd", "amp"]
 
 
 def _passed(output: str, rank: int) -> list[str]:

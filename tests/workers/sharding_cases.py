@@ -101,6 +101,9 @@ CASES = {
     "adam": ("adam", {"learning_rate": 0.01, "wd": 1e-3, "clip_gradient": 0.5}),
     "rmsprop": ("rmsprop", {"learning_rate": 0.01, "centered": True}),
     "adam_schedule": ("adam", {"learning_rate": 0.05, "lr_scheduler": SCHEDULE}),
+    # the trust ratio of each whole tensor, from the norms of every rank's rows
+    "lamb": ("lamb", {"learning_rate": 0.02, "wd": 1e-2, "lower_bound": 1e-3,
+                      "upper_bound": 10.0}),
 }
 
 for case, (opt, params) in CASES.items():
@@ -325,7 +328,7 @@ assert np.array_equal(whole[1].asnumpy(),
 print("ok backend_reducescatter_allgather", flush=True)
 
 # optimizers that need whole tensors are refused at construction, named
-for opt in ("lamb", "lars"):
+for opt in ("lars", "lbsgd"):
     try:
         dg.DistributedTrainer(make_net().collect_params(), opt, {"learning_rate": 0.1},
                               shard_optimizer_states=True)
