@@ -431,12 +431,13 @@ class DistributedTrainer(TrainerBase):
         their parameters: the global update arrives that many steps late, on top of
         their progress meanwhile (:mod:`dist_gluon.local_sgd`).
     shard_optimizer_states : bool, default False
-        ZeRO stage 1 (:mod:`dist_gluon.sharding`): each of N workers keeps the optimizer
-        state of 1/N of every tensor's elements and updates only that part; the
-        gradients travel as a reduce-scatter and the new weights as an allgather (the
-        bytes of one allreduce on horovod), and the weights are those of the unsharded
-        trainer. ``save_states`` and Checkpointer still write the whole states in
-        gluon.Trainer's layout. LAMB's trust ratio uses the norms of whole tensors
+        ZeRO stage 1 (:mod:`dist_gluon.sharding`, docs/memory.md): each of N workers
+        keeps the optimizer state of 1/N of every tensor's rows and updates only those;
+        the gradients are summed as without sharding and the new weights reach every
+        worker by a second sum (of weights zero but for each worker's rows), so a step
+        moves two sums' bytes; the weights are those of the unsharded trainer.
+        ``save_states`` and Checkpointer still write the whole states in gluon.Trainer's
+        layout. LAMB's trust ratio uses the norms of whole tensors
         (summed over the workers' rows); optimizers that would need more (LARS) are
         refused, and so are ``sync_every`` and ``dg.elastic.State``. Every rank
         still holds the whole summed gradients after ``allreduce_grads()``, so
