@@ -292,6 +292,31 @@ def conv_run(shard):
 check("hybridized_conv_after_inference", conv_run(True), conv_run(False), rtol=1e-5,
       atol=1e-6)
 
+# two devices per worker (CPU contexts standing in for GPUs): the worker sums its
+# devices, updates its rows on the first and copies the whole weights to both
+def two_devices(shard):
+    contexts = [mx.cpu(0), mx.cpu(1)]
+    net = make_net()
+    net.collect_params().reset_ctx(contexts)
+    trainer = dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01},
+                                    shard_optimizer_states=shard)
+    for step in range(STEPS):
+        xs = gluon.utils.split_and_load(mx.nd.array(X[step, mine]), contexts,
+                                        even_split=False)
+        ys = gluon.utils.split_and_load(mx.nd.array(Y[step, mine]), contexts,
+                                        even_split=False)
+        with autograd.record():
+            losses = [loss_fn(net(x), y) for x, y in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(lo[rank + 1] - lo[rank])
+    for p in net.collect_params().values():
+        copies = [d.asnumpy() for d in p.list_data()]
+        assert all(np.array_equal(copies[0], c) for c in copies[1:]), p.name
+    return weights(net)
+
+
+check("two_devices", two_devices(True), two_devices(False), rtol=1e-5, atol=1e-6)
+
 # refused combinations name both features
 try:
     dg.elastic.State(net=resumed, trainer=again)
