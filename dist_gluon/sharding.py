@@ -158,10 +158,22 @@ class OptimizerSharding:
                 mine.append((index, self._parts[positions[index]], part))
             rows.append((index, weight, start, stop, part))
         self._parts.clear()
-        if isinstance(updater.optimizer, WHOLE_TENSOR_NORMS):
+        opt = updater.optimizer
+        if weights:
+            opt._set_current_context(weights[0].context.device_id)
+        if isinstance(opt, WHOLE_TENSOR_NORMS):
             self._lamb_update(updater, [index for index, *_ in rows], mine)
-        elif mine:
-            (apply or updater)(*(list(column) for column in zip(*mine)))
+        else:
+            # the tensors this rank holds no rows of are counted too: every rank's
+            # update counts (the schedule's num_update) stay those of one process
+            held = {index for index, *_ in mine}
+            opt._update_count([index for index, *_ in rows if index not in held])
+            if mine:
+                (apply or updater)(*(list(column) for column in zip(*mine)))
+        self._gather(rows, positions, params)
+
+    def _gather(self, rows: list, positions: list, params: list) -> None:
+        """Every device of each tensor of ``rows`` gets the whole new weights."""
         for index, weight, start, stop, part in rows:
             self._gather_into(weight, start, stop, part, positions[index])
             for data in params[index].list_data()[1:]:

@@ -110,6 +110,9 @@ for case, (opt, params) in CASES.items():
     net, trainer, ref, reference = pair(opt, params)
     assert trainer.shard_optimizer_states
     run_steps(net, trainer, ref, reference, range(STEPS))
+    # every rank counts every tensor's updates, also those it holds no rows of
+    assert trainer._optimizer._index_update_count == \
+        reference._optimizer._index_update_count, case
     check(case, weights(net), weights(ref))
     if case == "adam" and N > 1:
         # each rank holds the states of its part only
