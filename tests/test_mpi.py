@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 from test_faults import FAILURE_DEADLINE, FAULT_WORKER, HOW, STATUS, _run_fault
+from test_sharding import CASES as SHARDING_CASES
 
 from conftest import REPO, assert_ok, host_env, launch, run, worker_lines
 from test_launch import SLEEPING_WORKER, _marker_env, _report, assert_nothing_left
@@ -72,6 +73,18 @@ def trained(tmp_path_factory):
                 sys.executable, WORKERS / "trainer_cases.py", out, "2"], out)
     assert_ok(proc)
     return reference, out, proc
+
+
+def test_sharded_optimizer_states_over_mpi_train_like_one_process(tmp_path):
+    """tests/workers/sharding_cases.py (shard_optimizer_states=True against one
+    process, every case of test_sharding.py) on 2 MPI ranks."""
+    proc = run([sys.executable, "-m", "dist_gluon.launch", "-n", "2", *MPI, "--",
+                sys.executable, WORKERS / "sharding_cases.py", tmp_path], tmp_path)
+    assert_ok(proc)
+    for rank in (0, 1):
+        passed = [line.split()[1] for line in worker_lines(proc.stdout, rank)
+                  if line.startswith("ok ")]
+        assert [c for c in passed if c != "adam_states_part"] == SHARDING_CASES, passed
 
 
 @pytest.mark.parametrize("case", ["sgd", "adam", "two_a", "two_b", "accum", "clip",
