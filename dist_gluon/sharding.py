@@ -20,9 +20,9 @@ them). A step is:
    states have the shape of those rows (gluon's optimizer indices, ``lr_mult``,
    ``wd_mult``, update counts and schedules are unchanged: it is the same update,
    element by element, as the unsharded trainer's);
-3. the whole new weights on every rank: each rank zeroes the rows it does not hold and
-   the weights are summed over the workers in place (:meth:`OptimizerSharding.
-   _gather_into` says why not the backend's ``allgather``).
+3. the allgather of the updated rows into the weights themselves (the backend's
+   ``allgather`` with ``out=``: horovod's, asynchronous on MXNet's engine; elsewhere a
+   sum of weights that are zeros but for each rank's rows, exact).
 
 Optimizers whose update of an element reads nothing but that element's weight,
 gradient and state are accepted (:data:`ELEMENTWISE`), and LAMB, whose per-layer trust
@@ -156,7 +156,7 @@ class OptimizerSharding:
                 part = self._rows_buffer(positions[index], weight, stop - start)
                 mx.nd.slice_axis(weight, axis=0, begin=start, end=stop, out=part)
                 mine.append((index, self._parts[positions[index]], part))
-            rows.append((index, weight, start, stop, part))
+            rows.append((index, weight, part))
         self._parts.clear()
         opt = updater.optimizer
         if weights:
@@ -174,8 +174,8 @@ class OptimizerSharding:
 
     def _gather(self, rows: list, positions: list, params: list) -> None:
         """Every device of each tensor of ``rows`` gets the whole new weights."""
-        for index, weight, start, stop, part in rows:
-            self._gather_into(weight, start, stop, part, positions[index])
+        for index, weight, part in rows:
+            self._gather_into(weight, part, positions[index])
             for data in params[index].list_data()[1:]:
                 weight.copyto(data)
 
@@ -238,22 +238,20 @@ class OptimizerSharding:
             self._weight_rows[position] = buffer
         return buffer
 
-    def _gather_into(self, weight, start, stop, part, position: int) -> None:
-        """Make ``weight`` the whole new weights, in place: zeros but for this rank's
-        updated rows, summed over the workers (exact: adding zeros rounds nothing).
-        The backend's allgather would move half the bytes, but it allocates its output
-        (a transient the size of the gathered tensors, which is what sharding saves)
-        and blocks the training thread until it has arrived; the sum runs on the
-        engine, in place, in priority order, while the next forward waits only for
-        the weights it reads."""
-        weight[:] = 0       # a write of the whole array: MKLDNN's layout is dropped
-        if part is not None:
-            weight[start:stop] = part
+    def _gather_into(self, weight, part, position: int) -> None:
+        """Write every rank's updated rows into ``weight``: the backend's allgather
+        into the weight itself (horovod's runs on the engine, in priority order, and
+        the next forward waits only for the weights it reads; ps-lite sums weights
+        that are zeros but for each rank's rows)."""
+        if part is None:
+            part = mx.nd.empty((0,) + weight.shape[1:], ctx=weight.context,
+                               dtype=weight.dtype)
         # the gradient's own key: ps-lite keeps a copy per key on the servers and a
         # buffer per slice on the workers, which a key of its own would double
         key = f"{self.prefix}.{position}"
-        self.kv.pushpull(key, weight, priority=-position)
-        _timeline.collective(key, weight, _nbytes([weight]), "gather (sum)")
+        self.kv.allgather(key, part, self.counts(position, weight.shape), out=weight,
+                          priority=-position)
+        _timeline.collective(key, weight, _nbytes([weight]), "allgather")
 
     # ------------------------------------------------------------ states
     def gather_states(self, updater, params: list, positions: list) -> dict:

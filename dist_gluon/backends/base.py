@@ -344,7 +344,7 @@ class Backend(KVStoreBase):
         self._progress(names[0])
         return self._reducescatter_(names, values, priority)
 
-    def allgather(self, key, value, counts, priority: int = 0) -> list[mx.nd.NDArray]:
+    def allgather(self, key, value, counts, out=None, priority: int = 0) -> list[mx.nd.NDArray]:
         """Concatenate every rank's rows of each array along the first axis, in rank
         order, on every rank.
 
@@ -358,13 +358,18 @@ class Backend(KVStoreBase):
             For each key, the number of rows of every rank, in rank order (the same
             on every rank; a backend without an allgather of its own places the rows
             by them).
+        out : NDArray or list of NDArray, optional
+            Where to write each whole array (of the whole shape, overwritten entirely).
+            Then the backend may return before the rows arrive, as ``pushpull`` does:
+            MXNet's engine makes later operations on ``out`` wait for them. A backend
+            without an allgather of its own sums ``out`` in place under ``key``.
         priority : int
             Higher priorities are communicated first where the backend supports it.
 
         Returns
         -------
         list of NDArray
-            Each whole array, the same on every rank.
+            Each whole array, the same on every rank (``out`` if given).
         """
         names, values = self._sharded_arguments(key, value, "allgather")
         counts = [list(c) for c in (counts if isinstance(key, (list, tuple)) else [counts])]
@@ -376,10 +381,23 @@ class Backend(KVStoreBase):
                 raise ValueError(f"allgather: key {name!r}: rank {self.rank} holds "
                                  f"{_rows(arr)} rows, and the counts of the "
                                  f"{self.num_workers} ranks are {rows}")
+        outs = None if out is None else _as_list(out)
+        if outs is not None:
+            for name, arr, rows, whole in zip(names, values, counts, outs):
+                if tuple(whole.shape) != (sum(rows),) + tuple(arr.shape[1:]) \
+                        or whole.dtype != arr.dtype:
+                    raise ValueError(f"allgather: key {name!r}: out is {whole.shape} "
+                                     f"{np.dtype(whole.dtype).name}, the whole array "
+                                     f"{(sum(rows),) + tuple(arr.shape[1:])} "
+                                     f"{np.dtype(arr.dtype).name}")
         if self.num_workers == 1:
-            return values
+            if outs is None:
+                return values
+            for arr, whole in zip(values, outs):
+                arr.copyto(whole)
+            return outs
         self._progress(names[0])
-        return self._allgather_(names, values, counts, priority)
+        return self._allgather_(names, values, counts, outs, priority)
 
     def _sharded_arguments(self, key, value, op: str):
         names = [_key_name(k) for k in _as_list(key)]
@@ -404,20 +422,24 @@ class Backend(KVStoreBase):
                          _no_rows(arr.shape, arr.context, arr.dtype))
         return parts
 
-    def _allgather_(self, names, arrays, counts, priority) -> list[mx.nd.NDArray]:
+    def _allgather_(self, names, arrays, counts, outs, priority) -> list[mx.nd.NDArray]:
         """A backend without an allgather of its own sums arrays that are zeros but
-        for this rank's rows: exact, since adding zeros rounds nothing."""
+        for this rank's rows (``outs``, or new ones): exact, since adding zeros rounds
+        nothing."""
         wholes = []
-        for arr, rows in zip(arrays, counts):
+        for k, (arr, rows) in enumerate(zip(arrays, counts)):
             start = sum(rows[:self.rank])
-            shape = (sum(rows),) + tuple(arr.shape[1:])
-            whole = mx.nd.zeros(shape, ctx=arr.context, dtype=arr.dtype)
+            if outs is None:
+                whole = mx.nd.zeros((sum(rows),) + tuple(arr.shape[1:]), ctx=arr.context,
+                                    dtype=arr.dtype)
+            else:
+                whole = outs[k]
+                whole[:] = 0
             if rows[self.rank]:
                 whole[start:start + rows[self.rank]] = arr
             wholes.append(whole)
-        keys = [f"__dg_gather.{name}" for name in names]
-        self._one_at_a_time(keys, wholes)
-        self._allreduce_(keys, wholes, priority)
+        self._one_at_a_time(names, wholes)
+        self._allreduce_(names, wholes, priority)
         return wholes
 
     def _allreduce_(self, names: list[str], arrays: list[mx.nd.NDArray], priority: int):

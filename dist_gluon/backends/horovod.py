@@ -215,19 +215,31 @@ class Horovod(Backend):
     def _reducescatter_(self, names, arrays, priority):
         return self._grouped("reducescatter", names, arrays, priority)
 
-    def _allgather_(self, names, arrays, counts, priority):
-        return self._grouped("allgather", names, arrays, priority)
+    def _allgather_(self, names, arrays, counts, outs, priority):
+        if outs is not None:
+            for out in outs:
+                # a whole write: an array left in MKLDNN's layout by an inference
+                # forward is plain again before horovod writes its bytes into it
+                out[:] = 0
+            # horovod names allgathers apart from sums: only another allgather under
+            # the same key must be done first
+            self._one_at_a_time([f"allgather {name}" for name in names], outs)
+        return self._grouped("allgather", names, arrays, priority, outs)
 
-    def _grouped(self, op: str, names, arrays, priority) -> list[mx.nd.NDArray]:
+    def _grouped(self, op: str, names, arrays, priority, outputs=None) -> list[mx.nd.NDArray]:
         """horovod.mxnet's grouped reducescatter (a sum) or allgather of ``arrays``,
-        submitted under the submission lock and waited for outside it: horovod's own
-        functions wait while the caller would hold the lock, and a SyncBatchNorm
-        backward that the inputs depend on submits its sums under it. Its outputs
-        start as (1,) arrays that horovod resizes."""
+        submitted under the submission lock: horovod's own functions wait while the
+        caller would hold the lock, and a SyncBatchNorm backward that the inputs depend
+        on submits its sums under it. Into ``outputs`` of the whole shape (which horovod
+        writes in place), nothing waits: MXNet's engine orders what reads them.
+        Without, the outputs start as (1,) arrays that horovod resizes, and are waited
+        for outside the lock."""
         from horovod.mxnet import mpi_ops
         from mxnet.base import c_handle_array, c_str, check_call
 
-        outputs = [mx.nd.empty((1,), ctx=a.context, dtype=a.dtype) for a in arrays]
+        given = outputs is not None
+        if not given:
+            outputs = [mx.nd.empty((1,), ctx=a.context, dtype=a.dtype) for a in arrays]
         name = c_str(f"dg.{'rs' if op == 'reducescatter' else 'ag'}.{names[0]}.{len(names)}")
         process_set = ctypes.c_int(mpi_ops.global_process_set.process_set_id)
         lib = mpi_ops.MPI_MXNET_LIB_CTYPES
@@ -241,8 +253,9 @@ class Horovod(Backend):
                 check_call(lib.horovod_mxnet_allgather_async(
                     c_handle_array(arrays), c_handle_array(outputs), name,
                     ctypes.c_int(priority), process_set, ctypes.c_int(len(arrays))))
-        for out in outputs:
-            out.wait_to_read()
+        if not given:
+            for out in outputs:
+                out.wait_to_read()
         return outputs
 
     def _broadcast_(self, names, arrays, root_rank, priority):
