@@ -353,6 +353,11 @@ whole = kv.allgather(["ag", "ag2"], [own, part],
 assert whole[0].shape == (1, 3) and whole[0].asnumpy().tolist() == [[7, 7, 7]], whole[0]
 assert np.array_equal(whole[1].asnumpy(),
                       np.arange(rows * 3).reshape((rows, 3)) * (N * (N + 1) // 2))
+into = mx.nd.ones((rows, 3)) * -1                 # overwritten entirely
+returned = kv.allgather("ag3", part, shard_counts(rows, N), out=into)
+assert returned[0] is into
+assert np.array_equal(into.asnumpy(), np.arange(rows * 3).reshape((rows, 3))
+                      * (N * (N + 1) // 2))
 print("ok backend_reducescatter_allgather", flush=True)
 
 # optimizers that need whole tensors are refused at construction, named
