@@ -434,8 +434,8 @@ class DistributedTrainer(TrainerBase):
         ZeRO stage 1 (:mod:`dist_gluon.sharding`, docs/memory.md): each of N workers
         keeps the optimizer state of 1/N of every tensor's rows and updates only those;
         the gradients are summed as without sharding and the new weights reach every
-        worker by a second sum (of weights zero but for each worker's rows), so a step
-        moves two sums' bytes; the weights are those of the unsharded trainer.
+        worker by an allgather (a second sum on ps-lite); the weights are those of the
+        unsharded trainer.
         ``save_states`` and Checkpointer still write the whole states in gluon.Trainer's
         layout. LAMB's trust ratio uses the norms of whole tensors
         (summed over the workers' rows); optimizers that would need more (LARS) are
