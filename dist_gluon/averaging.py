@@ -100,11 +100,6 @@ class _GradientAverager:
     def distributed(self) -> bool:
         return self.kv.num_workers > 1
 
-    @property
-    def sums_plainly(self) -> bool:
-        """Whether gradients are summed as they are (no codec, no predivision)."""
-        return self._plain
-
     # ------------------------------------------------------------ batch sizes
     def submit_batch_size(self, batch_size: float) -> mx.nd.NDArray:
         """Start summing ``batch_size`` over the workers; returns the (1,) float32 array

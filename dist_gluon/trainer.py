@@ -435,11 +435,10 @@ class DistributedTrainer(TrainerBase):
         keeps the optimizer state of 1/N of every tensor's rows and updates only those;
         the gradients are summed as without sharding and the new weights reach every
         worker by an allgather (a second sum on ps-lite); the weights are those of the
-        unsharded trainer.
-        ``save_states`` and Checkpointer still write the whole states in gluon.Trainer's
-        layout. LAMB's trust ratio uses the norms of whole tensors
-        (summed over the workers' rows); optimizers that would need more (LARS) are
-        refused, and so are ``sync_every`` and ``dg.elastic.State``. Every rank
+        unsharded trainer. ``save_states`` and Checkpointer still write the whole
+        states in gluon.Trainer's layout. LAMB's trust ratio uses the norms of whole
+        tensors (summed over the workers' rows); optimizers that would need more (LARS)
+        are refused, and so are ``sync_every`` and ``dg.elastic.State``. Every rank
         still holds the whole summed gradients after ``allreduce_grads()``, so
         ``gluon.utils.clip_global_norm`` works as without sharding. On dist_async the
         servers already hold the optimizer state and nothing changes; on one process
