@@ -13,7 +13,7 @@ CASES = ["sgd", "momentum", "nag", "adam", "rmsprop", "adam_schedule", "lamb", "
          "multi_precision", "save_states_whole", "load_states_into_gluon",
          "load_states_sharded", "gluon_states_into_sharded", "checkpoint_restore_weights",
          "checkpoint_restore_continues", "compression_2bit", "compression_fp16",
-         "stale_gradients", "hybridized_conv_after_inference", "two_devices",
+         "stale_gradients", "hybridized_conv_after_inference", "deferred_init", "two_devices",
          "refuses_elastic_state",
          "refuses_local_sgd", "backend_reducescatter_allgather", "refuses_lars",
          "refuses_lbsgd", "amp"]

@@ -295,6 +295,24 @@ def conv_run(shard):
 check("hybridized_conv_after_inference", conv_run(True), conv_run(False), rtol=1e-5,
       atol=1e-6)
 
+# deferred initialisation: shapes, rows and rank 0's weights come with the first forward
+def deferred(shard):
+    mx.random.seed(100 + rank)                  # every rank initialises differently
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(HIDDEN, activation="relu"), gluon.nn.Dense(CLASSES))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    trainer = dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01},
+                                    shard_optimizer_states=shard)
+    for step in range(STEPS):
+        forward_backward(net, step, mine, "float32")
+        trainer.step(lo[rank + 1] - lo[rank])
+    return weights(net)
+
+
+check("deferred_init", deferred(True), deferred(False), rtol=1e-5, atol=1e-6)
+
+
 # two devices per worker (CPU contexts standing in for GPUs): the worker sums its
 # devices, updates its rows on the first and copies the whole weights to both
 def two_devices(shard):
