@@ -11,13 +11,13 @@ right after the parameter gets its value, on every rank, before it is used.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Callable
 
 import mxnet as mx
 import numpy as np
 from mxnet.gluon.parameter import Parameter
 
+from . import worker
 from .backends import Backend, resolve
 
 _ORIGINAL_INIT = "_dg_original_init_impl"
@@ -107,7 +107,7 @@ class ParameterSync:
 
     def start(self) -> None:
         """Check the model across ranks, broadcast what is initialised, hook the rest."""
-        if self._kv.num_workers == 1 or os.environ.get("DG_ELASTIC_HEAL") == "1":
+        if self._kv.num_workers == 1 or worker.context().heal:
             # a worker that joins a running job gets its state from a live peer in
             # dist_gluon.elastic.State.sync(), which the others run then, not this
             return
@@ -123,8 +123,8 @@ class ParameterSync:
         if not indices:
             return
         arrays = [self._array(i) for i in indices]
-        self._kv._broadcast_root([self._key(i) for i in indices], arrays, arrays,
-                                 self._root, 0)
+        self._kv.broadcast_root([self._key(i) for i in indices], arrays, arrays,
+                                self._root, 0)
         for arr in arrays:
             arr.wait_to_read()
         for i in indices:

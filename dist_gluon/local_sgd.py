@@ -149,6 +149,9 @@ class LocalSGD:
         # whether that synchronisation's sum waits to be applied (None, 'now', 'late')
         self._at_sync: dict[int, mx.nd.NDArray] = {}
         self._pending: str | None = None
+        # how many workers the last synchronisation's sum is over: its average divides
+        # by them, also when it is applied after a restore onto another world size
+        self._summed_over: int | None = None
         self.synchronisations = 0
 
     @property
@@ -205,6 +208,7 @@ class LocalSGD:
             deltas.append(delta)
             if not wait:
                 weight.copyto(self._buffer(self._at_sync, i, anchor))
+        self._summed_over = self.kv.num_workers
         self._reduce(positions, deltas, params)
         self._pending = "now" if wait else "late"
         if wait:
@@ -215,7 +219,7 @@ class LocalSGD:
         parameters set to it ('now') or corrected by it ('late')."""
         late = self._pending == "late"
         self._pending = None
-        scale = 1.0 / self.kv.num_workers
+        scale = 1.0 / (self._summed_over or self.kv.num_workers)
         for i in sorted(self._anchors):
             anchor, delta = self._anchors[i], self._deltas[i]
             if scale != 1.0:
@@ -270,6 +274,14 @@ class LocalSGD:
             arrays.update((f"codec.{name}", a) for name, a in self.codec.state_arrays().items())
         return arrays
 
+    def private_state_names(self) -> set[str]:
+        """The names of :meth:`state_arrays` that are this rank's own: the codec's
+        residuals (a parameter at the synchronisation follows the weights)."""
+        codec = self.codec
+        if codec is None:
+            return set()
+        return {f"codec.{name}" for name in codec.state_arrays() if codec.is_private(name)}
+
     def state_counters(self) -> dict:
         """The position, whether a sum is pending, the outer optimizer's counters and
         which of :meth:`state_arrays` exist (their shapes, for a new worker)."""
@@ -285,7 +297,7 @@ class LocalSGD:
                 "lr_scheduler": copy.deepcopy(opt.lr_scheduler)}
         return {"steps": self.steps, "in_round": self.in_round,
                 "synchronisations": self.synchronisations, "pending": self._pending,
-                "shapes": shapes, "outer": outer,
+                "summed_over": self._summed_over, "shapes": shapes, "outer": outer,
                 "codec": None if self.codec is None else self.codec.state_counters()}
 
     def set_state_counters(self, saved: dict, ctx_of) -> None:
@@ -293,6 +305,7 @@ class LocalSGD:
         lacks are made (zeros on ``ctx_of(position)``, for the caller to fill)."""
         self.steps, self.in_round = saved["steps"], saved["in_round"]
         self.synchronisations, self._pending = saved["synchronisations"], saved["pending"]
+        self._summed_over = saved.get("summed_over")
         shapes = saved["shapes"]
 
         def kept(prefix, held):
@@ -344,6 +357,7 @@ class LocalSGD:
         return {"sync_every": self.sync_every, "warmup": self.warmup, "steps": self.steps,
                 "in_round": self.in_round, "synchronisations": self.synchronisations,
                 "anchors": anchors, "delay": self.delay, "pending": pending,
+                "summed_over": self._summed_over,
                 "outer": None if self._outer is None else self._outer.get_states(True),
                 "codec": None if codec is None else {"type": codec.name,
                                                       "shared": codec.shared_state()}}
@@ -361,6 +375,8 @@ class LocalSGD:
         self._deltas = {} if pending is None else {
             i: mx.nd.array(d, ctx=ctx_of[i], dtype=d.dtype) for i, d in pending.items()}
         self._pending = None if pending is None else "late"
+        # a checkpoint older than the field: its sum is taken as the current world's
+        self._summed_over = state.get("summed_over")
         self._at_sync = {}
         if self._outer is not None and state["outer"] is not None:
             self._outer.set_states(state["outer"])

@@ -107,9 +107,11 @@ class TrainerBase(gluon.Trainer):
         arrays by name (the codec's residuals, and with ``sync_every`` the round's
         anchor, outer optimizer states and a sum in flight), which the caller copies
         on MXNet's engine and copies back, and the picklable counters (the position in
-        the round, which of those arrays exist and their shapes).
-        :meth:`set_extra_counters` puts the counters back."""
-        arrays, counters = {}, {}
+        the round, the sync check's step count, which of those arrays exist and their
+        shapes). :meth:`set_extra_counters` puts the counters back. Every counter that
+        decides when the ranks meet in a collective is here, so that ranks restored or
+        healed from a peer agree on it."""
+        arrays, counters = {}, {"check": self._sync_check.steps}
         codec = self._averager.codec
         if codec is not None:
             arrays.update((f"codec.{name}", a) for name, a in codec.state_arrays().items())
@@ -121,9 +123,19 @@ class TrainerBase(gluon.Trainer):
         before them, on a new worker): arrays made since they were taken are dropped,
         and those this trainer lacks are made, zeros on the parameter's first device,
         for the caller to fill."""
+        self._sync_check.steps = counters.get("check", self._sync_check.steps)
         codec = self._averager.codec
         if codec is not None and "codec" in counters:
             codec.set_state_counters(counters["codec"], self._first_context)
+
+    def private_state_names(self) -> set[str]:
+        """The names of :meth:`extra_state`'s arrays that are this rank's own (a codec's
+        residuals: what this rank held back), which a worker healing from a peer must
+        not copy; the others are the same on every rank, or follow the weights."""
+        codec = self._averager.codec
+        if codec is None:
+            return set()
+        return {f"codec.{name}" for name in codec.state_arrays() if codec.is_private(name)}
 
     def _first_context(self, position):
         """The first device of the parameter at model ``position``."""
@@ -591,6 +603,14 @@ class DistributedTrainer(TrainerBase):
             self._local_sgd.set_state_counters(counters["rounds"], self._first_context)
 
     set_extra_counters.__doc__ = TrainerBase.set_extra_counters.__doc__
+
+    def private_state_names(self) -> set[str]:
+        names = super().private_state_names()
+        if self._local_sgd is not None:
+            names.update(f"rounds.{name}" for name in self._local_sgd.private_state_names())
+        return names
+
+    private_state_names.__doc__ = TrainerBase.private_state_names.__doc__
 
     @property
     def sync_every(self) -> int:

@@ -213,7 +213,11 @@ class State:
         Workers restarted on ps-lite (which cannot keep their processes) first take
         their node's copy in shared memory (:mod:`dist_gluon.elastic.nodecopy`); then
         the freshest commit of the job comes from the lowest rank that holds it, not
-        from rank 0 (the survivors of a lost worker can be one commit apart)."""
+        from rank 0 (the survivors of a lost worker can be one commit apart).
+
+        What is each rank's own (a codec's residuals: what the rank held back from its
+        sums) never travels: a rank that held no state starts it at zero, the others
+        keep theirs, so nothing held back is sent twice."""
         kv = self._kv
         if self._node_copy is not None and self._serial is None:
             self._take_node_copy()
@@ -227,9 +231,15 @@ class State:
             if [list(k) for k in keys] != layout["keys"]:
                 raise RuntimeError("this rank's model or optimizer differs from rank 0's "
                                    "after the sync of their layouts")
-            names = [f"{_KEY}.{'.'.join(map(str, k))}" for k in keys]
-            outs = [self._all_copies(k, a) for k, a in zip(keys, arrays)]
-            kv._broadcast_root(names, arrays, outs, root, 0)
+            private = self._private_keys()
+            shared = [(k, a) for k, a in zip(keys, arrays) if k not in private]
+            names = [f"{_KEY}.{'.'.join(map(str, k))}" for k, _ in shared]
+            outs = [self._all_copies(k, a) for k, a in shared]
+            kv.broadcast_root(names, [a for _, a in shared], outs, root, 0)
+            if self._serial is None:
+                for k, a in zip(keys, arrays):
+                    if k in private:
+                        a[:] = 0
             object.__setattr__(self, "_serial", layout["serial"] or 0)
         elif self._serial is None:
             object.__setattr__(self, "_serial", 0)
@@ -273,7 +283,13 @@ class State:
                                f"{self._node_copy.directory}: the script must build the "
                                "same model and trainer every time it starts")
         saved = self._node_copy.arrays(held)
+        # the node's copy is its writer's (local rank 0): another worker of the node
+        # starts its own residuals at zero rather than send the writer's twice
+        private = set() if self._node_copy.writer else self._private_keys()
         for k, a in zip(keys, arrays):
+            if k in private:
+                a[:] = 0
+                continue
             for out in self._all_copies(k, a):
                 saved[k].copyto(out)
         object.__setattr__(self, "_serial", held.serial)
@@ -364,6 +380,12 @@ class State:
             keys.append(("t", name))
             arrays.append(extra[name])
         return keys, arrays
+
+    def _private_keys(self) -> set[tuple]:
+        """The keys of the arrays that are each rank's own (the trainer's
+        ``private_state_names()``: a codec's residuals)."""
+        names = getattr(self._trainer, "private_state_names", None)
+        return {("t", name) for name in names()} if names is not None else set()
 
     def _trainer_extra(self) -> tuple[dict, dict | None]:
         """The trainer's ``extra_state()``: ({}, None) for a trainer without one."""
