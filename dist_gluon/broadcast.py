@@ -10,6 +10,7 @@ right after the parameter gets its value, on every rank, before it is used.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable
 
@@ -49,6 +50,27 @@ def optimizer_state_arrays(state) -> list[mx.nd.NDArray]:
     if isinstance(state, (tuple, list)):
         return [leaf for part in state for leaf in optimizer_state_arrays(part)]
     return []
+
+
+def update_counters(optimizer: mx.optimizer.Optimizer) -> dict:
+    """A copy of ``optimizer``'s update counts, which learning-rate schedules and Adam's
+    bias correction follow: ``num_update``, each device's per-index counts
+    (``tables``), which of them is current, and the lr scheduler (a deep copy: it
+    counts too). :func:`set_update_counters` puts them back."""
+    tables = optimizer._all_index_update_counts
+    current = next((d for d, t in tables.items() if t is optimizer._index_update_count), 0)
+    return {"num_update": optimizer.num_update, "current": current,
+            "tables": {d: dict(t) for d, t in tables.items()},
+            "lr_scheduler": copy.deepcopy(optimizer.lr_scheduler)}
+
+
+def set_update_counters(optimizer: mx.optimizer.Optimizer, counters: dict) -> None:
+    """Give ``optimizer`` the counts of :func:`update_counters` (copies of them)."""
+    optimizer.num_update = counters["num_update"]
+    optimizer._all_index_update_counts = {d: dict(t) for d, t in counters["tables"].items()}
+    optimizer._index_update_count = optimizer._all_index_update_counts.setdefault(
+        counters["current"], {})
+    optimizer.lr_scheduler = copy.deepcopy(counters["lr_scheduler"])
 
 
 def _spec(item, index: int) -> dict:

@@ -48,13 +48,11 @@ and the outer update without waiting for them.
 """
 from __future__ import annotations
 
-import copy
-
 import mxnet as mx
 import numpy as np
 
 from .averaging import _GradientAverager
-from .broadcast import optimizer_state_arrays
+from .broadcast import optimizer_state_arrays, set_update_counters, update_counters
 
 
 def check_sync_every(sync_every, warmup, outer_optimizer, outer_optimizer_params,
@@ -287,14 +285,7 @@ class LocalSGD:
         which of :meth:`state_arrays` exist (their shapes, for a new worker)."""
         shapes = {name: (tuple(a.shape), np.dtype(a.dtype).name)
                   for name, a in self.state_arrays().items() if not name.startswith("codec.")}
-        outer = None
-        if self._outer is not None:
-            opt = self._outer.optimizer
-            tables = opt._all_index_update_counts
-            outer = {"num_update": opt.num_update, "current": next(
-                (d for d, t in tables.items() if t is opt._index_update_count), 0),
-                "tables": {d: dict(t) for d, t in tables.items()},
-                "lr_scheduler": copy.deepcopy(opt.lr_scheduler)}
+        outer = None if self._outer is None else update_counters(self._outer.optimizer)
         return {"steps": self.steps, "in_round": self.in_round,
                 "synchronisations": self.synchronisations, "pending": self._pending,
                 "summed_over": self._summed_over, "shapes": shapes, "outer": outer,
@@ -330,11 +321,7 @@ class LocalSGD:
 
     def _set_outer_counters(self, saved: dict, shapes: dict) -> None:
         updater, opt = self._outer, self._outer.optimizer
-        opt.num_update = saved["num_update"]
-        opt._all_index_update_counts = {d: dict(t) for d, t in saved["tables"].items()}
-        opt._index_update_count = opt._all_index_update_counts.setdefault(
-            saved["current"], {})
-        opt.lr_scheduler = copy.deepcopy(saved["lr_scheduler"])
+        set_update_counters(opt, saved)
         wanted = {int(name.split(".")[1]) for name in shapes if name.startswith("outer.")}
         for index in [i for i in updater.states if i not in wanted]:
             del updater.states[index]

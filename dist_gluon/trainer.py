@@ -13,7 +13,13 @@ from . import async_updates
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
-from .broadcast import ParameterSync, optimizer_state_arrays, parameter_list
+from .broadcast import (
+    ParameterSync,
+    optimizer_state_arrays,
+    parameter_list,
+    set_update_counters,
+    update_counters,
+)
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
 from .local_sgd import LocalSGD, check_sync_every
@@ -328,12 +334,10 @@ def remap_states(states, mapping: dict[int, int]):
     renamed = {mapping[index]: state for index, state in states.items()}
     if optimizer is None:
         return renamed
-    counts = optimizer._all_index_update_counts
-    current = next((d for d, c in counts.items() if c is optimizer._index_update_count), 0)
-    optimizer._all_index_update_counts = {
-        device: {mapping.get(i, i): n for i, n in table.items()}
-        for device, table in counts.items()}
-    optimizer._index_update_count = optimizer._all_index_update_counts.setdefault(current, {})
+    counters = update_counters(optimizer)
+    counters["tables"] = {device: {mapping.get(i, i): n for i, n in table.items()}
+                          for device, table in counters["tables"].items()}
+    set_update_counters(optimizer, counters)
     for table in ("lr_mult", "wd_mult"):
         values = getattr(optimizer, table)
         setattr(optimizer, table, {mapping.get(k, k) if isinstance(k, int) else k: v

@@ -153,9 +153,8 @@ def run(func):
         session = _session(state)
         node_copy = None if session is not None else _node_copy(state)
         if node_copy is not None:
-            state._use_node_copy(node_copy)
-        object.__setattr__(state, "_watch_stops", session is not None
-                           or node_copy is not None)
+            state.use_node_copy(node_copy)
+        state.watch_stops(session is not None or node_copy is not None)
         reset = False
         while True:
             if reset:
@@ -178,7 +177,7 @@ def run(func):
             except Exception as error:
                 if session is None or not session.lost_peer(error):
                     raise
-                if state._good is not None:     # else the next sync brings rank 0's
+                if state.has_commit:            # else the next sync brings rank 0's
                     state.restore()
             reset = True
 

@@ -20,7 +20,7 @@ import mxnet as mx
 from mxnet.base import MXNetError
 
 from ..backends import Backend, resolve
-from ..broadcast import optimizer_state_arrays, parameter_list
+from ..broadcast import optimizer_state_arrays, parameter_list, set_update_counters, update_counters
 from . import stop
 
 _KEY = "__dg_elastic"
@@ -174,6 +174,16 @@ class State:
         """How many commits this process made (sync's included)."""
         return self._commits
 
+    @property
+    def has_commit(self) -> bool:
+        """Whether a commit completed that :meth:`restore` can put back."""
+        return self._good is not None
+
+    def watch_stops(self, on: bool) -> None:
+        """Whether each :meth:`commit` asks the launcher for a re-formation at that step
+        (dist_gluon.elastic.run turns it on under a launcher that re-forms jobs)."""
+        object.__setattr__(self, "_watch_stops", bool(on))
+
     # ------------------------------------------------------------------ the API
     def commit(self) -> None:
         """Keep the current state in memory, then take part in a re-formation the
@@ -262,7 +272,7 @@ class State:
             fn()
 
     # ------------------------------------------------------------------ the node's copy
-    def _use_node_copy(self, node_copy) -> None:
+    def use_node_copy(self, node_copy) -> None:
         """Commit to (and start from) the node's copy in shared memory
         (dist_gluon.elastic.run does, on backends whose workers restart)."""
         object.__setattr__(self, "_node_copy", node_copy)
@@ -416,23 +426,13 @@ class State:
         correction follow them) and its schedule."""
         if self._trainer is None:
             return None
-        opt = self._trainer._optimizer
-        tables = opt._all_index_update_counts
-        current = next((d for d, t in tables.items() if t is opt._index_update_count), 0)
-        return {"num_update": opt.num_update,
-                "tables": {d: dict(t) for d, t in tables.items()}, "current": current,
-                "lr_scheduler": copy.deepcopy(opt.lr_scheduler),
+        return {**update_counters(self._trainer._optimizer),
                 "trainer": self._trainer_extra()[1]}
 
     def _set_counters(self, counters: dict | None) -> None:
         if counters is None or self._trainer is None:
             return
-        opt = self._trainer._optimizer
-        opt.num_update = counters["num_update"]
-        opt._all_index_update_counts = {d: dict(t) for d, t in counters["tables"].items()}
-        opt._index_update_count = opt._all_index_update_counts.setdefault(
-            counters["current"], {})
-        opt.lr_scheduler = copy.deepcopy(counters["lr_scheduler"])
+        set_update_counters(self._trainer._optimizer, counters)
         if counters.get("trainer") is not None:
             self._trainer.set_extra_counters(counters["trainer"])
 

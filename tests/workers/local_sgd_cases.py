@@ -283,8 +283,9 @@ def restore_on_one(case, directory):
     if rounds._pending == "late":
         # the restored sum is over the saved job's workers: its outer step takes their
         # average, not the sum over this one process's world
-        outer = mx.optimizer.get_updater(mx.optimizer.create("sgd"))
-        outer.set_states(rounds.outer_updater.get_states(dump_optimizer=True))
+        outer = mx.optimizer.get_updater(
+            pickle.loads(pickle.dumps(rounds.outer_updater.optimizer)))
+        outer.set_states(rounds.outer_updater.get_states())
         expected = {}
         for i, anchor in rounds._anchors.items():
             expected[i] = anchor.copy()
