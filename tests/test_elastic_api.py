@@ -248,13 +248,12 @@ def test_a_bad_skip_raises_a_value_error_naming_it(skip):
 # --------------------------------------------------------------------- distributed
 STOP_WORKER = """
     import json
-    import os
     import sys
 
     import mxnet as mx
     from mxnet import gluon
     import dist_gluon as dg
-    from dist_gluon import jobcontrol
+    from dist_gluon import jobcontrol, worker
 
     kv = dg.create()
     record = jobcontrol.reporter()._record
@@ -262,11 +261,11 @@ STOP_WORKER = """
               "acknowledged_before": record.stop_acknowledged}
 
     # outside an elastic job the answer is this rank's record alone: nothing is sent
-    os.environ.pop("DG_ELASTIC", None)
+    worker.context().elastic = False
     count = record.count
     result["plain_answer"] = dg.stop_requested()
     result["plain_sent"] = record.count - count
-    os.environ["DG_ELASTIC"] = "1"
+    worker.context().elastic = True
 
     stopped = None
     for step in range(1, 21):

@@ -13,6 +13,7 @@ epoch.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -152,7 +153,7 @@ def _one_node_with_rank_1_killed(tmp_path, *script_args) -> tuple[list[dict], st
     """One node, two workers (--nnodes 1:1), the ranks comparing their weights every 5
     steps (DG_CHECK_SYNC): rank 1's process is SIGKILLed after 3 steps, and the job
     trains one epoch (13 steps), past two checks after the heal. Returns the events
-    and the output."""
+    and the output (the launcher's whole, then its tail for messages)."""
     marker = _marker_env()
     (tmp_path / "finish").touch()
     proc = subprocess.run(
@@ -171,15 +172,20 @@ def _one_node_with_rank_1_killed(tmp_path, *script_args) -> tuple[list[dict], st
     assert starts[1]["pids"][1] != starts[0]["pids"][1], report
     assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
     assert_nothing_left(marker["DG_TEST_MARKER"])
-    return events, report
+    return events, proc.stdout + proc.stderr, report
 
 
 def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path):
     """Rank 0 keeps its process and state, a new rank 1 gets rank 0's state, the weights
     equal the replay of the schedule, and the sync check's schedule (part of the state)
-    stays the same on both ranks: the new rank does not count its steps from 0."""
-    events, report = _one_node_with_rank_1_killed(tmp_path)
+    stays the same on both ranks: the new rank does not count its steps from 0. Rank 0's
+    steps after the heal are the new round's (its timeline follows it), so the report of
+    the round lists both ranks, with the same steps."""
+    events, output, report = _one_node_with_rank_1_killed(tmp_path)
     assert_replayed(events, report)
+    rows = re.findall(r"launch: +(\d+) \S+ +(\d+) +\d", output.split("report:")[-1])
+    assert [rank for rank, _ in rows] == ["0", "1"], output[-3000:]
+    assert rows[0][1] == rows[1][1], output[-3000:]
 
 
 def test_a_healed_worker_starts_with_empty_residuals_and_the_survivor_keeps_its_own(
@@ -187,7 +193,7 @@ def test_a_healed_worker_starts_with_empty_residuals_and_the_survivor_keeps_its_
     """2-bit compression: a codec's residual is what its rank held back; the new rank 1
     starts with none (a copy of rank 0's would send rank 0's twice), and rank 0 keeps
     the one of its last commit."""
-    events, report = _one_node_with_rank_1_killed(tmp_path, "--compression", "2bit")
+    events, _, report = _one_node_with_rank_1_killed(tmp_path, "--compression", "2bit")
     starts = [e for e in events if e["event"] == "start"]
     assert starts[0]["residuals"] == [0.0, 0.0], report
     assert starts[1]["residuals"][0] > 0 and starts[1]["residuals"][1] == 0.0, report
