@@ -125,7 +125,7 @@ class ParameterSync:
                  root_rank: int = 0, what: str = "model"):
         self._params, self._kv, self._key = params, kv, key
         self._root, self._what = root_rank, what
-        kv._check_rank(root_rank, "root_rank")
+        kv.check_rank(root_rank, "root_rank")
 
     def start(self) -> None:
         """Check the model across ranks, broadcast what is initialised, hook the rest."""

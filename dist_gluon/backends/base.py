@@ -303,7 +303,7 @@ class Backend(KVStoreBase):
 
         Every rank must call it; only the root's ``obj`` is used.
         """
-        self._check_rank(root_rank, "root_rank")
+        self.check_rank(root_rank, "root_rank")
         if self.num_workers == 1:
             return obj
         payload = pickle.dumps(obj) if self.rank == root_rank else b""
@@ -348,7 +348,8 @@ class Backend(KVStoreBase):
             width *= 2
         return np.zeros((rows, width), dtype=np.uint8)
 
-    def _check_rank(self, rank: int, what: str) -> None:
+    def check_rank(self, rank: int, what: str) -> None:
+        """ValueError naming ``what`` unless ``rank`` is a rank of this job."""
         if not 0 <= rank < self.num_workers:
             raise ValueError(f"{what} must be in [0, {self.num_workers}), got {rank}")
 

@@ -122,7 +122,7 @@ def scale_(tensor: mx.nd.NDArray, factor: float) -> None:
 def broadcast_(kv: Backend, key_: str, tensor: mx.nd.NDArray, root_rank: int,
                priority: int = 0) -> mx.nd.NDArray:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
-    kv._check_rank(root_rank, "root_rank")
+    kv.check_rank(root_rank, "root_rank")
     kv.broadcast_root(key_, tensor, tensor, root_rank, priority)
     return tensor
 
@@ -210,7 +210,7 @@ def _dumps(obj) -> bytes:
 
 
 def broadcast_object(kv: Backend, obj, root_rank: int):
-    kv._check_rank(root_rank, "root_rank")
+    kv.check_rank(root_rank, "root_rank")
     payload = _dumps(obj) if kv.rank == root_rank else None
     return pickle.loads(kv.broadcast_object(payload, root_rank=root_rank))
 
