@@ -10,14 +10,15 @@ right after the parameter gets its value, on every rank, before it is used.
 """
 from __future__ import annotations
 
+import copy
 import itertools
-import os
 from collections.abc import Callable
 
 import mxnet as mx
 import numpy as np
 from mxnet.gluon.parameter import Parameter
 
+from . import worker
 from .backends import Backend, resolve
 
 _ORIGINAL_INIT = "_dg_original_init_impl"
@@ -49,6 +50,27 @@ def optimizer_state_arrays(state) -> list[mx.nd.NDArray]:
     if isinstance(state, (tuple, list)):
         return [leaf for part in state for leaf in optimizer_state_arrays(part)]
     return []
+
+
+def update_counters(optimizer: mx.optimizer.Optimizer) -> dict:
+    """A copy of ``optimizer``'s update counts, which learning-rate schedules and Adam's
+    bias correction follow: ``num_update``, each device's per-index counts
+    (``tables``), which of them is current, and the lr scheduler (a deep copy: it
+    counts too). :func:`set_update_counters` puts them back."""
+    tables = optimizer._all_index_update_counts
+    current = next((d for d, t in tables.items() if t is optimizer._index_update_count), 0)
+    return {"num_update": optimizer.num_update, "current": current,
+            "tables": {d: dict(t) for d, t in tables.items()},
+            "lr_scheduler": copy.deepcopy(optimizer.lr_scheduler)}
+
+
+def set_update_counters(optimizer: mx.optimizer.Optimizer, counters: dict) -> None:
+    """Give ``optimizer`` the counts of :func:`update_counters` (copies of them)."""
+    optimizer.num_update = counters["num_update"]
+    optimizer._all_index_update_counts = {d: dict(t) for d, t in counters["tables"].items()}
+    optimizer._index_update_count = optimizer._all_index_update_counts.setdefault(
+        counters["current"], {})
+    optimizer.lr_scheduler = copy.deepcopy(counters["lr_scheduler"])
 
 
 def _spec(item, index: int) -> dict:
@@ -103,11 +125,11 @@ class ParameterSync:
                  root_rank: int = 0, what: str = "model"):
         self._params, self._kv, self._key = params, kv, key
         self._root, self._what = root_rank, what
-        kv._check_rank(root_rank, "root_rank")
+        kv.check_rank(root_rank, "root_rank")
 
     def start(self) -> None:
         """Check the model across ranks, broadcast what is initialised, hook the rest."""
-        if self._kv.num_workers == 1 or os.environ.get("DG_ELASTIC_HEAL") == "1":
+        if self._kv.num_workers == 1 or worker.context().heal:
             # a worker that joins a running job gets its state from a live peer in
             # dist_gluon.elastic.State.sync(), which the others run then, not this
             return
@@ -123,8 +145,8 @@ class ParameterSync:
         if not indices:
             return
         arrays = [self._array(i) for i in indices]
-        self._kv._broadcast_root([self._key(i) for i in indices], arrays, arrays,
-                                 self._root, 0)
+        self._kv.broadcast_root([self._key(i) for i in indices], arrays, arrays,
+                                self._root, 0)
         for arr in arrays:
             arr.wait_to_read()
         for i in indices:

@@ -66,7 +66,7 @@ import numpy as np
 from mxnet import gluon
 from mxnet.gluon.parameter import Parameter
 
-from . import jobcontrol
+from . import jobcontrol, worker
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
@@ -286,8 +286,8 @@ class Checkpointer:
                    if p.grad_req == "null" and p._data is not None]
         values = [params[i].list_data()[0].copy() for i in indices]
         if values:
-            self._kv._broadcast_root([f"__dg_ckpt.untrained.{i}" for i in indices], values,
-                                     values, 0, 0)
+            self._kv.broadcast_root([f"__dg_ckpt.untrained.{i}" for i in indices], values,
+                                    values, 0, 0)
         return {i: v.asnumpy() for i, v in zip(indices, values)} if self._writes() else {}
 
     def _write(self, params: list, trainer, epoch: int, step: int, extra, rng,
@@ -570,7 +570,7 @@ class Checkpointer:
                 spec = f"{dtype}.{'x'.join(map(str, shape))}"
                 seen[spec] = seen.get(spec, -1) + 1
                 keys.append(f"__dg_ckpt.{spec}.{seen[spec]}")
-            kv._broadcast_root(keys, values, values, root, 0)
+            kv.broadcast_root(keys, values, values, root, 0)
             for v in values:
                 v.wait_to_read()
         return values
@@ -838,7 +838,8 @@ def _number(name: str) -> int:
 
 def _restarted() -> bool:
     """Whether this job was started again by its launcher (a restart or re-formation)."""
-    return any(int(os.environ.get(v, "0") or 0) > 0 for v in ("DG_RESTART", "DG_REFORMATION"))
+    place = worker.context()
+    return place.restart > 0 or place.reformation > 0
 
 
 def _rng_state() -> dict:

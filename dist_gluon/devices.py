@@ -9,9 +9,9 @@ applies it. Both trainers (Gluon and Module) use these two functions.
 """
 from __future__ import annotations
 
-import os
-
 import mxnet as mx
+
+from . import worker
 
 _FORMS = ("'cpu', 'gpu' (GPU number DG_LOCAL_RANK: one process per GPU), 'gpu:0,1,2,3' "
           "(this process drives those GPUs) or 'cpu:0,1' (CPU contexts, to try that "
@@ -60,7 +60,7 @@ def parse_devices(spec: str | None = None, local_rank: int | None = None) -> lis
         if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
             raise ValueError(f"devices {spec!r}: device numbers must be distinct and >= 0")
     elif kind == "gpu":
-        ids = [int(os.environ.get("DG_LOCAL_RANK", 0)) if local_rank is None else local_rank]
+        ids = [worker.context().local_rank if local_rank is None else local_rank]
     else:
         ids = [0]
     if kind == "gpu":

@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from . import worker
+
 ENV_DIR = "DG_CONTROL_DIR"
 # The signal that asks a worker for its stacks: DG_STACKS_SIGNAL (the launcher's
 # --stacks-signal), by default SIGRTMIN+7. Not SIGUSR1 or SIGUSR2: SLURM and other
@@ -352,7 +354,7 @@ class Reporter:
         # handler of a tool that only ends the process after writing its data (coverage's
         # sigterm option) is what ending the worker then runs
         self._sigterm_end = signal.getsignal(signal.SIGTERM)
-        if os.environ.get("DG_ELASTIC") == "1" and \
+        if worker.context().elastic and \
                 (self._sigterm_end == signal.SIG_DFL
                  or _ends_the_process(self._sigterm_end)) and \
                 threading.current_thread() is threading.main_thread():
@@ -512,9 +514,9 @@ def reporter() -> Reporter | None:
     global _reporter, _attached
     if not _attached:
         _attached = True
-        directory, rank = os.environ.get(ENV_DIR), os.environ.get("DG_RANK")
-        if directory and rank is not None and os.path.exists(
-                record_path(directory, int(rank))):
-            _reporter = Reporter(Record(record_path(directory, int(rank))),
-                                 stacks_path(directory, int(rank)))
+        place = worker.context()
+        directory, rank = place.control_dir, place.rank
+        if directory and place.placed and os.path.exists(record_path(directory, rank)):
+            _reporter = Reporter(Record(record_path(directory, rank)),
+                                 stacks_path(directory, rank))
     return _reporter

@@ -48,13 +48,11 @@ and the outer update without waiting for them.
 """
 from __future__ import annotations
 
-import copy
-
 import mxnet as mx
 import numpy as np
 
 from .averaging import _GradientAverager
-from .broadcast import optimizer_state_arrays
+from .broadcast import optimizer_state_arrays, set_update_counters, update_counters
 
 
 def check_sync_every(sync_every, warmup, outer_optimizer, outer_optimizer_params,
@@ -149,6 +147,9 @@ class LocalSGD:
         # whether that synchronisation's sum waits to be applied (None, 'now', 'late')
         self._at_sync: dict[int, mx.nd.NDArray] = {}
         self._pending: str | None = None
+        # how many workers the last synchronisation's sum is over: its average divides
+        # by them, also when it is applied after a restore onto another world size
+        self._summed_over: int | None = None
         self.synchronisations = 0
 
     @property
@@ -205,6 +206,7 @@ class LocalSGD:
             deltas.append(delta)
             if not wait:
                 weight.copyto(self._buffer(self._at_sync, i, anchor))
+        self._summed_over = self.kv.num_workers
         self._reduce(positions, deltas, params)
         self._pending = "now" if wait else "late"
         if wait:
@@ -215,7 +217,7 @@ class LocalSGD:
         parameters set to it ('now') or corrected by it ('late')."""
         late = self._pending == "late"
         self._pending = None
-        scale = 1.0 / self.kv.num_workers
+        scale = 1.0 / (self._summed_over or self.kv.num_workers)
         for i in sorted(self._anchors):
             anchor, delta = self._anchors[i], self._deltas[i]
             if scale != 1.0:
@@ -270,22 +272,23 @@ class LocalSGD:
             arrays.update((f"codec.{name}", a) for name, a in self.codec.state_arrays().items())
         return arrays
 
+    def private_state_names(self) -> set[str]:
+        """The names of :meth:`state_arrays` that are this rank's own: the codec's
+        residuals (a parameter at the synchronisation follows the weights)."""
+        codec = self.codec
+        if codec is None:
+            return set()
+        return {f"codec.{name}" for name in codec.state_arrays() if codec.is_private(name)}
+
     def state_counters(self) -> dict:
         """The position, whether a sum is pending, the outer optimizer's counters and
         which of :meth:`state_arrays` exist (their shapes, for a new worker)."""
         shapes = {name: (tuple(a.shape), np.dtype(a.dtype).name)
                   for name, a in self.state_arrays().items() if not name.startswith("codec.")}
-        outer = None
-        if self._outer is not None:
-            opt = self._outer.optimizer
-            tables = opt._all_index_update_counts
-            outer = {"num_update": opt.num_update, "current": next(
-                (d for d, t in tables.items() if t is opt._index_update_count), 0),
-                "tables": {d: dict(t) for d, t in tables.items()},
-                "lr_scheduler": copy.deepcopy(opt.lr_scheduler)}
+        outer = None if self._outer is None else update_counters(self._outer.optimizer)
         return {"steps": self.steps, "in_round": self.in_round,
                 "synchronisations": self.synchronisations, "pending": self._pending,
-                "shapes": shapes, "outer": outer,
+                "summed_over": self._summed_over, "shapes": shapes, "outer": outer,
                 "codec": None if self.codec is None else self.codec.state_counters()}
 
     def set_state_counters(self, saved: dict, ctx_of) -> None:
@@ -293,6 +296,7 @@ class LocalSGD:
         lacks are made (zeros on ``ctx_of(position)``, for the caller to fill)."""
         self.steps, self.in_round = saved["steps"], saved["in_round"]
         self.synchronisations, self._pending = saved["synchronisations"], saved["pending"]
+        self._summed_over = saved.get("summed_over")
         shapes = saved["shapes"]
 
         def kept(prefix, held):
@@ -317,11 +321,7 @@ class LocalSGD:
 
     def _set_outer_counters(self, saved: dict, shapes: dict) -> None:
         updater, opt = self._outer, self._outer.optimizer
-        opt.num_update = saved["num_update"]
-        opt._all_index_update_counts = {d: dict(t) for d, t in saved["tables"].items()}
-        opt._index_update_count = opt._all_index_update_counts.setdefault(
-            saved["current"], {})
-        opt.lr_scheduler = copy.deepcopy(saved["lr_scheduler"])
+        set_update_counters(opt, saved)
         wanted = {int(name.split(".")[1]) for name in shapes if name.startswith("outer.")}
         for index in [i for i in updater.states if i not in wanted]:
             del updater.states[index]
@@ -344,6 +344,7 @@ class LocalSGD:
         return {"sync_every": self.sync_every, "warmup": self.warmup, "steps": self.steps,
                 "in_round": self.in_round, "synchronisations": self.synchronisations,
                 "anchors": anchors, "delay": self.delay, "pending": pending,
+                "summed_over": self._summed_over,
                 "outer": None if self._outer is None else self._outer.get_states(True),
                 "codec": None if codec is None else {"type": codec.name,
                                                       "shared": codec.shared_state()}}
@@ -361,6 +362,8 @@ class LocalSGD:
         self._deltas = {} if pending is None else {
             i: mx.nd.array(d, ctx=ctx_of[i], dtype=d.dtype) for i, d in pending.items()}
         self._pending = None if pending is None else "late"
+        # a checkpoint older than the field: its sum is taken as the current world's
+        self._summed_over = state.get("summed_over")
         self._at_sync = {}
         if self._outer is not None and state["outer"] is not None:
             self._outer.set_states(state["outer"])

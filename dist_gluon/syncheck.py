@@ -24,6 +24,12 @@ drift apart. :class:`SyncCheck` looks every ``DG_CHECK_SYNC`` steps:
 :data:`DEFAULT_EVERY`, was chosen by measurement so that it costs at most 0.5% of a
 step (docs/observability.md). Nothing runs on one process, on ``dist_async`` (whose
 workers hold different weights by design), or before the first step.
+
+Every rank must check at the same steps (the check is a collective), so the count of
+steps (:attr:`SyncCheck.steps`) is training state, not the process's: the trainer keeps
+it in its ``extra_state()`` counters, so ``dg.elastic.State`` puts it back at a restore
+and a worker that joins or heals from a peer takes the peers' count instead of counting
+from 0 (which would leave it in another collective than theirs).
 """
 from __future__ import annotations
 
@@ -85,7 +91,8 @@ class SyncCheck:
         self._kv = kv
         self._key = key
         self.every = interval() if every is None else int(every)
-        self.steps = 0          # steps seen, counted by after_step
+        # steps seen, counted by after_step: the trainer's state (module docstring)
+        self.steps = 0
 
     @property
     def active(self) -> bool:

@@ -31,12 +31,15 @@ import atexit
 import contextlib
 import glob
 import json
+import math
 import os
 import queue
 import struct
 import threading
 import time
 from collections.abc import Iterable, Iterator
+
+from . import worker
 
 ENV_DIR = "DG_OBSERVE_DIR"
 ENV_LEVEL = "DG_OBSERVE"          # "steps" or "timeline"
@@ -89,6 +92,44 @@ def read_lines(path: str, offset: int = 0, limit: int = 1 << 62) -> tuple[list[s
     return [line for line in text.split("\n") if line], offset + end + 1
 
 
+def _finite(x: float) -> bool:
+    return x == x and not math.isinf(x)
+
+
+def breakdown(records: dict[int, list[tuple]],
+              asynchronous: bool = False) -> dict[int, list[tuple]]:
+    """Each rank's steps split into the four shares: rank -> list of ``(step, end,
+    period, data, compute, comm, wait)`` in seconds (``end`` on the records' clock),
+    for every step whose previous step the rank also recorded. ``asynchronous``
+    (dist_async): ranks never wait for one another, and their steps of the same
+    number are unrelated; communication runs from this rank's readiness."""
+    ready_by_step: dict[int, float] = {}
+    for rows in records.values():
+        for row in rows:
+            index, start, _header, _end, ready = row[:5]
+            mine = max(start, ready) if _finite(ready) else start
+            ready_by_step[index] = max(ready_by_step.get(index, -math.inf), mine)
+    split = {}
+    for rank, rows in records.items():
+        previous = {row[0]: row for row in rows}
+        steps = []
+        for row in rows:
+            index, start, _header, end, ready, sums, data = row[:7]
+            before = previous.get(index - 1)
+            period = end - before[3] if before is not None else 0.0
+            if period <= 0:
+                continue
+            mine = max(start, ready) if _finite(ready) else start
+            last = mine if asynchronous else ready_by_step.get(index, mine)
+            wait = min(period, max(0.0, last - mine))
+            comm = min(period - wait, max(0.0, sums - last)) if _finite(sums) else 0.0
+            data = min(period - wait - comm, max(0.0, data))
+            steps.append((index, end, period, data, period - wait - comm - data, comm,
+                          wait))
+        split[rank] = steps
+    return split
+
+
 class _Step:
     """The step in progress: noted by the training thread, completed by the helper."""
 
@@ -115,17 +156,19 @@ class _Reporter:
     thread waits for each array in submission order (so it notices when the engine is
     done with it) and writes."""
 
-    def __init__(self, directory: str, rank: int, restart: int, events: bool):
-        self.rank = rank
+    def __init__(self, directory: str, place: worker.WorkerContext, events: bool):
         self.events = events
-        self.steps = 0
+        # the worker's place, read at each step: a survivor of an in-process
+        # re-formation goes on in the new round's files, under its new rank
+        self._place = place
+        self.rank, self.restart = place.rank, place.restart
+        self._directory = directory
+        self.steps = 0                  # the round's steps (every rank's count from 1)
         self.step: _Step | None = None
         self._data = 0.0                # waiting for data since the last step ended
         self._last_end = None
         self._last = None               # the step's last collective (steps level)
-        self._fd = os.open(steps_path(directory, rank, restart),
-                           os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._trace = open(trace_path(directory, rank, restart), "a") if events else None
+        self._fd, self._trace = self._open(self.rank, self.restart)
         self._buffer: list = []         # trace events: dicts, or lines made already
         self._quoted: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -144,8 +187,18 @@ class _Reporter:
         # the engine still answers
         atexit.register(self.close)
 
+    def _open(self, rank: int, restart: int):
+        fd = os.open(steps_path(self._directory, rank, restart),
+                     os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        trace = open(trace_path(self._directory, rank, restart), "a") if self.events \
+            else None
+        return fd, trace
+
     # ------------------------------------------------------------ training thread
     def begin_step(self, first_grad) -> None:
+        place = self._place
+        if (place.rank, place.restart) != (self.rank, self.restart):
+            self._new_round(place.rank, place.restart)
         self.steps += 1
         step = self.step = _Step(self.steps, time.monotonic(), self._data)
         self._data = 0.0
@@ -202,6 +255,22 @@ class _Reporter:
         event["pid"] = self.rank
         with self._lock:
             self._buffer.append(event)
+
+    def _new_round(self, rank: int, restart: int) -> None:
+        """The job re-formed around this process: the steps from here on are the new
+        round's, counted from 1 as its new workers count theirs, in its files. The
+        helper switches files once it has written the steps before."""
+        self.rank, self.restart, self.steps = rank, restart, 0
+        self._last_end = self._last = None
+        self._jobs.put((self._switch_files, rank, restart))
+
+    def _switch_files(self, rank: int, restart: int) -> None:
+        self._flush()
+        with self._write_lock:
+            os.close(self._fd)
+            if self._trace is not None:
+                self._trace.close()
+            self._fd, self._trace = self._open(rank, restart)
 
     # ------------------------------------------------------------ helper thread
     def _work(self) -> None:
@@ -355,11 +424,10 @@ def _get() -> _Reporter | None:
     global _reporter, _started
     if not _started:
         _started = True
-        directory = os.environ.get(ENV_DIR)
+        place = worker.context()
+        directory = place.observe_dir
         if directory and os.path.isdir(directory):
-            _reporter = _Reporter(directory, int(os.environ.get("DG_RANK", "0")),
-                                  int(os.environ.get("DG_RESTART", "0")),
-                                  os.environ.get(ENV_LEVEL) == "timeline")
+            _reporter = _Reporter(directory, place, place.observe == "timeline")
     return _reporter
 
 
@@ -524,9 +592,9 @@ def expect_steps(total: int) -> None:
     """Tell the launcher how many steps the job makes, so that its progress line (on a
     terminal) shows the time left. Rank 0's call counts; without the launcher it does
     nothing."""
-    directory = os.environ.get(ENV_DIR)
-    if not directory or os.environ.get("DG_RANK", "0") != "0" or \
-            not os.path.isdir(directory):
+    place = worker.context()
+    directory = place.observe_dir
+    if not directory or place.rank != 0 or not os.path.isdir(directory):
         return
     path = os.path.join(directory, "total")
     with open(path + ".tmp", "w") as f:
@@ -551,18 +619,18 @@ def step_breakdown() -> dict[int, list[tuple]]:
     launchers sent them, placed on this host's clock), on another node this host's;
     empty without the launcher (or with ``--report off``). For a plot of each rank's
     step time."""
-    directory = os.environ.get(ENV_DIR)
+    place = worker.context()
+    directory = place.observe_dir
     if not directory or not os.path.isdir(directory):
         return {}
-    restart = os.environ.get("DG_RESTART", "0")
+    restart = place.restart
     records = {}
     for path in glob.glob(os.path.join(directory, f"rank*.r{restart}.steps")) + \
             glob.glob(os.path.join(directory, "remote", "*", f"rank*.r{restart}.steps")):
         rows, _ = read_steps(path)
         if rows:
             records[int(os.path.basename(path).split(".")[0][len("rank"):])] = rows
-    from .launch.report import breakdown
-    split = breakdown(records, os.environ.get("DG_BACKEND") == "dist_async")
+    split = breakdown(records, place.backend == "dist_async")
     origin = min((s[0][1] for s in split.values() if s), default=0.0)
     return {rank: [(s[0], s[1] - origin, *s[2:]) for s in steps]
             for rank, steps in sorted(split.items())}

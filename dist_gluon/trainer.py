@@ -13,7 +13,13 @@ from . import async_updates, sharding
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
-from .broadcast import ParameterSync, optimizer_state_arrays, parameter_list
+from .broadcast import (
+    ParameterSync,
+    optimizer_state_arrays,
+    parameter_list,
+    set_update_counters,
+    update_counters,
+)
 from .devices import copy_from_first, sum_into_first
 from .freshness import local_freshness, settle, zero_stale
 from .local_sgd import LocalSGD, check_sync_every
@@ -107,9 +113,11 @@ class TrainerBase(gluon.Trainer):
         arrays by name (the codec's residuals, and with ``sync_every`` the round's
         anchor, outer optimizer states and a sum in flight), which the caller copies
         on MXNet's engine and copies back, and the picklable counters (the position in
-        the round, which of those arrays exist and their shapes).
-        :meth:`set_extra_counters` puts the counters back."""
-        arrays, counters = {}, {}
+        the round, the sync check's step count, which of those arrays exist and their
+        shapes). :meth:`set_extra_counters` puts the counters back. Every counter that
+        decides when the ranks meet in a collective is here, so that ranks restored or
+        healed from a peer agree on it."""
+        arrays, counters = {}, {"check": self._sync_check.steps}
         codec = self._averager.codec
         if codec is not None:
             arrays.update((f"codec.{name}", a) for name, a in codec.state_arrays().items())
@@ -121,9 +129,19 @@ class TrainerBase(gluon.Trainer):
         before them, on a new worker): arrays made since they were taken are dropped,
         and those this trainer lacks are made, zeros on the parameter's first device,
         for the caller to fill."""
+        self._sync_check.steps = counters.get("check", self._sync_check.steps)
         codec = self._averager.codec
         if codec is not None and "codec" in counters:
             codec.set_state_counters(counters["codec"], self._first_context)
+
+    def private_state_names(self) -> set[str]:
+        """The names of :meth:`extra_state`'s arrays that are this rank's own (a codec's
+        residuals: what this rank held back), which a worker healing from a peer must
+        not copy; the others are the same on every rank, or follow the weights."""
+        codec = self._averager.codec
+        if codec is None:
+            return set()
+        return {f"codec.{name}" for name in codec.state_arrays() if codec.is_private(name)}
 
     def _first_context(self, position):
         """The first device of the parameter at model ``position``."""
@@ -321,12 +339,10 @@ def remap_states(states, mapping: dict[int, int]):
     renamed = {mapping[index]: state for index, state in states.items()}
     if optimizer is None:
         return renamed
-    counts = optimizer._all_index_update_counts
-    current = next((d for d, c in counts.items() if c is optimizer._index_update_count), 0)
-    optimizer._all_index_update_counts = {
-        device: {mapping.get(i, i): n for i, n in table.items()}
-        for device, table in counts.items()}
-    optimizer._index_update_count = optimizer._all_index_update_counts.setdefault(current, {})
+    counters = update_counters(optimizer)
+    counters["tables"] = {device: {mapping.get(i, i): n for i, n in table.items()}
+                          for device, table in counters["tables"].items()}
+    set_update_counters(optimizer, counters)
     for table in ("lr_mult", "wd_mult"):
         values = getattr(optimizer, table)
         setattr(optimizer, table, {mapping.get(k, k) if isinstance(k, int) else k: v
@@ -637,6 +653,14 @@ class DistributedTrainer(TrainerBase):
             self._local_sgd.set_state_counters(counters["rounds"], self._first_context)
 
     set_extra_counters.__doc__ = TrainerBase.set_extra_counters.__doc__
+
+    def private_state_names(self) -> set[str]:
+        names = super().private_state_names()
+        if self._local_sgd is not None:
+            names.update(f"rounds.{name}" for name in self._local_sgd.private_state_names())
+        return names
+
+    private_state_names.__doc__ = TrainerBase.private_state_names.__doc__
 
     @property
     def sync_every(self) -> int:

@@ -49,6 +49,7 @@ class ElasticJob:
 
     script = SCRIPT
     nnodes = "2:3"
+    env: dict[str, str] = {}        # the workers' own variables
 
     def __init__(self, cluster, directory: Path, backend: str):
         self.cluster, self.dir, self.backend = cluster, directory, backend
@@ -62,7 +63,7 @@ class ElasticJob:
         with ``where`` (launcher options such as -H), one launcher for every host."""
         env = {**host_env(),
                "OMP_NUM_THREADS": "1", "DG_JOB_SECRET": f"elastic-{self.port}",
-               **self.marker}
+               **self.env, **self.marker}
         where = where or ["--node-rank", str(host), "--master-addr",
                           self.cluster.hosts[0].address]
         argv = [sys.executable, "-m", "dist_gluon.launch", "--nnodes", self.nnodes, *where,

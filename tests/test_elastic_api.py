@@ -22,7 +22,7 @@ from test_elastic import assert_replayed
 
 import dist_gluon as dg
 from conftest import REPO, assert_ok, launch, process_env, worker_lines
-from dist_gluon import jobcontrol
+from dist_gluon import jobcontrol, worker
 from dist_gluon.data import ShardSampler
 from test_launch import _marker_env, assert_nothing_left
 
@@ -149,18 +149,13 @@ def test_a_checkpoint_save_is_reported_to_the_launcher(tmp_path):
     assert record["saved"] == (3, 17)
 
 
-def test_backends_report_the_restart_and_reformation_counts(monkeypatch):
+def test_backends_report_the_restart_and_reformation_counts_of_the_worker(monkeypatch):
     kv = dg.create("local")
-    monkeypatch.delenv("DG_RESTART", raising=False)
-    monkeypatch.delenv("DG_REFORMATION", raising=False)
+    monkeypatch.setattr(worker, "_context", worker.WorkerContext.from_environ({}))
     assert (kv.restart, kv.reformation) == (0, 0)
-    monkeypatch.setenv("DG_RESTART", "3")
-    monkeypatch.setenv("DG_REFORMATION", "2")
+    # a re-formation in this process updates the one context the backend reads
+    worker.context().update({"DG_RESTART": "3", "DG_REFORMATION": "2"})
     assert (kv.restart, kv.reformation) == (3, 2)
-    for bad in ("two", "-1"):
-        monkeypatch.setenv("DG_REFORMATION", bad)
-        with pytest.raises(ValueError, match="DG_REFORMATION=.* must be an int >= 0"):
-            _ = kv.reformation
 
 
 # --------------------------------------------------------------------- ShardSampler skip
@@ -253,13 +248,12 @@ def test_a_bad_skip_raises_a_value_error_naming_it(skip):
 # --------------------------------------------------------------------- distributed
 STOP_WORKER = """
     import json
-    import os
     import sys
 
     import mxnet as mx
     from mxnet import gluon
     import dist_gluon as dg
-    from dist_gluon import jobcontrol
+    from dist_gluon import jobcontrol, worker
 
     kv = dg.create()
     record = jobcontrol.reporter()._record
@@ -267,11 +261,11 @@ STOP_WORKER = """
               "acknowledged_before": record.stop_acknowledged}
 
     # outside an elastic job the answer is this rank's record alone: nothing is sent
-    os.environ.pop("DG_ELASTIC", None)
+    worker.context().elastic = False
     count = record.count
     result["plain_answer"] = dg.stop_requested()
     result["plain_sent"] = record.count - count
-    os.environ["DG_ELASTIC"] = "1"
+    worker.context().elastic = True
 
     stopped = None
     for step in range(1, 21):

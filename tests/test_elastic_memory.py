@@ -8,11 +8,14 @@ each, --nnodes 2:3, horovod over Gloo), or on 4 (--nnodes 1:4) cut into two side
 which exactly one trains on; its final weights must equal
 tests/test_elastic.py's NumPy replay of the same schedule of world sizes, which holds
 only if no step was applied twice or skipped and no sample was trained twice in an
-epoch.
+epoch. The ranks compare their weights every 7 steps (DG_CHECK_SYNC) and every round
+trains past a check: a rank whose count of steps differed from its peers' after a
+re-formation (a joiner counting from 0) would wait in another collective than theirs.
 """
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -32,11 +35,25 @@ pytestmark = [pytest.mark.slow,
                                  reason=str(emulated_cluster.skip_reason()))]
 
 SCRIPT = REPO / "tests" / "workers" / "elastic_memory_train.py"
+# steps a round trains before the next change: past a check of the ranks' weights
+# (MemoryJob.env), whatever the round's first step counted; the last round trains on
+# so that the job makes 90 steps or more
+CHECKED, LAST_ROUND = 8, 60
 KEPT = "from the workers' last commit in memory (their processes stay"
+
+
+def report_ranks(output: str) -> list[int]:
+    """The ranks of the last report a launcher printed (its table's rows)."""
+    table = output.split("report:")[-1]
+    return [int(rank) for rank in
+            re.findall(r"launch(?:\[node \d+\])?: +(\d+) \S+ +\d+ +\d", table)]
 
 
 class MemoryJob(ElasticJob):
     script = SCRIPT
+    # the ranks compare their weights every 7 steps: a rank that counted its steps
+    # from 0 after a re-formation would wait in another collective than its peers
+    env = {"DG_CHECK_SYNC": "7"}
 
     def starts(self) -> list[dict]:
         return [e for e in self.events() if e["event"] == "start"]
@@ -81,13 +98,14 @@ def test_survivors_keep_their_processes_through_killed_hosts_and_heal_a_joiner(
     job.wait_training(world=2, reformation=1, steps=1)
     print(f"host 2 killed -> first step of the re-formed job: "
           f"{job.progress()['at'] - killed:.2f} s")
+    job.wait_training(world=2, reformation=1, steps=CHECKED)
     assert job.starts()[-1]["pids"] == first[:2], job.report()
     assert "(re-formation 1; restart 1 of at most 3)" in job.output(0), job.report()
     assert KEPT in job.output(0) and KEPT in job.output(1), job.report()
 
     # host 2 comes back: admitted at a commit, its new worker heals from rank 0
     job.start(2)
-    job.wait_training(world=3, reformation=2)
+    job.wait_training(world=3, reformation=2, steps=CHECKED)
     grown = job.starts()[-1]["pids"]
     assert grown[:2] == first[:2] and grown[2] not in first, job.report()
     assert "(re-formation 2; planned: no restart used)" in job.output(0), job.report()
@@ -99,6 +117,7 @@ def test_survivors_keep_their_processes_through_killed_hosts_and_heal_a_joiner(
     print(f"node 0 killed -> first step under node 1: {job.progress()['at'] - killed:.2f} s")
     assert job.starts()[-1]["pids"] == grown[1:], job.report()
     assert "takes over as the job's host" in job.output(1), job.report()
+    job.wait_training(world=2, reformation=3, steps=LAST_ROUND)
 
     job.finish()
     assert job.wait_exit(1) == 0 and job.wait_exit(2) == 0, job.report()
@@ -117,11 +136,11 @@ def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memo
     # node 2 preempted (SIGTERM to its launcher): the job re-forms at the next commit
     job.procs[2][-1].send_signal(signal.SIGTERM)
     assert job.wait_exit(2) == 0, job.report()
-    job.wait_training(world=2, reformation=1, steps=1)
+    job.wait_training(world=2, reformation=1, steps=CHECKED)
     assert job.starts()[-1]["pids"] == first[:2], job.report()
     assert "(re-formation 1; planned: no restart used)" in job.output(0), job.report()
     job.start(2)
-    job.wait_training(world=3, reformation=2)
+    job.wait_training(world=3, reformation=2, steps=CHECKED)
 
     # host 2's link goes down: noticed after --silence-limit (3 s); then the survivors'
     # collectives pending with it are broken and they go on
@@ -130,6 +149,7 @@ def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memo
     job.wait_training(world=2, reformation=3, steps=1)
     print(f"link cut -> first step of the re-formed job: {job.progress()['at'] - cut:.2f} s")
     assert job.starts()[-1]["pids"] == first[:2], job.report()
+    job.wait_training(world=2, reformation=3, steps=LAST_ROUND)
 
     job.finish()
     assert job.wait_exit(0) == 0 and job.wait_exit(1) == 0, job.report()
@@ -138,18 +158,20 @@ def test_survivors_keep_their_processes_through_a_preemption_and_a_cut_link(memo
     assert_nothing_left(job.marker["DG_TEST_MARKER"])
 
 
-def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path):
-    """One node, two workers (--nnodes 1:1): rank 1's process is SIGKILLed; rank 0 keeps
-    its process and state, a new rank 1 gets rank 0's state, and the weights equal the
-    replay of the schedule."""
+def _one_node_with_rank_1_killed(tmp_path, *script_args) -> tuple[list[dict], str]:
+    """One node, two workers (--nnodes 1:1), the ranks comparing their weights every 5
+    steps (DG_CHECK_SYNC): rank 1's process is SIGKILLed after 3 steps, and the job
+    trains one epoch (13 steps), past two checks after the heal. Returns the events
+    and the output (the launcher's whole, then its tail for messages)."""
     marker = _marker_env()
     (tmp_path / "finish").touch()
     proc = subprocess.run(
         [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
-         "--backend", "horovod", "--max-restarts", "1", "--", sys.executable, str(SCRIPT),
-         str(tmp_path), "--kill-rank-at", "1", "3"],
-        cwd=tmp_path, env=process_env(**marker), capture_output=True, text=True,
-        timeout=180)
+         "--backend", "horovod", "--max-restarts", "1", "--timeout", "120", "--",
+         sys.executable, str(SCRIPT), str(tmp_path), "--kill-rank-at", "1", "3",
+         *script_args],
+        cwd=tmp_path, env=process_env(DG_CHECK_SYNC="5", **marker), capture_output=True,
+        text=True, timeout=180)
     report = proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").open()]
@@ -158,8 +180,30 @@ def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path
     assert starts[1]["pids"][0] == starts[0]["pids"][0], report
     assert starts[1]["pids"][1] != starts[0]["pids"][1], report
     assert starts[1]["samples"] in (8, 12), report   # 2 or 3 steps of 2 x 2 samples
-    assert_replayed(events, report)
     assert_nothing_left(marker["DG_TEST_MARKER"])
+    return events, proc.stdout + proc.stderr, report
+
+
+def test_a_worker_that_dies_is_replaced_by_one_that_heals_from_its_peer(tmp_path):
+    """Rank 0 keeps its process and state, a new rank 1 gets rank 0's state, the weights
+    equal the replay of the schedule, and the sync check's schedule (part of the state)
+    stays the same on both ranks: the new rank does not count its steps from 0. Rank 0's
+    steps after the heal are the new round's (its timeline follows it), so the report of
+    the round lists both ranks."""
+    events, output, report = _one_node_with_rank_1_killed(tmp_path)
+    assert_replayed(events, report)
+    assert report_ranks(output) == [0, 1], output[-3000:]
+
+
+def test_a_healed_worker_starts_with_empty_residuals_and_the_survivor_keeps_its_own(
+        tmp_path):
+    """2-bit compression: a codec's residual is what its rank held back; the new rank 1
+    starts with none (a copy of rank 0's would send rank 0's twice), and rank 0 keeps
+    the one of its last commit."""
+    events, _, report = _one_node_with_rank_1_killed(tmp_path, "--compression", "2bit")
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[0]["residuals"] == [0.0, 0.0], report
+    assert starts[1]["residuals"][0] > 0 and starts[1]["residuals"][1] == 0.0, report
 
 
 MINORITY = "not a majority"

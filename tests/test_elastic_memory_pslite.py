@@ -57,7 +57,7 @@ trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
                                 {"learning_rate": 0.1, "momentum": 0.9}, kv="local")
 state = dg.elastic.State(net=net, trainer=trainer, step=0)
 node_copy = NodeCopy(directory, job, writer=True)
-state._use_node_copy(node_copy)
+state.use_node_copy(node_copy)
 state.sync()
 
 def values():

@@ -292,3 +292,41 @@ def test_a_new_worker_takes_the_round_from_the_layout_and_arrays_of_a_peer():
         _rounds_step(new_net, new_trainer, i)
     _assert_rounds_same(_rounds_snapshot(new_net, new_trainer),
                         _rounds_snapshot(net, trainer))
+
+
+@pytest.mark.parametrize("compression, own", [
+    ("2bit", ("residual",)),
+    ({"type": "powersgd", "rank": 1, "min_compression_rate": 0}, ("error",)),
+    ({"type": "onebit", "ef": "vanilla", "min_compress_bytes": 0}, ("momentum", "error"))])
+def test_a_trainer_names_its_codecs_residuals_as_each_ranks_own(compression, own):
+    # what a worker healing from a peer starts at zero instead of copying (State.sync):
+    # the residuals of both codecs, not the round's anchor, outer state or PowerSGD's Q
+    net, trainer = _rounds_model(compression)
+    for i in range(6):
+        _rounds_step(net, trainer, i)
+    names = set(trainer.extra_state()[0])
+    private = trainer.private_state_names()
+    assert private == {n for n in names
+                       if n.split(".")[-2] in own and n.startswith(("codec.", "rounds.codec."))}
+    assert any(n.startswith("codec.") for n in private)
+    assert any(n.startswith("rounds.codec.") for n in private)
+    assert any(n.startswith("rounds.anchor.") for n in names - private)
+
+
+def test_the_sync_checks_count_is_restored_and_taken_by_a_new_worker():
+    # the count decides at which steps the ranks compare their weights (a collective):
+    # a rank restored or healed from a peer must be at the same count as its peers
+    net, trainer = _model()
+    state = dg.elastic.State(net=net, trainer=trainer)
+    state.sync()
+    for i in range(3):
+        _step(net, trainer, i)
+    state.commit()
+    for i in range(3, 5):
+        _step(net, trainer, i)
+    assert trainer._sync_check.steps == 5
+    state.restore()
+    assert trainer._sync_check.steps == 3
+    new_net, new_trainer = _model()
+    dg.elastic.State(net=new_net, trainer=new_trainer)._take_layout(state._layout())
+    assert new_trainer._sync_check.steps == 3

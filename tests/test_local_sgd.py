@@ -129,10 +129,13 @@ def test_a_mid_round_checkpoint_restores_on_another_number_of_workers(job):
     got = json.loads((job / "restored_on_one.json").read_text())
     expected = {"steps": 6, "in_round": 2, "saved_workers": 2, "weights_are_rank0s": True,
                 "anchors_equal": True, "inner_are_rank0s": True, "outer_updates": 1,
-                "pending": None, "pending_restored": True}
+                "pending": None, "pending_restored": True,
+                "pending_averaged_over_its_workers": None}
     assert got["diloco_nag"] == expected
-    # the overlapped run's first outer step is still to come, its sum restored
-    assert got["diloco_overlap"] == dict(expected, outer_updates=0, pending="late")
+    # the overlapped run's first outer step is still to come, its sum restored; applied
+    # on one process, it is still the average over the 2 workers that made it
+    assert got["diloco_overlap"] == dict(expected, outer_updates=0, pending="late",
+                                         pending_averaged_over_its_workers=True)
 
 
 ARGUMENTS = """
@@ -209,14 +212,13 @@ def _elastic_run(directory, *args):
 
 
 @pytest.mark.spawns
-def test_a_worker_killed_mid_round_heals_from_its_peer_with_the_round_and_the_residuals(
-        tmp_path):
+def test_a_worker_killed_mid_round_heals_from_its_peer_with_the_round(tmp_path):
     # one node, two workers under @dg.elastic.run: rank 1 is SIGKILLed after step 8,
     # rank 0 keeps its process and goes back to its last commit, a new rank 1 takes
-    # rank 0's state from memory: the anchor, the outer Nesterov momentum, the position
-    # in the round and both 2-bit codecs' residuals must travel for the weights to
-    # equal those of the run without a fault (every rank trains on the same batches,
-    # so rank 0's state is rank 1's)
+    # rank 0's state from memory: the anchor, the outer Nesterov momentum and the
+    # position in the round must travel for the weights to equal those of the run
+    # without a fault (every rank trains on the same batches, so rank 0's state is
+    # rank 1's)
     starts, straight = _elastic_run(tmp_path / "straight")
     assert len(starts) == 1
     starts, healed = _elastic_run(tmp_path / "healed", "--kill-rank-at", "1", "8")

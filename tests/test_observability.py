@@ -207,7 +207,7 @@ def test_check_sync_passes_replicas_that_agree_every_step(tmp_path, backend, opt
 
 
 def test_progress_line_gives_rank_0s_rate_and_the_time_left(tmp_path, monkeypatch):
-    from dist_gluon import timeline
+    from dist_gluon import timeline, worker
     from dist_gluon.launch import observe
 
     said = []
@@ -219,8 +219,8 @@ def test_progress_line_gives_rank_0s_rate_and_the_time_left(tmp_path, monkeypatc
                 end = 100 + 0.1 * k
                 f.write(timeline.STEP.pack(k, end - 0.08, end - 0.05, end, end - 0.06,
                                            end - 0.01, 0.01, 0.1 * k, 32, 1e6))
-    monkeypatch.setenv(timeline.ENV_DIR, watcher.directory)
-    monkeypatch.setenv("DG_RANK", "0")
+    monkeypatch.setattr(worker, "_context", worker.WorkerContext.from_environ(
+        {timeline.ENV_DIR: watcher.directory, "DG_RANK": "0"}))
     timeline.expect_steps(460)
     watcher._progress()
     watcher.finish()
@@ -333,8 +333,8 @@ def test_the_workers_reporter_closes_silently_at_exit(tmp_path, events):
     ends with its process without a word on stderr (an 'Exception ignored in atexit
     callback' there reached every worker's output once)."""
     code = textwrap.dedent(f"""
-        from dist_gluon import timeline
-        timeline._Reporter({str(tmp_path)!r}, 0, 0, events={events})
+        from dist_gluon import timeline, worker
+        timeline._Reporter({str(tmp_path)!r}, worker.WorkerContext(), events={events})
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=process_env(), timeout=120)

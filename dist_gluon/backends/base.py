@@ -20,7 +20,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
-from .. import jobcontrol
+from .. import jobcontrol, worker
 
 # Python objects travel as arrays of bytes; buffers are rounded up to a power of two so
 # that backends with fixed-shape keys (ps-lite) reuse a handful of keys.
@@ -49,7 +49,7 @@ def report_connect(backend_type: str) -> None:
     collective, so that the launcher sees a rank waiting for a peer that left before it
     ever connected."""
     reporter = jobcontrol.reporter()
-    if reporter is not None and int(os.environ.get("DG_NUM_WORKERS", "1")) > 1:
+    if reporter is not None and worker.context().num_workers > 1:
         reporter.submitted(f"connect ({backend_type})")
 
 
@@ -65,19 +65,6 @@ def _exit_now(status: int) -> None:
         except (AttributeError, OSError, ValueError):
             pass
     os._exit(status)
-
-
-def _count_variable(name: str) -> int:
-    """A count the launcher passes in the environment: an int >= 0, 0 when unset."""
-    text = os.environ.get(name, "").strip()
-    try:
-        value = int(text or 0)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{name}={text!r} must be an int >= 0 (the launcher sets it; "
-                         f"unset it when you start workers yourself)")
-    return value
 
 
 def shard_counts(size: int, num_workers: int, first: int = 0) -> list[int]:
@@ -163,15 +150,17 @@ class Backend(KVStoreBase):
     def restart(self) -> int:
         """How many times the launcher has restarted this job's workers so far, for any
         reason (a failure with ``--max-restarts``, or a re-formation of an elastic
-        job): 0 in the first run, and without a launcher (``DG_RESTART``)."""
-        return _count_variable("DG_RESTART")
+        job): 0 in the first run, and without a launcher (``DG_RESTART``, in the
+        :class:`~dist_gluon.worker.WorkerContext`)."""
+        return worker.context().restart
 
     @property
     def reformation(self) -> int:
         """How many times the set of nodes of an elastic job (``--nnodes MIN:MAX``) has
         changed so far: 0 until the first re-formation, and outside an elastic job
-        (``DG_REFORMATION``). ``num_workers`` is the size of the current set."""
-        return _count_variable("DG_REFORMATION")
+        (``DG_REFORMATION``, in the :class:`~dist_gluon.worker.WorkerContext`).
+        ``num_workers`` is the size of the current set."""
+        return worker.context().reformation
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} type={self.type!r} rank={self.rank} "
@@ -194,9 +183,10 @@ class Backend(KVStoreBase):
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
-        self._broadcast_root(key, value, out, 0, priority)
+        self.broadcast_root(key, value, out, 0, priority)
 
-    def _broadcast_root(self, key, value, out, root_rank: int, priority: int) -> None:
+    def broadcast_root(self, key, value, out, root_rank: int, priority: int = 0) -> None:
+        """:meth:`broadcast` from ``root_rank`` instead of rank 0 (the same arguments)."""
         names, values, outs = self._normalise(key, value, out, "broadcast")
         targets = self._targets(values, outs)
         for vals, target in zip(values, targets):
@@ -467,7 +457,7 @@ class Backend(KVStoreBase):
 
         Every rank must call it; only the root's ``obj`` is used.
         """
-        self._check_rank(root_rank, "root_rank")
+        self.check_rank(root_rank, "root_rank")
         if self.num_workers == 1:
             return obj
         payload = pickle.dumps(obj) if self.rank == root_rank else b""
@@ -512,7 +502,8 @@ class Backend(KVStoreBase):
             width *= 2
         return np.zeros((rows, width), dtype=np.uint8)
 
-    def _check_rank(self, rank: int, what: str) -> None:
+    def check_rank(self, rank: int, what: str) -> None:
+        """ValueError naming ``what`` unless ``rank`` is a rank of this job."""
         if not 0 <= rank < self.num_workers:
             raise ValueError(f"{what} must be in [0, {self.num_workers}), got {rank}")
 

@@ -20,7 +20,7 @@ import urllib.request
 
 import mxnet as mx
 
-from .. import jobcontrol
+from .. import jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
 
@@ -95,7 +95,7 @@ def _meet_at_rendezvous(poll: float = 0.02) -> None:
     request = urllib.request.Request(f"{base}/{rank}", data=b"1", method="PUT")
     urllib.request.urlopen(request, timeout=10).close()
     reporter = jobcontrol.reporter()
-    current = int(os.environ.get("DG_RESTART", "0") or 0)
+    current = worker.context().restart
     waiting = set(range(size)) - {rank}
     while waiting:
         for peer in sorted(waiting):
@@ -149,7 +149,7 @@ class Horovod(Backend):
         super().__init__()
 
     def _init(self) -> None:
-        if os.environ.get("DG_ELASTIC") == "1":
+        if worker.context().elastic:
             _meet_at_rendezvous()
         before = set(_socket_links().values())
         self._hvd.init()

@@ -23,7 +23,7 @@ import mxnet as mx
 import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
-from .. import _kernels, jobcontrol
+from .. import _kernels, jobcontrol, worker
 from ..async_updates import ServerOptimizer, collective_key, model_key, refuse_script_optimizer
 from .base import Backend, report_connect
 
@@ -221,7 +221,7 @@ class DistSync(Backend):
         # ps-lite numbers workers in the order they connect; the launcher's rank is
         # stable and matches its output prefixes, so it wins once it is checked.
         self._rank = self._kv.rank
-        self._local_rank = int(os.environ.get("DG_LOCAL_RANK", 0))
+        self._local_rank = worker.context().local_rank
         self._num_workers = self._kv.num_workers
         self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
         self._keys: dict[str, tuple] = {}

@@ -13,12 +13,12 @@ bytes of a dedicated all-gather; fine for the small tensors scripts gather).
 """
 from __future__ import annotations
 
-import os
 import pickle
 
 import mxnet as mx
 import numpy as np
 
+from .. import worker
 from ..backends import Backend, create
 
 # horovod's reduction op values (horovod.common.basics)
@@ -122,8 +122,8 @@ def scale_(tensor: mx.nd.NDArray, factor: float) -> None:
 def broadcast_(kv: Backend, key_: str, tensor: mx.nd.NDArray, root_rank: int,
                priority: int = 0) -> mx.nd.NDArray:
     """Overwrite ``tensor`` with ``root_rank``'s, in place."""
-    kv._check_rank(root_rank, "root_rank")
-    kv._broadcast_root(key_, tensor, tensor, root_rank, priority)
+    kv.check_rank(root_rank, "root_rank")
+    kv.broadcast_root(key_, tensor, tensor, root_rank, priority)
     return tensor
 
 
@@ -195,8 +195,9 @@ def topology(kv: Backend) -> tuple[int, int, int]:
     hvd = getattr(kv, "_hvd", None)
     if hvd is not None:
         return hvd.local_size(), hvd.cross_rank(), hvd.cross_size()
-    nnodes = int(os.environ.get("DG_NNODES", "1")) if kv.num_workers > 1 else 1
-    node = int(os.environ.get("DG_NODE_RANK", "0")) if kv.num_workers > 1 else 0
+    place = worker.context()
+    nnodes = place.nnodes if kv.num_workers > 1 else 1
+    node = place.node_rank if kv.num_workers > 1 else 0
     return kv.num_workers // nnodes, node, nnodes
 
 
@@ -209,7 +210,7 @@ def _dumps(obj) -> bytes:
 
 
 def broadcast_object(kv: Backend, obj, root_rank: int):
-    kv._check_rank(root_rank, "root_rank")
+    kv.check_rank(root_rank, "root_rank")
     payload = _dumps(obj) if kv.rank == root_rank else None
     return pickle.loads(kv.broadcast_object(payload, root_rank=root_rank))
 

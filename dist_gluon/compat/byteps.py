@@ -330,7 +330,7 @@ class DistributedTrainer(PeerTrainer):
     def __init__(self, params, optimizer, optimizer_params=None, root_rank=0,
                  compression_params=None):
         kv = _session.kv
-        kv._check_rank(root_rank, "root_rank")
+        kv.check_rank(root_rank, "root_rank")
         codec, adapter, optimizer_params = _compression(compression_params, optimizer_params)
         super().__init__(params, optimizer, optimizer_params, kv, codec, None,
                          owner="DistributedTrainer")

@@ -27,7 +27,10 @@ class Codec:
     made after them and making those a new worker lacks. A codec declares its arrays in
     ``_array_fields`` (name -> the attribute holding a dict index -> array) and its
     counters in ``_counter_fields``; one whose state has another shape overrides the
-    three methods.
+    three methods. The fields whose arrays are each rank's own (error-feedback
+    residuals: what this rank held back) are ``_private_fields`` (:meth:`is_private`): a
+    worker that heals from a peer starts them at zero instead of copying the peer's,
+    which would send the peer's held-back part twice.
     """
 
     name = "base"
@@ -52,6 +55,12 @@ class Codec:
     # ------------------------------------------------------------ in memory
     _array_fields: dict[str, str] = {}
     _counter_fields: tuple[str, ...] = ()
+    _private_fields: tuple[str, ...] = ()
+
+    def is_private(self, name: str) -> bool:
+        """Whether the array ``name`` of :meth:`state_arrays` is this rank's own (a
+        residual), not the same on every rank."""
+        return name.split(".", 1)[0] in self._private_fields
 
     def state_arrays(self) -> dict[str, mx.nd.NDArray]:
         """The state's live arrays by name (``'<field>.<index>'``); an array still held

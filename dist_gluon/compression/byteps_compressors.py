@@ -243,6 +243,8 @@ class BytePSCompressor(Codec):
     message travels."""
 
     name = "byteps"
+    # this worker's momentum and error are its own; the server's are every worker's
+    _private_fields = ("momentum", "error")
 
     def __init__(self, ef: Any = None, momentum: Any = None, momentum_mu: Any = None,
                  seed: Any = None, min_compress_bytes: Any = None,

@@ -63,6 +63,7 @@ class PowerSGD(Codec):
     name = "powersgd"
     _array_fields = {"error": "_errors", "qt": "_qt"}
     _counter_fields = ("_steps",)
+    _private_fields = ("error",)
 
     def __init__(self, rank: int = 4, warmup_steps: int = 0,
                  min_compression_rate: float = 2.0, min_size: int = 0, seed: int = 0):

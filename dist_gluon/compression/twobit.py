@@ -64,6 +64,7 @@ class TwoBit(Codec):
 
     name = "2bit"
     _array_fields = {"residual": "_residuals"}
+    _private_fields = ("residual",)
 
     def __init__(self, threshold: float = 0.5, min_size: int = 0):
         self.threshold = check_number("threshold", threshold, 0, strict=True)

@@ -26,12 +26,11 @@ before.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import threading
 import time
 
-from .. import jobcontrol
+from .. import jobcontrol, worker
 from ..backends.horovod import RoundEnded
 from .nodecopy import NodeCopy
 from .state import HostsUpdatedInterrupt, State
@@ -48,7 +47,7 @@ class _Session:
 
     def __init__(self, state: State, reporter: jobcontrol.Reporter):
         self.state, self.reporter = state, reporter
-        self.round = int(os.environ.get("DG_RESTART", "0") or 0)
+        self.round = worker.context().restart
         self._lock = threading.Lock()
         self._broken: int | None = None     # the round whose collectives were broken
         reporter.keep_process()
@@ -84,6 +83,9 @@ class _Session:
             with self._lock:
                 self.reporter.entered_round()
                 self.round = number
+                # the new rank, world size and round, for every module that reads the
+                # worker's place (the timeline, the sync check's messages...)
+                worker.context().update(environ)
                 try:
                     self.state.kv._reform(environ)
                     return
@@ -93,7 +95,7 @@ class _Session:
 
 def _session(state: State) -> _Session | None:
     reporter = jobcontrol.reporter()
-    if reporter is None or os.environ.get("DG_ELASTIC") != "1" or not state.kv._can_reform():
+    if reporter is None or not worker.context().elastic or not state.kv._can_reform():
         # ps-lite and MPI: a change of the job restarts the workers (from checkpoints)
         return None
     return _Session(state, reporter)
@@ -103,7 +105,7 @@ def _node_copy(state: State) -> NodeCopy | None:
     """ps-lite (whose workers restart on every change of the job): the node's copy of
     the state in shared memory that the launcher gave this worker, if any."""
     reporter = jobcontrol.reporter()
-    if reporter is None or os.environ.get("DG_ELASTIC") != "1" or state.kv._can_reform():
+    if reporter is None or not worker.context().elastic or state.kv._can_reform():
         return None
     node_copy = NodeCopy.from_environment(state.kv.local_rank)
     if node_copy is not None:
@@ -151,9 +153,8 @@ def run(func):
         session = _session(state)
         node_copy = None if session is not None else _node_copy(state)
         if node_copy is not None:
-            state._use_node_copy(node_copy)
-        object.__setattr__(state, "_watch_stops", session is not None
-                           or node_copy is not None)
+            state.use_node_copy(node_copy)
+        state.watch_stops(session is not None or node_copy is not None)
         reset = False
         while True:
             if reset:
@@ -176,7 +177,7 @@ def run(func):
             except Exception as error:
                 if session is None or not session.lost_peer(error):
                     raise
-                if state._good is not None:     # else the next sync brings rank 0's
+                if state.has_commit:            # else the next sync brings rank 0's
                     state.restore()
             reset = True
 

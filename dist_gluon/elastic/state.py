@@ -20,7 +20,7 @@ import mxnet as mx
 from mxnet.base import MXNetError
 
 from ..backends import Backend, resolve
-from ..broadcast import optimizer_state_arrays, parameter_list
+from ..broadcast import optimizer_state_arrays, parameter_list, set_update_counters, update_counters
 from . import stop
 
 _KEY = "__dg_elastic"
@@ -182,6 +182,16 @@ class State:
         """How many commits this process made (sync's included)."""
         return self._commits
 
+    @property
+    def has_commit(self) -> bool:
+        """Whether a commit completed that :meth:`restore` can put back."""
+        return self._good is not None
+
+    def watch_stops(self, on: bool) -> None:
+        """Whether each :meth:`commit` asks the launcher for a re-formation at that step
+        (dist_gluon.elastic.run turns it on under a launcher that re-forms jobs)."""
+        object.__setattr__(self, "_watch_stops", bool(on))
+
     # ------------------------------------------------------------------ the API
     def commit(self) -> None:
         """Keep the current state in memory, then take part in a re-formation the
@@ -221,7 +231,11 @@ class State:
         Workers restarted on ps-lite (which cannot keep their processes) first take
         their node's copy in shared memory (:mod:`dist_gluon.elastic.nodecopy`); then
         the freshest commit of the job comes from the lowest rank that holds it, not
-        from rank 0 (the survivors of a lost worker can be one commit apart)."""
+        from rank 0 (the survivors of a lost worker can be one commit apart).
+
+        What is each rank's own (a codec's residuals: what the rank held back from its
+        sums) never travels: a rank that held no state starts it at zero, the others
+        keep theirs, so nothing held back is sent twice."""
         kv = self._kv
         if self._node_copy is not None and self._serial is None:
             self._take_node_copy()
@@ -235,9 +249,15 @@ class State:
             if [list(k) for k in keys] != layout["keys"]:
                 raise RuntimeError("this rank's model or optimizer differs from rank 0's "
                                    "after the sync of their layouts")
-            names = [f"{_KEY}.{'.'.join(map(str, k))}" for k in keys]
-            outs = [self._all_copies(k, a) for k, a in zip(keys, arrays)]
-            kv._broadcast_root(names, arrays, outs, root, 0)
+            private = self._private_keys()
+            shared = [(k, a) for k, a in zip(keys, arrays) if k not in private]
+            names = [f"{_KEY}.{'.'.join(map(str, k))}" for k, _ in shared]
+            outs = [self._all_copies(k, a) for k, a in shared]
+            kv.broadcast_root(names, [a for _, a in shared], outs, root, 0)
+            if self._serial is None:
+                for k, a in zip(keys, arrays):
+                    if k in private:
+                        a[:] = 0
             object.__setattr__(self, "_serial", layout["serial"] or 0)
         elif self._serial is None:
             object.__setattr__(self, "_serial", 0)
@@ -260,7 +280,7 @@ class State:
             fn()
 
     # ------------------------------------------------------------------ the node's copy
-    def _use_node_copy(self, node_copy) -> None:
+    def use_node_copy(self, node_copy) -> None:
         """Commit to (and start from) the node's copy in shared memory
         (dist_gluon.elastic.run does, on backends whose workers restart)."""
         object.__setattr__(self, "_node_copy", node_copy)
@@ -281,7 +301,13 @@ class State:
                                f"{self._node_copy.directory}: the script must build the "
                                "same model and trainer every time it starts")
         saved = self._node_copy.arrays(held)
+        # the node's copy is its writer's (local rank 0): another worker of the node
+        # starts its own residuals at zero rather than send the writer's twice
+        private = set() if self._node_copy.writer else self._private_keys()
         for k, a in zip(keys, arrays):
+            if k in private:
+                a[:] = 0
+                continue
             for out in self._all_copies(k, a):
                 saved[k].copyto(out)
         object.__setattr__(self, "_serial", held.serial)
@@ -373,6 +399,12 @@ class State:
             arrays.append(extra[name])
         return keys, arrays
 
+    def _private_keys(self) -> set[tuple]:
+        """The keys of the arrays that are each rank's own (the trainer's
+        ``private_state_names()``: a codec's residuals)."""
+        names = getattr(self._trainer, "private_state_names", None)
+        return {("t", name) for name in names()} if names is not None else set()
+
     def _trainer_extra(self) -> tuple[dict, dict | None]:
         """The trainer's ``extra_state()``: ({}, None) for a trainer without one."""
         extra = getattr(self._trainer, "extra_state", None)
@@ -402,23 +434,13 @@ class State:
         correction follow them) and its schedule."""
         if self._trainer is None:
             return None
-        opt = self._trainer._optimizer
-        tables = opt._all_index_update_counts
-        current = next((d for d, t in tables.items() if t is opt._index_update_count), 0)
-        return {"num_update": opt.num_update,
-                "tables": {d: dict(t) for d, t in tables.items()}, "current": current,
-                "lr_scheduler": copy.deepcopy(opt.lr_scheduler),
+        return {**update_counters(self._trainer._optimizer),
                 "trainer": self._trainer_extra()[1]}
 
     def _set_counters(self, counters: dict | None) -> None:
         if counters is None or self._trainer is None:
             return
-        opt = self._trainer._optimizer
-        opt.num_update = counters["num_update"]
-        opt._all_index_update_counts = {d: dict(t) for d, t in counters["tables"].items()}
-        opt._index_update_count = opt._all_index_update_counts.setdefault(
-            counters["current"], {})
-        opt.lr_scheduler = copy.deepcopy(counters["lr_scheduler"])
+        set_update_counters(self._trainer._optimizer, counters)
         if counters.get("trainer") is not None:
             self._trainer.set_extra_counters(counters["trainer"])
 

@@ -11,11 +11,9 @@ size and they resume from that checkpoint.
 """
 from __future__ import annotations
 
-import os
-
 import mxnet as mx
 
-from .. import jobcontrol
+from .. import jobcontrol, worker
 from ..backends import Backend, resolve
 
 # the key of the one-element sum; dist_gluon's reserved keys start with __dg
@@ -24,7 +22,7 @@ _STOP_KEY = "__dg_stop"
 
 def _elastic() -> bool:
     """Started by a launcher that may ask for a stop (``--nnodes MIN:MAX``)."""
-    return os.environ.get("DG_ELASTIC") == "1"
+    return worker.context().elastic
 
 
 def stop_requested(kv: Backend | str | None = None) -> bool:

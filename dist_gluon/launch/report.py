@@ -20,9 +20,11 @@ median busy time is at least :data:`STRAGGLER_RATIO` times the others'.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import asdict, dataclass, field
+
+# the split of each step into shares is the workers' records' own (dist_gluon.timeline)
+from ..timeline import breakdown
 
 STRAGGLER_RATIO = 1.25
 # the host's CPU counts as the bound when its ranks use this share of its cores
@@ -58,47 +60,9 @@ class Report:
         return asdict(self)
 
 
-def _finite(x: float) -> bool:
-    return x == x and not math.isinf(x)
-
-
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def breakdown(records: dict[int, list[tuple]],
-              asynchronous: bool = False) -> dict[int, list[tuple]]:
-    """Each rank's steps split into the four shares: rank -> list of ``(step, end,
-    period, data, compute, comm, wait)`` in seconds (``end`` on the records' clock),
-    for every step whose previous step the rank also recorded. ``asynchronous``
-    (dist_async): ranks never wait for one another, and their steps of the same
-    number are unrelated; communication runs from this rank's readiness."""
-    ready_by_step: dict[int, float] = {}
-    for rows in records.values():
-        for row in rows:
-            index, start, _header, _end, ready = row[:5]
-            mine = max(start, ready) if _finite(ready) else start
-            ready_by_step[index] = max(ready_by_step.get(index, -math.inf), mine)
-    split = {}
-    for rank, rows in records.items():
-        previous = {row[0]: row for row in rows}
-        steps = []
-        for row in rows:
-            index, start, _header, end, ready, sums, data = row[:7]
-            before = previous.get(index - 1)
-            period = end - before[3] if before is not None else 0.0
-            if period <= 0:
-                continue
-            mine = max(start, ready) if _finite(ready) else start
-            last = mine if asynchronous else ready_by_step.get(index, mine)
-            wait = min(period, max(0.0, last - mine))
-            comm = min(period - wait, max(0.0, sums - last)) if _finite(sums) else 0.0
-            data = min(period - wait - comm, max(0.0, data))
-            steps.append((index, end, period, data, period - wait - comm - data, comm,
-                          wait))
-        split[rank] = steps
-    return split
 
 
 def build(records: dict[int, list[tuple]], hosts: dict[int, str],

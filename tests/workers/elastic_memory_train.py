@@ -11,10 +11,12 @@ the weights; ``<dir>/progress.json`` says the round, its steps and when the last
 ended. Training goes on epoch after epoch until the file ``<dir>/finish`` exists at an
 epoch's end.
 
-    python elastic_memory_train.py DIR [--kill-rank-at RANK STEP]
+    python elastic_memory_train.py DIR [--kill-rank-at RANK STEP] [--compression 2bit]
 
 With --kill-rank-at, rank RANK of the first round SIGKILLs its own process after STEP
-steps (a worker that dies on a node that stays).
+steps (a worker that dies on a node that stays). With --compression the gradients
+travel through that codec, and every ``start`` event carries each rank's codec
+residuals (``residuals``: the sum of squares of its 2-bit residuals).
 """
 import json
 import os
@@ -29,13 +31,23 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 
 
-def main(directory, kill_at=None):
+def residuals(trainer) -> float:
+    """The sum of squares of this rank's 2-bit residuals (its error feedback)."""
+    codec = trainer.codec
+    if codec is None:
+        return 0.0
+    return sum(float((a.astype("float64") ** 2).sum().asscalar())
+               for name, a in codec.state_arrays().items() if name.startswith("residual."))
+
+
+def main(directory, kill_at=None, compression=None):
     kv = dg.create()
     x, y = dataset()
     net = gluon.nn.Dense(1, in_units=FEATURES, weight_initializer=mx.init.Zero())
     net.initialize()
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
-                                    {"learning_rate": LR, "momentum": MOMENTUM}, kv=kv)
+                                    {"learning_rate": LR, "momentum": MOMENTUM}, kv=kv,
+                                    compression=compression)
     state = dg.elastic.State(net=net, trainer=trainer, epoch=0, samples=0)
     loss_fn = gluon.loss.L2Loss()
 
@@ -49,7 +61,8 @@ def main(directory, kill_at=None):
         pids = kv.allgather_object(os.getpid())
         note("start", epoch=state.epoch, samples=state.samples, reformation=kv.reformation,
              restart=kv.restart, elastic=os.environ.get("DG_ELASTIC"),
-             nnodes=int(os.environ["DG_NNODES"]), pids=pids, at=time.time())
+             nnodes=int(os.environ["DG_NNODES"]), pids=pids, at=time.time(),
+             residuals=kv.allgather_object(residuals(trainer)))
         sampler = dg.ShardSampler(LENGTH, kv, shuffle=False)
         steps = 0
         while True:
@@ -88,5 +101,7 @@ def main(directory, kill_at=None):
 
 if __name__ == "__main__":
     kill = sys.argv.index("--kill-rank-at") if "--kill-rank-at" in sys.argv else None
+    codec = sys.argv.index("--compression") if "--compression" in sys.argv else None
     main(sys.argv[1], None if kill is None else (int(sys.argv[kill + 1]),
-                                                 int(sys.argv[kill + 2])))
+                                                 int(sys.argv[kill + 2])),
+         None if codec is None else sys.argv[codec + 1])

@@ -261,7 +261,7 @@ def restore_on_one(case, directory):
     inner = pickle.loads(rank0["inner"])
     mine = trainer._updaters[0].states          # gluon's order
     position = trainer.optimizer_positions()
-    return {
+    result = {
         "steps": rounds.steps, "in_round": rounds.in_round,
         "saved_workers": len(saved["local"]),
         "weights_are_rank0s": all(np.array_equal(w, rank0["weights"][i])
@@ -279,6 +279,23 @@ def restore_on_one(case, directory):
             np.array_equal(rounds._at_sync[i].asnumpy(), a)
             for i, a in rank0["at_sync"].items())),
     }
+    result["pending_averaged_over_its_workers"] = None
+    if rounds._pending == "late":
+        # the restored sum is over the saved job's workers: its outer step takes their
+        # average, not the sum over this one process's world
+        outer = mx.optimizer.get_updater(
+            pickle.loads(pickle.dumps(rounds.outer_updater.optimizer)))
+        outer.set_states(rounds.outer_updater.get_states())
+        expected = {}
+        for i, anchor in rounds._anchors.items():
+            expected[i] = anchor.copy()
+            outer(i, mx.nd.array(saved["shared"]["pending"][i]) / len(saved["local"]),
+                  expected[i])
+        rounds._apply(trainer.model_params)
+        result["pending_averaged_over_its_workers"] = all(
+            np.allclose(rounds._anchors[i].asnumpy(), e.asnumpy(), rtol=0, atol=1e-7)
+            for i, e in expected.items())
+    return result
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """Worker script of tests/test_local_sgd.py: DiLoCo rounds (sync_every=4, after 2 steps
-synchronised every step, pseudo-gradients and warm-up gradients in 2-bit) under
+synchronised every step, pseudo-gradients and warm-up gradients in float16) under
 @dg.elastic.run with a dg.elastic.State committed after every step.
 
 Every rank trains on the same batches (those of the step's number), so that rank 0's
 state is every rank's: a new worker that heals from rank 0 holds what the one it
 replaces held, and the final weights must equal those of a run without a fault
-exactly, if the state kept the round (anchor, outer optimizer state, position) and the
-codecs' residuals.
+exactly, if the state kept the round (anchor, outer optimizer state, position). (A
+codec with residuals would not be exact here: a healed worker starts its own at zero,
+tests/test_elastic_memory.py.)
 
     python local_sgd_elastic.py DIR [--kill-rank-at RANK STEP]
 
@@ -46,7 +47,7 @@ def main(directory, kill_at=None):
         net.collect_params(), "sgd", {"learning_rate": 0.05, "momentum": 0.9}, kv=kv,
         sync_every=4, local_sgd_warmup=2, outer_optimizer="nag",
         outer_optimizer_params={"learning_rate": 0.7, "momentum": 0.9},
-        compression={"type": "2bit", "threshold": 0.05})
+        compression="fp16")
     state = dg.elastic.State(net=net, trainer=trainer, step=0)
     loss_fn = gluon.loss.L2Loss()
 
