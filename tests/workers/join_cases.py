@@ -1,0 +1,82 @@
+"""Worker script of tests/test_join.py: ranks with different numbers of batches train
+inside ``dg.Join`` and save every rank's weights and running statistics.
+
+    python join_cases.py OUT_DIR WORLD
+
+Rank r has BATCHES[r] batches per epoch (10, 7 and, on 3 workers, 4). Run as one plain
+process it is the reference: at each step one process on the concatenation of the
+batches of the ranks that still have one.
+"""
+import os
+import sys
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+import dist_gluon as dg
+
+out_dir, WORLD = sys.argv[1], int(sys.argv[2])
+os.makedirs(out_dir, exist_ok=True)
+kv = dg.create()
+N, rank = kv.num_workers, kv.rank
+assert N in (1, WORLD)
+BATCHES = [10, 7, 4][:WORLD]
+STEPS, FEATURES, CLASSES = max(BATCHES), 6, 3
+rng = np.random.RandomState(0)
+# rank r's batch at step s has 4 + r samples (uneven sizes too)
+X = [[(rng.randn(4 + r, FEATURES) * 2 + 3).astype("float32") for r in range(WORLD)]
+     for _ in range(STEPS)]
+Y = [[rng.randint(0, CLASSES, 4 + r).astype("float32") for r in range(WORLD)]
+     for _ in range(STEPS)]
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+
+
+def batches():
+    """This rank's batches of an epoch; the reference's: every step's concatenation."""
+    if N > 1:
+        for step in range(BATCHES[rank]):
+            yield X[step][rank], Y[step][rank]
+        return
+    for step in range(STEPS):
+        present = [r for r in range(WORLD) if step < BATCHES[r]]
+        yield (np.concatenate([X[step][r] for r in present]),
+               np.concatenate([Y[step][r] for r in present]))
+
+
+def net_and_trainer(norm):
+    mx.random.seed(7)
+    net = gluon.nn.Sequential()
+    net.add(gluon.nn.Dense(8, in_units=FEATURES))
+    if norm:
+        net.add(dg.SyncBatchNorm(in_channels=8))
+    net.add(gluon.nn.Activation("tanh"), gluon.nn.Dense(CLASSES, in_units=8))
+    net.initialize(mx.init.Xavier())
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
+                                    {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3})
+    return net, trainer
+
+
+def train_epoch(net, trainer, split_update):
+    with dg.Join(trainer):
+        for data, label in batches():
+            data, label = mx.nd.array(data), mx.nd.array(label)
+            with autograd.record():
+                loss = loss_fn(net(data), label)
+            loss.backward()
+            if split_update:
+                trainer.allreduce_grads()
+                trainer.update(data.shape[0])
+            else:
+                trainer.step(data.shape[0])
+
+
+for case, norm in (("plain", False), ("syncbn", True)):
+    net, trainer = net_and_trainer(norm)
+    # two epochs: the block is entered again; the second through allreduce_grads + update
+    train_epoch(net, trainer, split_update=False)
+    train_epoch(net, trainer, split_update=True)
+    arrays = {f"{i}": p.data().asnumpy()
+              for i, p in enumerate(net.collect_params().values())}
+    np.savez(os.path.join(out_dir, f"{case}-{rank if N > 1 else 'reference'}.npz"), **arrays)
+print(f"rank {rank} done", flush=True)
