@@ -103,6 +103,9 @@ class Join:
                              "(dist_gluon.ShardSampler) instead")
         self._trainers = list(trainers)
         self._kv = trainers[0].kv
+        # the keys a rank that has left can shadow: the trainers' (gradients, header,
+        # codecs, sync check), SyncBatchNorm's and the announcements'
+        self._own_keys = tuple(t._averager.key("") for t in trainers) + ("syncbn.", KEY)
         # the layers seen inside the block, by number, to shadow their forwards
         self._layers: dict[int, object] = {}
         self._note: mx.nd.NDArray | None = None     # the announcement's sum, reused
@@ -255,6 +258,18 @@ def trainer_call(trainer, call: str, ignore_stale_grad: bool = False) -> None:
         if ignore_stale_grad and call in ("step", "update"):
             call += "_ignore_stale"
         _current.before_trainer_call(trainer, call)
+
+
+def check_collective(kv, key) -> None:
+    """Hook of ``Backend.pushpull``: a key that no trainer or layer of the Join block
+    owns is the script's own collective (see :meth:`Join.before_foreign_collective`)."""
+    join = _current
+    if join is None or kv is not join._kv or join._shadowing:
+        return
+    keys = key if isinstance(key, (list, tuple)) else (key,)
+    foreign = [k for k in keys if not (isinstance(k, str) and k.startswith(join._own_keys))]
+    if foreign:
+        join.before_foreign_collective(foreign[0])
 
 
 def syncbn_forward(layer, number: int, recording: bool) -> None:

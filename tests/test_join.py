@@ -43,3 +43,44 @@ def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, wor
                 np.testing.assert_allclose(got[name], expected[name], rtol=TOLERANCE,
                                            atol=TOLERANCE,
                                            err_msg=f"{case}, rank {rank}, parameter {name}")
+
+
+_ERROR_CASE = """
+import sys
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+
+kv = dg.create()
+net = gluon.nn.Dense(2, in_units=3)
+net.initialize()
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+case = sys.argv[1]
+with dg.Join(trainer):
+    for step in range(5 if kv.rank == 0 else 3):
+        with autograd.record():
+            loss = net(mx.nd.ones((4, 3))).sum()
+        loss.backward()
+        trainer.step(4)
+        if case == "pushpull" and step == 3:
+            kv.pushpull("my_counter", mx.nd.ones((1,)))
+        if case == "raise" and kv.rank == 1 and step == 1:
+            raise RuntimeError("the data loader broke")
+print("all steps taken", flush=True)
+"""
+
+
+def test_a_collective_a_joined_rank_cannot_shadow_ends_the_job_naming_it(tmp_path):
+    """Rank 1 (3 batches) has left the loop when rank 0 (5 batches) sums a key of its
+    own: the job ends, naming the key and the rank that had joined, instead of hanging;
+    an exception leaving the block on one rank ends the job as any failure does."""
+    result = launch(_ERROR_CASE, tmp_path, n=2, args=["pushpull"], timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "'my_counter'" in output and "rank(s) [1]" in output, output[-3000:]
+    assert "all steps taken" not in output
+
+    result = launch(_ERROR_CASE, tmp_path, n=2, args=["raise"], timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "the data loader broke" in output and "all steps taken" not in output, output[-3000:]

@@ -21,6 +21,7 @@ import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import jobcontrol
+from .. import join as _join
 
 # Python objects travel as arrays of bytes; buffers are rounded up to a power of two so
 # that backends with fixed-shape keys (ps-lite) reuse a handful of keys.
@@ -197,6 +198,8 @@ class Backend(KVStoreBase):
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
+        if _join.current() is not None:
+            _join.check_collective(self, key)
         if self._codec is not None and self.num_workers > 1 and _integer_keys(key):
             self._compressed_pushpull(key, value, out, priority)
             return
