@@ -3,7 +3,9 @@ inside ``dg.Join`` and save every rank's weights and running statistics.
 
     python join_cases.py OUT_DIR WORLD
 
-Rank r has BATCHES[r] batches per epoch (10, 7 and, on 3 workers, 4). Run as one plain
+Rank r has BATCHES[r] batches per epoch (10, 7 and, on 3 workers, 4). Cases: two
+trainers in one block ("two"); a plain network and one with SyncBatchNorm, two epochs
+each (the block entered again), through step and through allreduce_grads + update. Run as one plain
 process it is the reference: at each step one process on the concatenation of the
 batches of the ranks that still have one.
 """
@@ -70,6 +72,37 @@ def train_epoch(net, trainer, split_update):
             else:
                 trainer.step(data.shape[0])
 
+
+def train_two(nets, trainers):
+    """Two trainers in one block (a GAN's shape): each batch steps the first model,
+    then the second on the first's output."""
+    first, second = nets
+    with dg.Join(*trainers):
+        for data, label in batches():
+            data, label = mx.nd.array(data), mx.nd.array(label)
+            with autograd.record():
+                loss = loss_fn(first(data), label)
+            loss.backward()
+            trainers[0].step(data.shape[0])
+            features = first(data).detach()
+            with autograd.record():
+                loss = loss_fn(second(features), label)
+            loss.backward()
+            trainers[1].step(data.shape[0])
+
+
+def second_model():
+    mx.random.seed(8)
+    net = gluon.nn.Dense(CLASSES, in_units=CLASSES)
+    net.initialize(mx.init.Xavier())
+    return net, dg.DistributedTrainer(net.collect_params(), "adam", {"learning_rate": 0.01})
+
+
+(first, first_trainer), (second, second_trainer) = net_and_trainer(False), second_model()
+train_two((first, second), (first_trainer, second_trainer))
+arrays = {f"{i}": p.data().asnumpy() for i, p in enumerate(
+    list(first.collect_params().values()) + list(second.collect_params().values()))}
+np.savez(os.path.join(out_dir, f"two-{rank if N > 1 else 'reference'}.npz"), **arrays)
 
 for case, norm in (("plain", False), ("syncbn", True)):
     net, trainer = net_and_trainer(norm)
