@@ -23,9 +23,11 @@ def _reference(tmp_path, world: int) -> dict:
             for case in ("two", "plain", "syncbn")}
 
 
-@pytest.mark.parametrize("backend, world", [("horovod", 2), ("horovod", 3),
-                                            ("dist_sync", 2), ("p3", 3)])
-def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, world):
+@pytest.mark.parametrize("backend, transport, world", [
+    ("horovod", "gloo", 2), ("horovod", "gloo", 3), ("horovod", "mpi", 2),
+    ("dist_sync", None, 2), ("p3", None, 3)])
+def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, transport,
+                                                          world):
     """Ranks with 10, 7 (and 4) batches in two epochs (trainer.step, then
     allreduce_grads + update, the block entered again), a plain network and one with
     SyncBatchNorm, and two trainers in one block, DG_CHECK_SYNC=1: every rank ends with
@@ -33,7 +35,8 @@ def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, wor
     at each step."""
     out = tmp_path / "out"
     result = launch(SCRIPT.read_text(), tmp_path, backend=backend, n=world,
-                    args=[str(out), str(world)], env={"DG_CHECK_SYNC": "1"}, timeout=240)
+                    args=[str(out), str(world)], env={"DG_CHECK_SYNC": "1"}, timeout=240,
+                    launcher_args=["--transport", transport] if transport else [])
     assert_ok(result)
     reference = _reference(tmp_path, world)
     for case, expected in reference.items():
@@ -85,3 +88,12 @@ def test_a_collective_a_joined_rank_cannot_shadow_ends_the_job_naming_it(tmp_pat
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "the data loader broke" in output and "all steps taken" not in output, output[-3000:]
+
+
+def test_on_dist_async_a_worker_that_ran_out_simply_stops_pushing(tmp_path):
+    """dist_async: nobody waits for a worker that has left, so the block does nothing
+    and both workers (5 and 3 batches) finish."""
+    result = launch(_ERROR_CASE, tmp_path, backend="dist_async", n=2, args=["none"],
+                    timeout=120)
+    assert_ok(result)
+    assert result.stdout.count("all steps taken") == 2, result.stdout[-3000:]
