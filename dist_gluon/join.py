@@ -30,6 +30,8 @@ which nobody waits for.
 """
 from __future__ import annotations
 
+import contextlib
+
 import mxnet as mx
 import numpy as np
 
@@ -239,11 +241,44 @@ class Join:
         trainer = self._trainers[index]
         name = _CALLS[call]
         if name.startswith("step"):
-            trainer.step(0, ignore_stale_grad=name.endswith("stale"))
+            with _codec_feedback_kept(trainer):
+                trainer.step(0, ignore_stale_grad=name.endswith("stale"))
         elif name == "allreduce_grads":
-            trainer.allreduce_grads()
+            with _codec_feedback_kept(trainer):
+                trainer.allreduce_grads()
         else:
             trainer.update(0, ignore_stale_grad=name.endswith("stale"))
+
+
+# The codec state that is this worker's own (error feedback: 2-bit's residuals,
+# PowerSGD's and BytePS's errors, BytePS's momentum), by the prefix of its name in
+# Codec.state_arrays(); the rest (PowerSGD's Q, BytePS's server error and NAG) is the
+# same on every rank and moves with the sums.
+_OWN_CODEC_STATE = ("residual.", "error.", "momentum.")
+
+
+@contextlib.contextmanager
+def _codec_feedback_kept(trainer):
+    """A shadowed step through a codec with error feedback: the rank's own feedback is
+    zero for the step, so that its zero gradient compresses to zeros and adds nothing,
+    and is put back afterwards, unchanged (an array made in the step is left at zero)."""
+    codec = trainer.codec
+    if codec is None:
+        yield
+        return
+    kept = {}
+    for name, array in codec.state_arrays().items():
+        if name.startswith(_OWN_CODEC_STATE):
+            kept[name] = array.copy()
+            array[:] = 0
+    try:
+        yield
+    finally:
+        for name, array in codec.state_arrays().items():
+            if name in kept:
+                kept[name].copyto(array)
+            elif name.startswith(_OWN_CODEC_STATE):
+                array[:] = 0
 
 
 def current() -> Join | None:

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, launch, process_env
+from conftest import REPO, assert_ok, launch, process_env, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
 SCRIPT = WORKERS / "join_cases.py"
@@ -97,3 +97,19 @@ def test_on_dist_async_a_worker_that_ran_out_simply_stops_pushing(tmp_path):
                     timeout=120)
     assert_ok(result)
     assert result.stdout.count("all steps taken") == 2, result.stdout[-3000:]
+
+
+def test_a_joined_rank_sends_nothing_through_a_codec_and_keeps_its_feedback(tmp_path):
+    """Through 2-bit, PowerSGD and BytePS's onebit and dithering with error feedback
+    and momentum: the replicas stay equal at every step (DG_CHECK_SYNC=1), the weights
+    stay finite, and the rank that left keeps its own codec state unchanged while it
+    shadows the others' steps."""
+    script = (WORKERS / "join_codecs.py").read_text()
+    result = launch(script, tmp_path, n=2, env={"DG_CHECK_SYNC": "1"}, timeout=180)
+    assert_ok(result)
+    for codec in ("2bit", "powersgd", "onebit", "dithering"):
+        lines = [line for rank in (0, 1) for line in worker_lines(result.stdout, rank)
+                 if line.startswith(f"{codec}:")]
+        assert len(lines) == 2, result.stdout[-3000:]
+        assert all("changed [], finite True" in line for line in lines), lines
+        assert "own state 0 arrays" not in lines[0], lines
