@@ -20,7 +20,7 @@ def _reference(tmp_path, world: int) -> dict:
     subprocess.run([sys.executable, str(SCRIPT), str(out), str(world)], check=True,
                    env=process_env(), cwd=tmp_path, timeout=120)
     return {case: dict(np.load(out / f"{case}-reference.npz"))
-            for case in ("two", "plain", "syncbn")}
+            for case in ("two", "sparse", "plain", "syncbn")}
 
 
 @pytest.mark.parametrize("backend, transport, world", [
@@ -30,9 +30,9 @@ def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, tra
                                                           world):
     """Ranks with 10, 7 (and 4) batches in two epochs (trainer.step, then
     allreduce_grads + update, the block entered again), a plain network and one with
-    SyncBatchNorm, and two trainers in one block, DG_CHECK_SYNC=1: every rank ends with
-    the weights and running statistics of one process trained on the batches present
-    at each step."""
+    SyncBatchNorm, two trainers in one block, row_sparse gradients, DG_CHECK_SYNC=1:
+    every rank ends with the weights and running statistics of one process trained on
+    the batches present at each step."""
     out = tmp_path / "out"
     result = launch(SCRIPT.read_text(), tmp_path, backend=backend, n=world,
                     args=[str(out), str(world)], env={"DG_CHECK_SYNC": "1"}, timeout=240,

@@ -4,10 +4,10 @@ inside ``dg.Join`` and save every rank's weights and running statistics.
     python join_cases.py OUT_DIR WORLD
 
 Rank r has BATCHES[r] batches per epoch (10, 7 and, on 3 workers, 4). Cases: two
-trainers in one block ("two"); a plain network and one with SyncBatchNorm, two epochs
-each (the block entered again), through step and through allreduce_grads + update. Run as one plain
-process it is the reference: at each step one process on the concatenation of the
-batches of the ranks that still have one.
+trainers in one block ("two"); row_sparse gradients ("sparse"); a plain network and one
+with SyncBatchNorm, two epochs each (the block entered again), through step and through
+allreduce_grads + update. Run as one plain process it is the reference: at each step
+one process on the concatenation of the batches of the ranks that still have one.
 """
 import os
 import sys
@@ -103,6 +103,24 @@ train_two((first, second), (first_trainer, second_trainer))
 arrays = {f"{i}": p.data().asnumpy() for i, p in enumerate(
     list(first.collect_params().values()) + list(second.collect_params().values()))}
 np.savez(os.path.join(out_dir, f"two-{rank if N > 1 else 'reference'}.npz"), **arrays)
+
+# row_sparse gradients: an embedding of tokens made from the features
+mx.random.seed(9)
+embedding = gluon.nn.Sequential()
+embedding.add(gluon.nn.Embedding(30, 4, sparse_grad=True),
+              gluon.nn.Dense(CLASSES, in_units=FEATURES * 4))
+embedding.initialize(mx.init.Xavier())
+sparse_trainer = dg.DistributedTrainer(embedding.collect_params(), "sgd",
+                                       {"learning_rate": 0.1, "lazy_update": True})
+with dg.Join(sparse_trainer):
+    for data, label in batches():
+        tokens = mx.nd.array((np.abs(data) * 7).astype("int64") % 30)
+        with autograd.record():
+            loss = loss_fn(embedding(tokens), mx.nd.array(label))
+        loss.backward()
+        sparse_trainer.step(data.shape[0])
+arrays = {f"{i}": p.data().asnumpy() for i, p in enumerate(embedding.collect_params().values())}
+np.savez(os.path.join(out_dir, f"sparse-{rank if N > 1 else 'reference'}.npz"), **arrays)
 
 for case, norm in (("plain", False), ("syncbn", True)):
     net, trainer = net_and_trainer(norm)
