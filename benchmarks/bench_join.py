@@ -24,11 +24,16 @@ def main() -> None:
                         help="timed steps per round (default: 10)")
     parser.add_argument("--batch-size", type=int, default=8, help="per worker (default: 8)")
     parser.add_argument("--image", type=int, default=64, help="image side (default: 64)")
+    parser.add_argument("--syncbn", action="store_true",
+                        help="dg.SyncBatchNorm layers (20 announced forwards a step)")
     args = parser.parse_args()
     kv = dg.create()
     net = gluon.model_zoo.vision.resnet18_v1(classes=10)
     net.initialize(mx.init.Xavier())
-    net.hybridize(static_alloc=True, static_shape=True)
+    if args.syncbn:
+        dg.convert_sync_batchnorm(net)      # a network with it is not hybridized
+    else:
+        net.hybridize(static_alloc=True, static_shape=True)
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
                                     {"learning_rate": 0.01, "momentum": 0.9})
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -60,7 +65,8 @@ def main() -> None:
             joined += timed_round()
     if kv.rank == 0:
         a, b = statistics.median(plain) * 1e3, statistics.median(joined) * 1e3
-        print(f"ResNet-18, {kv.num_workers} workers on {kv.type}, batch {args.batch_size} "
+        model = "ResNet-18 (SyncBatchNorm)" if args.syncbn else "ResNet-18"
+        print(f"{model}, {kv.num_workers} workers on {kv.type}, batch {args.batch_size} "
               f"of {args.image}x{args.image}: median step {a:.1f} ms without dg.Join, "
               f"{b:.1f} ms inside it ({(b - a) / a * 100:+.1f}%), "
               f"{len(plain)} steps each", flush=True)
