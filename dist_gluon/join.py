@@ -25,12 +25,13 @@ others still take, until every rank has left:
    step equals one process on the concatenation of the batches of the ranks that still
    have one.
 
-Before any rank has left, a step costs one extra sum of two floats per announced event,
-which nobody waits for.
+Before any rank has left, a step costs one extra sum of ``2 + N`` floats (N workers) per
+announced event, which nobody waits for.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import mxnet as mx
 import numpy as np
@@ -42,6 +43,9 @@ KEY = "dg.join"
 _CALLS = ("step", "step_ignore_stale", "allreduce_grads", "update", "update_ignore_stale")
 
 _current: Join | None = None
+# SyncBatchNorm layers by number, as seen inside any block of this process, so that a
+# rank shadows a layer's forward in a later epoch too
+_layers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class JoinError(RuntimeError):
@@ -79,21 +83,22 @@ class Join:
 
     Notes
     -----
-    A rank shadows what it has done itself inside a block: a SyncBatchNorm layer it
-    never ran a training forward through, or a collective of the script's own (a
+    A rank shadows what it has done itself inside some block: a SyncBatchNorm layer
+    it never ran a training forward through, or a collective of the script's own (a
     ``kv.pushpull`` under a key of its own), cannot be shadowed and ends the job with
     a :class:`JoinError` naming it, instead of a hang.
     """
 
     def __init__(self, *trainers):
-        from .trainer import TrainerBase
+        from .trainer import DistributedTrainer
         if not trainers:
             raise ValueError("dg.Join needs the trainers stepped inside the block, "
                              "e.g. dg.Join(trainer) or dg.Join(g_trainer, d_trainer)")
         for trainer in trainers:
-            if not isinstance(trainer, TrainerBase):
-                raise TypeError(f"dg.Join takes dist_gluon trainers (DistributedTrainer), "
-                                f"got {type(trainer).__name__}")
+            if not isinstance(trainer, DistributedTrainer):
+                raise TypeError(f"dg.Join takes dist_gluon.DistributedTrainer objects, got "
+                                f"{type(trainer).__name__} (the peers' trainers of "
+                                "dist_gluon.compat do not announce their steps)")
         kvs = {id(t.kv) for t in trainers}
         if len(kvs) > 1:
             raise ValueError("the trainers given to dg.Join communicate through different "
@@ -108,8 +113,6 @@ class Join:
         # the keys a rank that has left can shadow: the trainers' (gradients, header,
         # codecs, sync check), SyncBatchNorm's and the announcements'
         self._own_keys = tuple(t._averager.key("") for t in trainers) + ("syncbn.", KEY)
-        # the layers seen inside the block, by number, to shadow their forwards
-        self._layers: dict[int, object] = {}
         self._note: mx.nd.NDArray | None = None     # the announcement's sum, reused
         self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code] made once per code
         self._shadowing = False
@@ -117,6 +120,7 @@ class Join:
 
     @property
     def trainers(self) -> list:
+        """The trainers whose steps a rank that has left shadows, in announcement order."""
         return list(self._trainers)
 
     # ------------------------------------------------------------ the block
@@ -177,7 +181,7 @@ class Join:
     def before_syncbn_forward(self, layer, number: int, recording: bool) -> None:
         if self._shadowing:
             return
-        self._layers[number] = layer
+        _layers[number] = layer
         self._announce(1 + 2 * number + int(recording))
 
     def before_foreign_collective(self, key) -> None:
@@ -229,12 +233,12 @@ class Join:
                 "its own), which it cannot shadow; they name the key")
         if code > 0:
             number, recording = divmod(code - 1, 2)
-            layer = self._layers.get(number)
+            layer = _layers.get(number)
             if layer is None:
                 raise JoinError(
                     f"rank {rank} had left the loop of its dg.Join block and cannot shadow "
                     f"SyncBatchNorm layer syncbn.{number}: it never ran a training "
-                    "forward through that layer inside the block")
+                    "forward through that layer inside a dg.Join block")
             layer._shadow_forward(bool(recording))
             return
         index, call = divmod(-code - 1, 8)

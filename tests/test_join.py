@@ -5,9 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import mxnet as mx
 import numpy as np
 import pytest
+from mxnet import autograd, gluon
 
+import dist_gluon as dg
 from conftest import REPO, assert_ok, launch, process_env, worker_lines
 
 WORKERS = REPO / "tests" / "workers"
@@ -113,3 +116,27 @@ def test_a_joined_rank_sends_nothing_through_a_codec_and_keeps_its_feedback(tmp_
         assert len(lines) == 2, result.stdout[-3000:]
         assert all("changed [], finite True" in line for line in lines), lines
         assert "own state 0 arrays" not in lines[0], lines
+
+
+def test_join_refuses_what_it_cannot_shadow_and_does_nothing_on_one_process():
+    """dg.Join needs DistributedTrainers (not gluon's, not Local SGD's rounds); on one
+    process the block is free and the loop trains as without it."""
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize()
+    with pytest.raises(ValueError, match="needs the trainers"):
+        dg.Join()
+    with pytest.raises(TypeError, match="DistributedTrainer"):
+        dg.Join(gluon.Trainer(net.collect_params(), "sgd"))
+    rounds = dg.DistributedTrainer(net.collect_params(), "sgd", sync_every=4)
+    with pytest.raises(ValueError, match="Local SGD"):
+        dg.Join(rounds)
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    before = net.weight.data().asnumpy()
+    with dg.Join(trainer) as block:
+        assert block.trainers == [trainer]
+        with autograd.record():
+            loss = net(mx.nd.ones((4, 3))).sum()
+        loss.backward()
+        trainer.step(4)
+    # the gradient of the sum over 4 rows of ones is 4 per weight, divided by 4 samples
+    np.testing.assert_allclose(net.weight.data().asnumpy(), before - 0.1, rtol=1e-6)
