@@ -71,6 +71,8 @@ with dg.Join(trainer):
         trainer.step(4)
         if case == "pushpull" and step == 3:
             kv.pushpull("my_counter", mx.nd.ones((1,)))
+        if case == "barrier" and step == 3:
+            kv.barrier()
         if case == "raise" and kv.rank == 1 and step == 1:
             raise RuntimeError("the data loader broke")
 print("all steps taken", flush=True)
@@ -79,13 +81,20 @@ print("all steps taken", flush=True)
 
 def test_a_collective_a_joined_rank_cannot_shadow_ends_the_job_naming_it(tmp_path):
     """Rank 1 (3 batches) has left the loop when rank 0 (5 batches) sums a key of its
-    own: the job ends, naming the key and the rank that had joined, instead of hanging;
+    own (or makes a barrier, here on dist_sync): the job ends, naming the key and the
+    rank that had joined, instead of hanging;
     an exception leaving the block on one rank ends the job as any failure does."""
     result = launch(_ERROR_CASE, tmp_path, n=2, args=["pushpull"], timeout=120)
     assert result.returncode != 0
     output = result.stdout + result.stderr
     assert "'my_counter'" in output and "rank(s) [1]" in output, output[-3000:]
     assert "all steps taken" not in output
+
+    result = launch(_ERROR_CASE, tmp_path, backend="dist_sync", n=2, args=["barrier"],
+                    timeout=120)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "'barrier'" in output and "rank(s) [1]" in output, output[-3000:]
 
     result = launch(_ERROR_CASE, tmp_path, n=2, args=["raise"], timeout=120)
     assert result.returncode != 0

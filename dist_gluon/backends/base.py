@@ -167,6 +167,8 @@ class Backend(KVStoreBase):
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
+        if _join.current() is not None:
+            _join.check_collective(self, key)
         self._broadcast_root(key, value, out, 0, priority)
 
     def _broadcast_root(self, key, value, out, root_rank: int, priority: int) -> None:
@@ -301,6 +303,8 @@ class Backend(KVStoreBase):
     # ------------------------------------------------------------ synchronisation
     def barrier(self) -> None:
         """Block until every worker has reached this call."""
+        if _join.current() is not None:
+            _join.check_collective(self, "barrier")
         if self.num_workers > 1:
             self._progress("barrier")
             self._barrier()
