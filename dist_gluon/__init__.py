@@ -37,7 +37,7 @@ _PUBLIC = {
     "stop_requested": ".elastic",
     "DistributedOptimizer": ".optimizer", "DistributedTrainer": ".trainer",
     "SyncBatchNorm": ".syncbn", "convert_sync_batchnorm": ".syncbn",
-    "DivergenceError": ".syncheck",
+    "DivergenceError": ".syncheck", "Join": ".join", "JoinError": ".join",
 }
 __all__ = sorted(_PUBLIC) + ["__version__"]
 

@@ -27,6 +27,7 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import nn
 
+from . import join as _join
 from .backends import Backend, resolve
 
 # Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
@@ -189,6 +190,8 @@ class SyncBatchNorm(nn.BatchNorm):
         dtype = x.dtype
         if dtype != gamma.dtype:
             x = x.astype(gamma.dtype)
+        if _join.current() is not None:
+            _join.syncbn_forward(self, self._number(), autograd.is_recording())
         channel = self._channel(x, axis)
         # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
         # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
@@ -205,6 +208,40 @@ class SyncBatchNorm(nn.BatchNorm):
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
 
+    def _number(self) -> int:
+        """This layer's number (its keys are ``syncbn.<number>.*``), given at its first
+        training forward."""
+        if self._name is None:
+            self._name = f"syncbn.{next(_layer_numbers)}"
+        return int(self._name.split(".")[1])
+
+    def _shadow_forward(self, recording: bool) -> None:
+        """dg.Join: a training forward (and, if ``recording``, its backward) of this
+        layer on a rank that has no batch: its collectives with a sample count of 0 and
+        zero gradients, and the running statistics updated from the global ones as on
+        the ranks that have samples."""
+        if len(self._comms) != 1 or next(iter(self._comms.values())).meetings is not None:
+            raise _join.JoinError(
+                f"SyncBatchNorm {self.name!r} on several devices of a worker cannot be "
+                "shadowed by a rank that left a dg.Join block's loop")
+        channel = next(iter(self._comms.values()))
+        kwargs = self._kwargs
+        running_mean, running_var = self.running_mean.data(), self.running_var.data()
+        graphs = _layer_graphs(channel.channels, channel.ones.dtype, running_mean.dtype,
+                               kwargs["eps"], kwargs["momentum"], kwargs["fix_gamma"],
+                               channel.gather)
+        channel.sums[:] = 0         # no samples: adds nothing, even to the count
+        sums = channel.sum_forward()
+        if recording:
+            packed = mx.nd.concat(channel.zeros, channel.zeros, self.gamma.data(),
+                                  self.beta.data(), dim=0)
+            outputs = graphs["affine"](sums=sums, packed=packed, count=channel.count(0),
+                                       running_mean=running_mean, running_var=running_var)
+            outputs[5].copyto(running_mean)
+            outputs[6].copyto(running_var)
+            channel.grads[:] = 0
+            channel.sum_backward()
+
     def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
         """This layer's communication on ``x``'s device. A layer gets the next number at
         its first training forward (on any of its devices)."""
@@ -215,8 +252,7 @@ class SyncBatchNorm(nn.BatchNorm):
                     "SyncBatchNorm needs every worker's statistics at every step, and "
                     "dist_async workers do not step together; use nn.BatchNorm (each "
                     "worker normalises with its own batch), or dist_sync/p3/horovod")
-            if self._name is None:
-                self._name = f"syncbn.{next(_layer_numbers)}"
+            self._number()
             devices = self._devices()
             if x.context not in devices:
                 raise ValueError(f"SyncBatchNorm {self.name!r} got an input on {x.context}, "

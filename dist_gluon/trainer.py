@@ -10,6 +10,7 @@ import mxnet as mx
 from mxnet import gluon
 
 from . import async_updates, sharding
+from . import join as _join
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
@@ -213,7 +214,8 @@ class TrainerBase(gluon.Trainer):
                         self._submit_header()
                     self._read_header()
                 settle(self._model_params, self._fresh_counts, ignore_stale_grad,
-                       self._kv.num_workers, self._stale_positions_by_rank, self._describe,
+                       _join.ranks_stepping(self, self._fresh_counts),
+                       self._stale_positions_by_rank, self._describe,
                        step=self._optimizer.num_update + 1)
             elif len(self._contexts) > 1 and ignore_stale_grad:
                 # one process, several devices: fresh on one device is fresh on all,
@@ -595,6 +597,7 @@ class DistributedTrainer(TrainerBase):
             _timeline.end_step(samples)
             return
         if self._averager.distributed:
+            _join.trainer_call(self, "step", ignore_stale_grad)
             self._submit_header(batch_size)
         self._allreduce_grads()
         if self._averager.distributed:
@@ -624,6 +627,7 @@ class DistributedTrainer(TrainerBase):
             return
         samples = batch_size
         if self._averager.distributed:
+            _join.trainer_call(self, "update", ignore_stale_grad)
             self._submit_header(batch_size)
             batch_size = self._read_header()
         super().update(batch_size, ignore_stale_grad)
@@ -635,6 +639,8 @@ class DistributedTrainer(TrainerBase):
         SGD step (``sync_every``) over this worker's devices only."""
         self._refuse_on_servers("allreduce_grads")
         _timeline.begin_step(self._last_grad_written)
+        if self._averager.distributed and not (self._local_sgd and self._local_sgd.local):
+            _join.trainer_call(self, "allreduce_grads")
         super().allreduce_grads()
 
     def extra_state(self) -> tuple[dict[str, mx.nd.NDArray], dict]:

@@ -21,6 +21,7 @@ import numpy as np
 from mxnet.kvstore.base import KVStoreBase
 
 from .. import jobcontrol, worker
+from .. import join as _join
 
 # Python objects travel as arrays of bytes; buffers are rounded up to a power of two so
 # that backends with fixed-shape keys (ps-lite) reuse a handful of keys.
@@ -183,6 +184,8 @@ class Backend(KVStoreBase):
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
+        if _join.current() is not None:
+            _join.check_collective(self, key)
         self.broadcast_root(key, value, out, 0, priority)
 
     def broadcast_root(self, key, value, out, root_rank: int, priority: int = 0) -> None:
@@ -215,6 +218,8 @@ class Backend(KVStoreBase):
         priority : int
             Higher priorities are communicated first where the backend supports it.
         """
+        if _join.current() is not None:
+            _join.check_collective(self, key)
         if self._codec is not None and self.num_workers > 1 and _integer_keys(key):
             self._compressed_pushpull(key, value, out, priority)
             return
@@ -442,6 +447,8 @@ class Backend(KVStoreBase):
     # ------------------------------------------------------------ synchronisation
     def barrier(self) -> None:
         """Block until every worker has reached this call."""
+        if _join.current() is not None:
+            _join.check_collective(self, "barrier")
         if self.num_workers > 1:
             self._progress("barrier")
             self._barrier()

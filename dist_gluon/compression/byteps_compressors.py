@@ -625,7 +625,9 @@ class Dithering(BytePSCompressor):
             scale = mx.nd.abs(p).max().astype("float64")        # a max is exact
         else:
             scale = mx.nd.sqrt(_sum64(mx.nd.square(p)))
-        ratio = mx.nd.broadcast_div(magnitude, scale)
+        # an all-zero tensor (a rank that left a dg.Join loop, a frozen branch) has scale
+        # 0: its levels are 0, never 0 / 0
+        ratio = mx.nd.broadcast_div(magnitude, mx.nd.maximum(scale, 1e-300))
         u = uniforms(p.size, stream, step, p.context)
         if self.partition == "linear":
             x = (ratio * self.k).astype("float32").astype("float64")
