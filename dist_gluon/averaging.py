@@ -95,6 +95,9 @@ class _GradientAverager:
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
         self._codec_checked: set = set()
         self._sizes: dict = {}      # bytes of each dense gradient, for the job's report
+        # AMP's loss scale of this step's gradients: the codec sees them divided by it
+        # (dist_gluon.amp), set by the owner before each step's reduce
+        self.loss_scale = 1.0
 
     @property
     def distributed(self) -> bool:
@@ -117,20 +120,30 @@ class _GradientAverager:
         self.kv.pushpull(self._batch_key, total, priority=_BATCH_PRIORITY)
         return total
 
-    def submit_step(self, batch_size: float, fresh: list[bool]) -> mx.nd.NDArray:
+    def submit_step(self, batch_size: float, fresh: list[bool],
+                    overflow: mx.nd.NDArray | None = None) -> mx.nd.NDArray:
         """:meth:`submit_batch_size` for a trainer, with this rank's freshness of each
         parameter (:mod:`dist_gluon.freshness`) in the same array: returns the
         ``(1 + len(fresh),)`` float32 array that holds, once the engine has run, the
         sum of the batch sizes and, for each parameter, the number of ranks where its
         gradient is fresh. The same key and length on every step of a trainer. Made by
-        operators (no upload) unless some gradient is stale here."""
+        operators (no upload) unless some gradient is stale here.
+
+        With AMP, ``overflow`` (a (1,) float32 array on the engine, 1 where this rank's
+        gradients overflowed; :func:`dist_gluon.amp.overflow_flag`) is appended: the
+        last value then counts the ranks that overflowed. It travels under a key of its
+        own, so that the header's length never changes under one key."""
         if all(fresh):
             header = mx.nd.full((1 + len(fresh),), 1.0, dtype="float32")
             header[0] = batch_size
         else:
             header = mx.nd.array([batch_size] + [float(f) for f in fresh], dtype="float32")
-        self.kv.pushpull(self._batch_key, header, priority=_BATCH_PRIORITY)
-        _timeline.collective(self._batch_key, header)
+        key = self._batch_key
+        if overflow is not None:
+            header = mx.nd.concat(header, overflow, dim=0)
+            key = f"{key}.amp"
+        self.kv.pushpull(key, header, priority=_BATCH_PRIORITY)
+        _timeline.collective(key, header)
         return header
 
     def total_batch_size(self, batch_size: float) -> float:
@@ -185,8 +198,17 @@ class _GradientAverager:
             for g in grads:
                 g *= 1.0 / self._predivide
         if self.codec is not None:
+            # AMP: the codec's thresholds and residuals are in the gradient's own units;
+            # the scale is a power of two, so dividing and multiplying back is exact
+            unscale = self.loss_scale != 1.0
+            if unscale:
+                for g in grads:
+                    g *= 1.0 / self.loss_scale
             with _timeline.span(f"codec {self.codec.name}", "codec", tensors=len(keys)):
                 self.codec.reduce(self.kv, indices, keys, grads, priority)
+            if unscale:
+                for g in grads:
+                    g *= self.loss_scale
         elif len(keys) == 1:
             self.kv.pushpull(keys[0], grads[0], priority=priority)
         else:

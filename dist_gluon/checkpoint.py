@@ -66,7 +66,7 @@ import numpy as np
 from mxnet import gluon
 from mxnet.gluon.parameter import Parameter
 
-from . import jobcontrol
+from . import amp, jobcontrol
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
@@ -347,7 +347,9 @@ class Checkpointer:
             with open(os.path.join(temp, _LOCAL_SGD), "wb") as f:
                 pickle.dump(local_sgd, f, protocol=4)
             files[_LOCAL_SGD] = _seal(os.path.join(temp, _LOCAL_SGD))
-        state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng}
+        # AMP's loss scaler (the same on every rank): a restore continues with its scale
+        state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng,
+                 "amp": amp.state(amp.loss_scaler(trainer))}
         with open(os.path.join(temp, _STATE), "wb") as f:
             pickle.dump(state, f, protocol=4)
         files[_STATE] = _seal(os.path.join(temp, _STATE))
@@ -474,6 +476,7 @@ class Checkpointer:
                 set_trainer_states(trainer, pickle.dumps(states, protocol=4))
             _restore_codec(trainer, content.get("compression"), kv, content["path"])
             _restore_local_sgd(trainer, content.get("local_sgd"), kv, content["path"])
+            amp.set_state(amp.loss_scaler(trainer), content.get("amp"))
         rng = content["rng"]
         if kv.rank < len(rng):
             _set_rng_state(rng[kv.rank])
@@ -641,7 +644,7 @@ def _load(path: str) -> tuple[tuple, list]:
         states, optimizer = parse(_TRAINER, pickle.loads)
         trainer = (_flatten(states, arrays), optimizer)
     content = {"path": path, "epoch": state["epoch"], "step": state["step"],
-               "extra": state["extra"], "rng": state["rng"],
+               "extra": state["extra"], "rng": state["rng"], "amp": state.get("amp"),
                "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
                "compression": compression, "local_sgd": local_sgd, "version": version,
                "trainer_positions": meta.get("trainer_positions"),
