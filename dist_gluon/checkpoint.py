@@ -633,7 +633,7 @@ def _load(path: str) -> tuple[tuple, list]:
 
     def read_state(raw):
         state = pickle.loads(raw)
-        return {key: state[key] for key in ("epoch", "step", "extra", "rng")}
+        return {key: state.get(key) for key in ("epoch", "step", "extra", "rng", "amp")}
 
     arrays = parse(_PARAMS, read_params)
     state = parse(_STATE, read_state)

@@ -1,0 +1,69 @@
+"""MXNet's AMP dynamic loss scaling (mx.contrib.amp) with DistributedTrainer and every
+codec, through the launcher on horovod and dist_sync, 2 workers: an overflow on one rank
+makes every rank skip the same step and change the loss scale at the same steps as one
+process; the codecs see unscaled gradients and an overflowed step leaves their state
+untouched (the weights are those of the run without AMP that leaves the step out); the
+loss scaler's state survives a Checkpointer save and restore.
+tests/workers/amp_cases.py trains every case in one job per backend."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO, assert_ok, run
+
+CASES = REPO / "tests" / "workers" / "amp_cases.py"
+NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
+         "sharded"]
+
+
+@pytest.fixture(scope="module", params=["horovod", "dist_sync"])
+def job(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"amp-{request.param}")
+    argv = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", request.param,
+            "--", sys.executable, str(CASES), str(out)]
+    assert_ok(run(argv, out))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _close(a, b, tol=1e-5):
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.array(x), np.array(y), rtol=tol, atol=tol)
+
+
+def test_the_one_process_reference_skips_the_overflowed_step(job):
+    scales = job[0]["single"]["scales"]
+    # MXNet's scaler: the halved scale takes effect one step later; step 3 updates nothing
+    assert [s[2] for s in scales] == [1, 2, 2, 3, 4, 5]
+    assert [s[1] for s in scales] == [65536.0, 65536.0] + [32768.0] * 4
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_rank_skips_the_step_and_changes_the_scale_as_one_process(job, name):
+    single = job[0]["single"]["scales"]
+    for rank in range(2):
+        assert job[rank]["cases"][name]["scales"] == single, f"rank {rank}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_amp_weights_are_those_of_the_run_without_the_overflowed_step(job, name):
+    for rank in range(2):
+        case = job[rank]["cases"][name]
+        assert np.all(np.isfinite(np.concatenate([np.ravel(w) for w in case["weights"]])))
+        _close(case["weights"], case["plain"])
+    _close(job[0]["cases"][name]["weights"], job[1]["cases"][name]["weights"], 1e-7)
+
+
+@pytest.mark.parametrize("name", ["none", "sharded"])
+def test_uncompressed_amp_trains_as_one_process(job, name):
+    _close(job[0]["cases"][name]["weights"], job[0]["single"]["weights"])
+
+
+def test_a_restored_trainer_continues_with_the_same_loss_scale(job):
+    for rank in range(2):
+        ckpt = job[rank]["checkpoint"]
+        assert ckpt["saved"] == [65536.0 / 2, 65536.0 / 2]
+        assert ckpt["restored"] == ckpt["saved"]
+        assert ckpt["continued_restored"] == ckpt["continued"]
+        _close(ckpt["weights_restored"], ckpt["weights"])

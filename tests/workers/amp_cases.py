@@ -1,0 +1,130 @@
+"""Worker script of tests/test_amp.py: MXNet's AMP dynamic loss scaling with every codec.
+
+    python amp_cases.py OUT_DIR
+
+Every rank trains the same two-layer network on its half of every global batch; at step
+OVERFLOW_STEP one of rank 1's samples is inf, so that step's gradients overflow (on
+rank 1 only, and in the one process that sees the whole batch). For each codec it runs
+a DistributedTrainer with ``amp.init_trainer`` and, beside it, the same trainer without
+AMP on the same batches minus the overflowed step; and, without any collective, one
+process with AMP on the whole batches (gluon.Trainer). Then a Checkpointer save and
+restore of an AMP trainer after the overflow, continued beside the uninterrupted one.
+Each rank writes ``rank<r>.json``.
+"""
+import json
+import os
+import sys
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+from mxnet.contrib import amp
+
+import dist_gluon as dg
+
+# a float32 model: nothing is cast, so the runs with and without AMP compare to float
+# tolerance; the loss scale (2**16) and its changes are AMP's own
+amp.init(target_precision_ops=[], conditional_fp32_ops=[], fp32_ops=[])
+
+out_dir = sys.argv[1]
+B, STEPS, FEATURES, CLASSES, LR, OVERFLOW_STEP = 4, 6, 10, 4, 0.1, 2
+EF = {"ef": "vanilla", "min_compress_bytes": 0, "seed": 1}     # residuals, every tensor
+CODECS = {"none": None, "fp16": "fp16", "2bit": {"type": "2bit", "threshold": 0.05},
+          "powersgd": {"type": "powersgd", "rank": 2},
+          "onebit": {"type": "onebit", **EF}, "topk": {"type": "topk", "k": 0.5, **EF},
+          "randomk": {"type": "randomk", "k": 0.5, **EF},
+          "dithering": {"type": "dithering", "k": 4, **EF}}
+rng = np.random.RandomState(0)
+X = rng.randn(STEPS + 2, 2 * B, FEATURES).astype("float32")
+X[OVERFLOW_STEP, 2 * B - 1, 0] = np.inf          # in rank 1's half
+Y = rng.randint(0, CLASSES, (STEPS + 2, 2 * B)).astype("float32")
+INIT = [rng.randn(8, FEATURES) * 0.3, rng.randn(8) * 0.1, rng.randn(CLASSES, 8) * 0.3,
+        rng.randn(CLASSES) * 0.1]
+loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+kv = dg.create()
+rank, workers = kv.rank, kv.num_workers
+
+
+def make_net():
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(8, activation="relu", in_units=FEATURES),
+            gluon.nn.Dense(CLASSES, in_units=8))
+    net.initialize()
+    for p, value in zip(net.collect_params().values(), INIT):
+        p.set_data(mx.nd.array(value))
+    return net
+
+
+def train(net, trainer, steps, whole=False, with_amp=True):
+    """Train on ``steps``; returns (loss scale, next loss scale, updates) after each."""
+    record = []
+    lo, hi = (0, 2 * B) if whole else (rank * B, (rank + 1) * B)
+    for step in steps:
+        x, y = mx.nd.array(X[step, lo:hi]), mx.nd.array(Y[step, lo:hi])
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            if with_amp:
+                with amp.scale_loss(loss, trainer) as scaled:
+                    loss = scaled
+        loss.backward()
+        trainer.step(x.shape[0])
+        if with_amp:
+            scaler = trainer._amp_loss_scaler
+            record.append([scaler.loss_scale, scaler._next_loss_scale,
+                           trainer.optimizer.num_update])
+    return record
+
+
+def weights(net):
+    return [p.data().asnumpy().tolist() for p in net.collect_params().values()]
+
+
+def amp_trainer(net, **kwargs):
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd",
+                                    {"learning_rate": LR, "momentum": 0.9}, **kwargs)
+    amp.init_trainer(trainer)
+    return trainer
+
+
+result = {"cases": {}}
+# one process on the whole batches, AMP as MXNet has it (no collective)
+net = make_net()
+single = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": LR, "momentum": 0.9},
+                       kvstore=None)
+amp.init_trainer(single)
+result["single"] = {"scales": train(net, single, range(STEPS), whole=True),
+                    "weights": weights(net)}
+
+cases = dict(CODECS)
+cases["sharded"] = None
+for name, codec in cases.items():
+    options = {"compression": codec, "shard_optimizer_states": name == "sharded"}
+    net = make_net()
+    scales = train(net, amp_trainer(net, **options), range(STEPS))
+    plain = make_net()
+    train(plain, dg.DistributedTrainer(plain.collect_params(), "sgd",
+                                       {"learning_rate": LR, "momentum": 0.9}, **options),
+          [s for s in range(STEPS) if s != OVERFLOW_STEP], with_amp=False)
+    result["cases"][name] = {"scales": scales, "weights": weights(net),
+                             "plain": weights(plain)}
+
+# a checkpoint after the overflow: the restored trainer continues with the same scale
+net = make_net()
+trainer = amp_trainer(net, compression=CODECS["2bit"])
+train(net, trainer, range(STEPS))
+ckpt = dg.Checkpointer(os.path.join(out_dir, "ckpt"))
+ckpt.save(net, trainer, epoch=1)
+restored_net = make_net()
+restored = amp_trainer(restored_net, compression=CODECS["2bit"])
+ckpt.restore(restored_net, restored)
+result["checkpoint"] = {
+    "saved": [trainer._amp_loss_scaler.loss_scale, trainer._amp_loss_scaler._next_loss_scale],
+    "restored": [restored._amp_loss_scaler.loss_scale,
+                 restored._amp_loss_scaler._next_loss_scale],
+    "continued": train(net, trainer, [STEPS, STEPS + 1]),
+    "continued_restored": train(restored_net, restored, [STEPS, STEPS + 1]),
+    "weights": weights(net), "weights_restored": weights(restored_net)}
+
+with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+print(f"rank {rank} done", flush=True)
