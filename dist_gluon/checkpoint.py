@@ -33,8 +33,10 @@ One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save 
     saved count), with the position, anchor and outer state unchanged, and residuals
     merged as for ``compression.pkl``.
 ``state.pkl``
-    A pickle of ``{'epoch', 'step', 'extra', 'rng'}``; ``rng`` holds the state of
-    Python's ``random`` and NumPy's global generator of every rank.
+    A pickle of ``{'epoch', 'step', 'extra', 'rng', 'amp'}``; ``rng`` holds the state of
+    Python's ``random`` and NumPy's global generator of every rank, ``amp`` the state of
+    the trainer's AMP loss scaler (``mx.contrib.amp.init_trainer``; None without one),
+    so that a restored trainer continues with the same loss scale.
 ``meta.json``
     Format name and version, epoch, step, num_workers, backend, package versions, the
     parameters' names, shapes and dtypes, and the size and SHA-256 of every other file.
