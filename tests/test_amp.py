@@ -15,7 +15,7 @@ from conftest import REPO, assert_ok, run
 
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
-         "sharded"]
+         "sharded", "2bit-split"]
 
 
 @pytest.fixture(scope="module", params=["horovod", "dist_sync"])
@@ -67,3 +67,9 @@ def test_a_restored_trainer_continues_with_the_same_loss_scale(job):
         assert ckpt["restored"] == ckpt["saved"]
         assert ckpt["continued_restored"] == ckpt["continued"]
         _close(ckpt["weights_restored"], ckpt["weights"])
+
+
+def test_the_trainers_extra_state_carries_the_loss_scale(job):
+    """What dg.elastic.State keeps in memory and gives a new worker."""
+    for rank in range(2):
+        assert job[rank]["extra_state"] == job[rank]["checkpoint"]["saved"]

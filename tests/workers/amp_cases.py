@@ -55,8 +55,9 @@ def make_net():
     return net
 
 
-def train(net, trainer, steps, whole=False, with_amp=True):
-    """Train on ``steps``; returns (loss scale, next loss scale, updates) after each."""
+def train(net, trainer, steps, whole=False, with_amp=True, split=False):
+    """Train on ``steps``; returns (loss scale, next loss scale, updates) after each.
+    ``split``: ``allreduce_grads()`` then ``update()`` instead of ``step()``."""
     record = []
     lo, hi = (0, 2 * B) if whole else (rank * B, (rank + 1) * B)
     for step in steps:
@@ -67,7 +68,11 @@ def train(net, trainer, steps, whole=False, with_amp=True):
                 with amp.scale_loss(loss, trainer) as scaled:
                     loss = scaled
         loss.backward()
-        trainer.step(x.shape[0])
+        if split:
+            trainer.allreduce_grads()
+            trainer.update(x.shape[0])
+        else:
+            trainer.step(x.shape[0])
         if with_amp:
             scaler = trainer._amp_loss_scaler
             record.append([scaler.loss_scale, scaler._next_loss_scale,
@@ -97,14 +102,16 @@ result["single"] = {"scales": train(net, single, range(STEPS), whole=True),
 
 cases = dict(CODECS)
 cases["sharded"] = None
+cases["2bit-split"] = CODECS["2bit"]        # allreduce_grads() + update()
 for name, codec in cases.items():
     options = {"compression": codec, "shard_optimizer_states": name == "sharded"}
+    split = name.endswith("-split")
     net = make_net()
-    scales = train(net, amp_trainer(net, **options), range(STEPS))
+    scales = train(net, amp_trainer(net, **options), range(STEPS), split=split)
     plain = make_net()
     train(plain, dg.DistributedTrainer(plain.collect_params(), "sgd",
                                        {"learning_rate": LR, "momentum": 0.9}, **options),
-          [s for s in range(STEPS) if s != OVERFLOW_STEP], with_amp=False)
+          [s for s in range(STEPS) if s != OVERFLOW_STEP], with_amp=False, split=split)
     result["cases"][name] = {"scales": scales, "weights": weights(net),
                              "plain": weights(plain)}
 
@@ -114,6 +121,11 @@ trainer = amp_trainer(net, compression=CODECS["2bit"])
 train(net, trainer, range(STEPS))
 ckpt = dg.Checkpointer(os.path.join(out_dir, "ckpt"))
 ckpt.save(net, trainer, epoch=1)
+# dg.elastic.State keeps the trainer's extra_state() counters: the scaler travels in them
+kept = amp_trainer(make_net(), compression=CODECS["2bit"])
+kept.set_extra_counters(trainer.extra_state()[1])
+result["extra_state"] = [kept._amp_loss_scaler.loss_scale,
+                         kept._amp_loss_scaler._next_loss_scale]
 restored_net = make_net()
 restored = amp_trainer(restored_net, compression=CODECS["2bit"])
 ckpt.restore(restored_net, restored)
