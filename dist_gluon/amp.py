@@ -50,6 +50,14 @@ def overflow_flag(grads: list[mx.nd.NDArray]) -> mx.nd.NDArray:
     return (1 - finite).as_in_context(mx.cpu())
 
 
+def overflowed_alone(trainer) -> bool:
+    """Where each worker steps alone (dist_async's pushes): gluon's own check of this
+    worker's gradients, which also updates its scaler (one scalar wait); False without
+    AMP."""
+    scaler = loss_scaler(trainer)
+    return scaler is not None and scaler.has_overflow(trainer._params)
+
+
 def record(scaler, overflow: bool) -> None:
     """What ``LossScaler.has_overflow`` does to the scaler's state once it knows the
     verdict (the same verdict on every rank): the scale of the next step takes effect,

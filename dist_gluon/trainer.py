@@ -608,6 +608,12 @@ class DistributedTrainer(TrainerBase):
             self._init_params()
         _timeline.begin_step(self._last_grad_written)
         if self._server_updates is not None:
+            if amp.overflowed_alone(self):
+                # dist_async: each worker's push is its own step; an overflowed one is
+                # not pushed (its inf would reach the servers' weights)
+                self._step_fresh = None
+                _timeline.end_step(batch_size)
+                return
             entries = [(i, grad, self._model_params[i].list_data()[0])
                        for i, grad in self._grad_entries()]
             self._step_fresh = None

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, run
+from conftest import REPO, assert_ok, launch, run, worker_lines
 
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
@@ -73,3 +73,42 @@ def test_the_trainers_extra_state_carries_the_loss_scale(job):
     """What dg.elastic.State keeps in memory and gives a new worker."""
     for rank in range(2):
         assert job[rank]["extra_state"] == job[rank]["checkpoint"]["saved"]
+
+
+ASYNC = """
+    import mxnet as mx, numpy as np
+    from mxnet import autograd, gluon
+    from mxnet.contrib import amp
+    import dist_gluon as dg
+    amp.init(target_precision_ops=[], conditional_fp32_ops=[], fp32_ops=[])
+    kv = dg.create()
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize(mx.init.One())
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+    amp.init_trainer(trainer)
+    for step in range(4):
+        x = mx.nd.ones((2, 3))
+        if step == 1 and kv.rank == 1:
+            x[0, 0] = np.inf
+        with autograd.record():
+            with amp.scale_loss(net(x).sum(), trainer) as loss:
+                pass
+        loss.backward()
+        trainer.step(2)
+    trainer.sync_weights()
+    print("RESULT", trainer._amp_loss_scaler._next_loss_scale,
+          float(net.weight.data().asnumpy().max()), float(net.weight.data().asnumpy().min()))
+"""
+
+
+def test_on_dist_async_an_overflowed_push_is_skipped_by_its_worker(tmp_path):
+    """Each worker's push is its own step there: rank 1's overflowed one is not pushed
+    (its inf would reach the servers' weights) and only rank 1 halves its scale; the
+    servers apply the 7 other pushes (each 0.1 off every weight)."""
+    proc = launch(ASYNC, tmp_path, backend="dist_async")
+    assert_ok(proc)
+    for rank, scale in ((0, 65536.0), (1, 32768.0)):
+        result = next(line for line in worker_lines(proc.stdout, rank)
+                      if line.startswith("RESULT")).split()[1:]
+        assert float(result[0]) == scale
+        np.testing.assert_allclose([float(v) for v in result[1:]], [0.3, 0.3], atol=1e-6)
