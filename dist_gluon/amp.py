@@ -102,3 +102,45 @@ def set_state(scaler, saved: dict | None) -> None:
     scaler._loss_scale = saved["loss_scale"]
     scaler._next_loss_scale = saved["next_loss_scale"]
     scaler._unskipped = saved["unskipped"]
+
+
+class DynamicScale:
+    """:class:`~dist_gluon.DistributedOptimizer`'s dynamic loss scaling
+    (``loss_scale='dynamic'``): MXNet's ``LossScaler`` (scale 2**16, halved at an
+    overflow, doubled after 2000 clean steps), decided for every rank at once.
+
+    The Module API's updater calls the optimizer once per parameter (or group), so a
+    step begins with a call whose index the step has seen already (or the first). At
+    that call every gradient of the step is checked (the Module's), the flag travels
+    with the step's batch sizes (:meth:`~dist_gluon.averaging._GradientAverager.start_step`,
+    one scalar wait), and every call of an overflowed step is skipped on every rank.
+    """
+
+    def __init__(self):
+        from mxnet.contrib.amp.loss_scaler import LossScaler
+        self.scaler = LossScaler()
+        self.step_scale = self.scaler.loss_scale    # the scale of this step's gradients
+        self.skip = False                           # this step overflowed on some rank
+        self._seen: set = set()
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor to multiply the next step's loss by."""
+        return self.scaler.loss_scale
+
+    def begin(self, indices: list, step_grads, averager, weight: float,
+              alone: bool) -> bool:
+        """Called at every update call with its indices; returns whether the step is
+        skipped. At a step's first call: ``step_grads()`` (every gradient of the step)
+        is checked and, unless ``alone`` (one process, or dist_async's own pushes),
+        summed over the ranks with ``weight`` (this rank's batch size)."""
+        if self._seen and indices[0] not in self._seen:
+            self._seen.update(indices)
+            return self.skip
+        self._seen = set(indices)
+        flag = overflow_flag(step_grads())
+        overflows = float(flag.asscalar()) if alone else averager.start_step(weight, flag)
+        self.step_scale = self.scaler.loss_scale
+        self.skip = overflows > 0
+        record(self.scaler, self.skip)
+        return self.skip

@@ -93,6 +93,7 @@ class _GradientAverager:
         self._step_indices: set[int] = set()
         self._total: mx.nd.NDArray | None = None      # this step's sum of the weights
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
+        self._started = False       # start_step() began the step reduce() continues
         self._codec_checked: set = set()
         self._sizes: dict = {}      # bytes of each dense gradient, for the job's report
         # AMP's loss scale of this step's gradients: the codec sees them divided by it
@@ -145,6 +146,21 @@ class _GradientAverager:
         self.kv.pushpull(key, header, priority=_BATCH_PRIORITY)
         _timeline.collective(key, header)
         return header
+
+    def start_step(self, weight: float, overflow: mx.nd.NDArray) -> float:
+        """With dynamic loss scaling and no step header (DistributedOptimizer): start
+        this step's sum of the weights (see :meth:`reduce`) now, with this rank's
+        overflow flag in the same array (:func:`dist_gluon.amp.overflow_flag`), and wait
+        for it (the step's one wait): returns on how many ranks the step overflowed. The
+        step's :meth:`reduce` calls with a weight then use this sum; a step that
+        overflowed anywhere sends no gradient."""
+        header = mx.nd.concat(mx.nd.full((1,), weight, dtype="float32"), overflow, dim=0)
+        key = f"{self._batch_key}.amp"
+        self.kv.pushpull(key, header, priority=_BATCH_PRIORITY)
+        _timeline.collective(key, header)
+        self._total, self._factors = header[0:1], {}
+        self._step_indices, self._started = set(), True
+        return float(header[1].asscalar())
 
     def total_batch_size(self, batch_size: float) -> float:
         """The sum of every worker's ``batch_size`` (``batch_size`` on one process)."""
@@ -285,6 +301,10 @@ class _GradientAverager:
             self._codec_checked.add(index)
 
     def _track_step(self, indices: list[int], weight: float) -> None:
+        if self._started:           # start_step() sent this step's weights
+            self._started = False
+            self._step_indices = set(indices)
+            return
         if self._step_indices and self._step_indices.isdisjoint(indices):
             self._step_indices.update(indices)
             return

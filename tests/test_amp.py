@@ -3,7 +3,8 @@ codec, through the launcher on horovod and dist_sync, 2 workers: an overflow on 
 makes every rank skip the same step and change the loss scale at the same steps as one
 process; the codecs see unscaled gradients and an overflowed step leaves their state
 untouched (the weights are those of the run without AMP that leaves the step out); the
-loss scaler's state survives a Checkpointer save and restore.
+loss scaler's state survives a Checkpointer save and restore. The Module API's
+DistributedOptimizer(loss_scale='dynamic') does the same.
 tests/workers/amp_cases.py trains every case in one job per backend."""
 import json
 import sys
@@ -15,7 +16,7 @@ from conftest import REPO, assert_ok, launch, run, worker_lines
 
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
-         "sharded", "2bit-split"]
+         "sharded", "2bit-split", "module-none", "module-2bit"]
 
 
 @pytest.fixture(scope="module", params=["horovod", "dist_sync"])
@@ -55,7 +56,7 @@ def test_amp_weights_are_those_of_the_run_without_the_overflowed_step(job, name)
     _close(job[0]["cases"][name]["weights"], job[1]["cases"][name]["weights"], 1e-7)
 
 
-@pytest.mark.parametrize("name", ["none", "sharded"])
+@pytest.mark.parametrize("name", ["none", "sharded", "module-none"])
 def test_uncompressed_amp_trains_as_one_process(job, name):
     _close(job[0]["cases"][name]["weights"], job[0]["single"]["weights"])
 

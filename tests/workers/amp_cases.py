@@ -115,6 +115,46 @@ for name, codec in cases.items():
     result["cases"][name] = {"scales": scales, "weights": weights(net),
                              "plain": weights(plain)}
 
+
+
+def module_train(codec, steps, dynamic=True):
+    """The Module API: DistributedOptimizer(loss_scale='dynamic'), the loss's gradient
+    multiplied by ``opt.loss_scale`` through ``backward(out_grads)``."""
+    data, label = mx.sym.Variable("data"), mx.sym.Variable("softmax_label")
+    hidden = mx.sym.Activation(mx.sym.FullyConnected(data, num_hidden=8, name="fc1"),
+                               act_type="relu")
+    logits = mx.sym.FullyConnected(hidden, num_hidden=CLASSES, name="fc2")
+    # gluon's SoftmaxCrossEntropyLoss, per sample
+    loss = -mx.sym.pick(mx.sym.log_softmax(logits), label, axis=1)
+    mod = mx.mod.Module(loss, data_names=["data"], label_names=["softmax_label"])
+    mod.bind(data_shapes=[("data", (B, FEATURES))], label_shapes=[("softmax_label", (B,))])
+    names = ["fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
+    mod.init_params(arg_params={n: mx.nd.array(v) for n, v in zip(names, INIT)})
+    opt = dg.DistributedOptimizer(
+        mx.optimizer.SGD(learning_rate=LR, momentum=0.9, rescale_grad=1.0 / B),
+        compression=codec, loss_scale="dynamic" if dynamic else 1.0)
+    mod.init_optimizer(kvstore=None, optimizer=opt)
+    record = []
+    for step in steps:
+        batch = mx.io.DataBatch([mx.nd.array(X[step, rank * B:(rank + 1) * B])],
+                                [mx.nd.array(Y[step, rank * B:(rank + 1) * B])])
+        mod.forward(batch, is_train=True)
+        mod.backward(out_grads=[mx.nd.full((B,), opt.loss_scale)])
+        mod.update()
+        if dynamic:
+            scaler = opt._dg_dynamic.scaler
+            record.append([scaler.loss_scale, scaler._next_loss_scale, opt.num_update])
+    arg_params = mod.get_params()[0]
+    return record, [arg_params[n].asnumpy().tolist() for n in names]
+
+
+for name in ("none", "2bit"):
+    scales, amp_weights = module_train(CODECS[name], range(STEPS))
+    _, plain_weights = module_train(CODECS[name], [s for s in range(STEPS)
+                                                   if s != OVERFLOW_STEP], dynamic=False)
+    result["cases"][f"module-{name}"] = {"scales": scales, "weights": amp_weights,
+                                         "plain": plain_weights}
+
 # a checkpoint after the overflow: the restored trainer continues with the same scale
 net = make_net()
 trainer = amp_trainer(net, compression=CODECS["2bit"])
