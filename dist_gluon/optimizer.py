@@ -220,12 +220,12 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     @loss_scale.setter
     def loss_scale(self, value) -> None:
-        if value == "dynamic":
+        if isinstance(value, str) and value == "dynamic":
             self._dg_dynamic, self._dg_loss_scale = amp.DynamicScale(), 1.0
             return
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"loss_scale must be a positive number or 'dynamic', got "
-                             f"{value!r}")
+            raise ValueError(f"loss_scale must be a positive number, got {value!r} (or "
+                             "'dynamic' for dynamic loss scaling)")
         self._dg_dynamic, self._dg_loss_scale = None, float(value)
 
     def __repr__(self) -> str:
