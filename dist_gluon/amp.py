@@ -40,6 +40,8 @@ def loss_scaler(trainer):
 def overflow_flag(grads: list[mx.nd.NDArray]) -> mx.nd.NDArray:
     """A (1,) float32 array, on the engine: 1 if any of ``grads`` holds an inf or a NaN,
     else 0 (0 for no gradient)."""
+    # a row_sparse gradient's rows (multi_all_finite takes dense arrays)
+    grads = [g.data if g.stype == "row_sparse" else g for g in grads]
     if not grads:
         return mx.nd.zeros((1,), dtype="float32")
     finite = mx.nd.ones((1,), ctx=grads[0].context, dtype="float32")

@@ -274,9 +274,16 @@ class _GradientAverager:
         wire_dtype = None
         if self.codec is not None and np.dtype(grad.dtype) != np.float16:
             wire_dtype = np.float16      # check_input let only fp16 through
-        return sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
-                              priority=-index if isinstance(index, int) else 0,
-                              wire_dtype=wire_dtype)
+        # AMP: the rows travel in float16 unscaled, as the dense gradients do
+        unscale = self.codec is not None and self.loss_scale != 1.0
+        if unscale:
+            _scale_rows(grad, 1.0 / self.loss_scale)
+        counts = sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
+                                priority=-index if isinstance(index, int) else 0,
+                                wire_dtype=wire_dtype)
+        if unscale:
+            _scale_rows(grad, self.loss_scale)
+        return counts
 
     def check_input(self, indices, grads, describe) -> None:
         """Refuse, on any number of workers, a gradient the codec cannot compress (once
@@ -345,3 +352,9 @@ class _GradientAverager:
                                 f"only; {what} has a {grad.stype} gradient")
             key = self._grad_keys[index] = self.key(index)
         return key
+
+
+def _scale_rows(grad: mx.nd.NDArray, factor: float) -> None:
+    """Multiply the rows of the row_sparse ``grad`` by ``factor``, in place."""
+    mx.nd.sparse.row_sparse_array((grad.data * factor, grad.indices), shape=grad.shape,
+                                  ctx=grad.context).copyto(grad)

@@ -117,6 +117,46 @@ for name, codec in cases.items():
 
 
 
+def sparse_train(with_amp, steps):
+    """An Embedding with row_sparse gradients (fp16 rows on the wire) and a Dense layer;
+    rank 1's loss is inf at OVERFLOW_STEP (the one process's batch overflows there)."""
+    tokens = np.random.RandomState(1).randint(0, 20, (STEPS, 2 * B, 3)).astype("float32")
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Embedding(20, 4, sparse_grad=True), gluon.nn.Flatten(),
+            gluon.nn.Dense(CLASSES, in_units=12))
+    net.initialize(mx.init.Xavier(rnd_type="gaussian"))
+    for p in net.collect_params().values():       # the same weights on every run
+        p.set_data(mx.nd.array(np.random.RandomState(2).randn(*p.shape) * 0.3))
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": LR},
+                                    compression="fp16")
+    if with_amp:
+        amp.init_trainer(trainer)
+    record = []
+    for step in steps:
+        x = mx.nd.array(tokens[step, rank * B:(rank + 1) * B])
+        y = mx.nd.array(Y[step, rank * B:(rank + 1) * B])
+        with autograd.record():
+            loss = loss_fn(net(x), y)
+            if step == OVERFLOW_STEP and rank == 1:
+                loss = loss * np.inf
+            if with_amp:
+                with amp.scale_loss(loss, trainer) as scaled:
+                    loss = scaled
+        loss.backward()
+        trainer.step(x.shape[0])
+        if with_amp:
+            scaler = trainer._amp_loss_scaler
+            record.append([scaler.loss_scale, scaler._next_loss_scale,
+                           trainer.optimizer.num_update])
+    return record, weights(net)
+
+
+scales, amp_weights = sparse_train(True, range(STEPS))
+result["cases"]["sparse-fp16"] = {
+    "scales": scales, "weights": amp_weights,
+    "plain": sparse_train(False, [s for s in range(STEPS) if s != OVERFLOW_STEP])[1]}
+
+
 def module_train(codec, steps, dynamic=True):
     """The Module API: DistributedOptimizer(loss_scale='dynamic'), the loss's gradient
     multiplied by ``opt.loss_scale`` through ``backward(out_grads)``."""
