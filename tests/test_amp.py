@@ -70,10 +70,13 @@ def test_a_restored_trainer_continues_with_the_same_loss_scale(job):
         _close(ckpt["weights_restored"], ckpt["weights"])
 
 
-def test_the_trainers_extra_state_carries_the_loss_scale(job):
-    """What dg.elastic.State keeps in memory and gives a new worker."""
+def test_elastic_state_keeps_the_loss_scale(job):
+    """The trainer's extra_state() counters (what dg.elastic.State keeps in memory and
+    gives a new worker), and a State's commit and restore."""
     for rank in range(2):
         assert job[rank]["extra_state"] == job[rank]["checkpoint"]["saved"]
+        assert job[rank]["elastic_state"]["committed"] == job[rank]["checkpoint"]["saved"]
+        assert job[rank]["elastic_state"]["restored"] == job[rank]["checkpoint"]["saved"]
 
 
 ASYNC = """

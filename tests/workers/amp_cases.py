@@ -206,6 +206,15 @@ kept = amp_trainer(make_net(), compression=CODECS["2bit"])
 kept.set_extra_counters(trainer.extra_state()[1])
 result["extra_state"] = [kept._amp_loss_scaler.loss_scale,
                          kept._amp_loss_scaler._next_loss_scale]
+# dg.elastic.State's commit in memory and its restore bring the scale back
+state = dg.elastic.State(net=net, trainer=trainer)
+state.commit()
+committed = [trainer._amp_loss_scaler.loss_scale, trainer._amp_loss_scaler._next_loss_scale]
+trainer._amp_loss_scaler._loss_scale = trainer._amp_loss_scaler._next_loss_scale = 1.0
+state.restore()
+result["elastic_state"] = {"committed": committed,
+                           "restored": [trainer._amp_loss_scaler.loss_scale,
+                                        trainer._amp_loss_scaler._next_loss_scale]}
 restored_net = make_net()
 restored = amp_trainer(restored_net, compression=CODECS["2bit"])
 ckpt.restore(restored_net, restored)
