@@ -16,7 +16,8 @@ from conftest import REPO, assert_ok, launch, run, worker_lines
 
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
-         "sharded", "2bit-split", "sparse-fp16", "module-none", "module-2bit"]
+         "sharded", "2bit-split", "localsgd-2bit", "sparse-fp16", "module-none",
+         "module-2bit"]
 
 
 @pytest.fixture(scope="module", params=["horovod", "dist_sync"])

@@ -103,8 +103,12 @@ result["single"] = {"scales": train(net, single, range(STEPS), whole=True),
 cases = dict(CODECS)
 cases["sharded"] = None
 cases["2bit-split"] = CODECS["2bit"]        # allreduce_grads() + update()
+# Local SGD after 3 averaged steps: the overflowed one does not count among them
+cases["localsgd-2bit"] = CODECS["2bit"]
 for name, codec in cases.items():
     options = {"compression": codec, "shard_optimizer_states": name == "sharded"}
+    if name.startswith("localsgd"):
+        options.update(sync_every=2, local_sgd_warmup=3)
     split = name.endswith("-split")
     net = make_net()
     scales = train(net, amp_trainer(net, **options), range(STEPS), split=split)
