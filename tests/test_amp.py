@@ -5,14 +5,16 @@ process; the codecs see unscaled gradients and an overflowed step leaves their s
 untouched (the weights are those of the run without AMP that leaves the step out); the
 loss scaler's state survives a Checkpointer save and restore. The Module API's
 DistributedOptimizer(loss_scale='dynamic') does the same.
-tests/workers/amp_cases.py trains every case in one job per backend."""
+tests/workers/amp_cases.py trains every case in one job per backend, with the sync
+check on after every step."""
 import json
+import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_ok, launch, run, worker_lines
+from conftest import REPO, assert_ok, launch, process_env, worker_lines
 
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
@@ -25,7 +27,10 @@ def job(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"amp-{request.param}")
     argv = [sys.executable, "-m", "dist_gluon.launch", "-n", "2", "--backend", request.param,
             "--", sys.executable, str(CASES), str(out)]
-    assert_ok(run(argv, out))
+    # DG_CHECK_SYNC=1: the ranks compare their weights after every step they take; a
+    # skipped step is skipped by all of them, so their counts stay together
+    assert_ok(subprocess.run(argv, cwd=out, env=process_env(DG_CHECK_SYNC="1"),
+                             capture_output=True, text=True, timeout=240))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
