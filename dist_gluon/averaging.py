@@ -93,8 +93,12 @@ class _GradientAverager:
         self._step_indices: set[int] = set()
         self._total: mx.nd.NDArray | None = None      # this step's sum of the weights
         self._factors: dict[np.dtype, mx.nd.NDArray] = {}
+        self._started = False       # start_step() began the step reduce() continues
         self._codec_checked: set = set()
         self._sizes: dict = {}      # bytes of each dense gradient, for the job's report
+        # AMP's loss scale of this step's gradients: the codec sees them divided by it
+        # (dist_gluon.amp), set by the owner before each step's reduce
+        self.loss_scale = 1.0
 
     @property
     def distributed(self) -> bool:
@@ -117,21 +121,46 @@ class _GradientAverager:
         self.kv.pushpull(self._batch_key, total, priority=_BATCH_PRIORITY)
         return total
 
-    def submit_step(self, batch_size: float, fresh: list[bool]) -> mx.nd.NDArray:
+    def submit_step(self, batch_size: float, fresh: list[bool],
+                    overflow: mx.nd.NDArray | None = None) -> mx.nd.NDArray:
         """:meth:`submit_batch_size` for a trainer, with this rank's freshness of each
         parameter (:mod:`dist_gluon.freshness`) in the same array: returns the
         ``(1 + len(fresh),)`` float32 array that holds, once the engine has run, the
         sum of the batch sizes and, for each parameter, the number of ranks where its
         gradient is fresh. The same key and length on every step of a trainer. Made by
-        operators (no upload) unless some gradient is stale here."""
+        operators (no upload) unless some gradient is stale here.
+
+        With AMP, ``overflow`` (a (1,) float32 array on the engine, 1 where this rank's
+        gradients overflowed; :func:`dist_gluon.amp.overflow_flag`) is appended: the
+        last value then counts the ranks that overflowed. It travels under a key of its
+        own, so that the header's length never changes under one key."""
         if all(fresh):
             header = mx.nd.full((1 + len(fresh),), 1.0, dtype="float32")
             header[0] = batch_size
         else:
             header = mx.nd.array([batch_size] + [float(f) for f in fresh], dtype="float32")
-        self.kv.pushpull(self._batch_key, header, priority=_BATCH_PRIORITY)
-        _timeline.collective(self._batch_key, header)
+        key = self._batch_key
+        if overflow is not None:
+            header = mx.nd.concat(header, overflow, dim=0)
+            key = f"{key}.amp"
+        self.kv.pushpull(key, header, priority=_BATCH_PRIORITY)
+        _timeline.collective(key, header)
         return header
+
+    def start_step(self, weight: float, overflow: mx.nd.NDArray) -> float:
+        """With dynamic loss scaling and no step header (DistributedOptimizer): start
+        this step's sum of the weights (see :meth:`reduce`) now, with this rank's
+        overflow flag in the same array (:func:`dist_gluon.amp.overflow_flag`), and wait
+        for it (the step's one wait): returns on how many ranks the step overflowed. The
+        step's :meth:`reduce` calls with a weight then use this sum; a step that
+        overflowed anywhere sends no gradient."""
+        header = mx.nd.concat(mx.nd.full((1,), weight, dtype="float32"), overflow, dim=0)
+        key = f"{self._batch_key}.amp"
+        self.kv.pushpull(key, header, priority=_BATCH_PRIORITY)
+        _timeline.collective(key, header)
+        self._total, self._factors = header[0:1], {}
+        self._step_indices, self._started = set(), True
+        return float(header[1].asscalar())
 
     def total_batch_size(self, batch_size: float) -> float:
         """The sum of every worker's ``batch_size`` (``batch_size`` on one process)."""
@@ -185,8 +214,17 @@ class _GradientAverager:
             for g in grads:
                 g *= 1.0 / self._predivide
         if self.codec is not None:
+            # AMP: the codec's thresholds and residuals are in the gradient's own units;
+            # the scale is a power of two, so dividing and multiplying back is exact
+            unscale = self.loss_scale != 1.0
+            if unscale:
+                for g in grads:
+                    g *= 1.0 / self.loss_scale
             with _timeline.span(f"codec {self.codec.name}", "codec", tensors=len(keys)):
                 self.codec.reduce(self.kv, indices, keys, grads, priority)
+            if unscale:
+                for g in grads:
+                    g *= self.loss_scale
         elif len(keys) == 1:
             self.kv.pushpull(keys[0], grads[0], priority=priority)
         else:
@@ -236,9 +274,16 @@ class _GradientAverager:
         wire_dtype = None
         if self.codec is not None and np.dtype(grad.dtype) != np.float16:
             wire_dtype = np.float16      # check_input let only fp16 through
-        return sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
-                              priority=-index if isinstance(index, int) else 0,
-                              wire_dtype=wire_dtype)
+        # AMP: the rows travel in float16 unscaled, as the dense gradients do
+        unscale = self.codec is not None and self.loss_scale != 1.0
+        if unscale:
+            _scale_rows(grad, 1.0 / self.loss_scale)
+        counts = sum_row_sparse(self.kv, f"{self.key(index)}.sparse", grad,
+                                priority=-index if isinstance(index, int) else 0,
+                                wire_dtype=wire_dtype)
+        if unscale:
+            _scale_rows(grad, self.loss_scale)
+        return counts
 
     def check_input(self, indices, grads, describe) -> None:
         """Refuse, on any number of workers, a gradient the codec cannot compress (once
@@ -263,6 +308,10 @@ class _GradientAverager:
             self._codec_checked.add(index)
 
     def _track_step(self, indices: list[int], weight: float) -> None:
+        if self._started:           # start_step() sent this step's weights
+            self._started = False
+            self._step_indices = set(indices)
+            return
         if self._step_indices and self._step_indices.isdisjoint(indices):
             self._step_indices.update(indices)
             return
@@ -303,3 +352,9 @@ class _GradientAverager:
                                 f"only; {what} has a {grad.stype} gradient")
             key = self._grad_keys[index] = self.key(index)
         return key
+
+
+def _scale_rows(grad: mx.nd.NDArray, factor: float) -> None:
+    """Multiply the rows of the row_sparse ``grad`` by ``factor``, in place."""
+    mx.nd.sparse.row_sparse_array((grad.data * factor, grad.indices), shape=grad.shape,
+                                  ctx=grad.context).copyto(grad)

@@ -33,8 +33,10 @@ One checkpoint is one directory, ``<directory>/ckpt-000012/`` (numbered in save 
     saved count), with the position, anchor and outer state unchanged, and residuals
     merged as for ``compression.pkl``.
 ``state.pkl``
-    A pickle of ``{'epoch', 'step', 'extra', 'rng'}``; ``rng`` holds the state of
-    Python's ``random`` and NumPy's global generator of every rank.
+    A pickle of ``{'epoch', 'step', 'extra', 'rng', 'amp'}``; ``rng`` holds the state of
+    Python's ``random`` and NumPy's global generator of every rank, ``amp`` the state of
+    the trainer's AMP loss scaler (``mx.contrib.amp.init_trainer``; None without one),
+    so that a restored trainer continues with the same loss scale.
 ``meta.json``
     Format name and version, epoch, step, num_workers, backend, package versions, the
     parameters' names, shapes and dtypes, and the size and SHA-256 of every other file.
@@ -66,7 +68,7 @@ import numpy as np
 from mxnet import gluon
 from mxnet.gluon.parameter import Parameter
 
-from . import jobcontrol, worker
+from . import amp, jobcontrol, worker
 from ._version import __version__
 from .backends import Backend, resolve
 from .broadcast import parameter_list
@@ -347,7 +349,9 @@ class Checkpointer:
             with open(os.path.join(temp, _LOCAL_SGD), "wb") as f:
                 pickle.dump(local_sgd, f, protocol=4)
             files[_LOCAL_SGD] = _seal(os.path.join(temp, _LOCAL_SGD))
-        state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng}
+        # AMP's loss scaler (the same on every rank): a restore continues with its scale
+        state = {"epoch": epoch, "step": step, "extra": extra, "rng": rng,
+                 "amp": amp.state(amp.loss_scaler(trainer))}
         with open(os.path.join(temp, _STATE), "wb") as f:
             pickle.dump(state, f, protocol=4)
         files[_STATE] = _seal(os.path.join(temp, _STATE))
@@ -474,6 +478,7 @@ class Checkpointer:
                 set_trainer_states(trainer, pickle.dumps(states, protocol=4))
             _restore_codec(trainer, content.get("compression"), kv, content["path"])
             _restore_local_sgd(trainer, content.get("local_sgd"), kv, content["path"])
+            amp.set_state(amp.loss_scaler(trainer), content.get("amp"))
         rng = content["rng"]
         if kv.rank < len(rng):
             _set_rng_state(rng[kv.rank])
@@ -630,7 +635,7 @@ def _load(path: str) -> tuple[tuple, list]:
 
     def read_state(raw):
         state = pickle.loads(raw)
-        return {key: state[key] for key in ("epoch", "step", "extra", "rng")}
+        return {key: state.get(key) for key in ("epoch", "step", "extra", "rng", "amp")}
 
     arrays = parse(_PARAMS, read_params)
     state = parse(_STATE, read_state)
@@ -641,7 +646,7 @@ def _load(path: str) -> tuple[tuple, list]:
         states, optimizer = parse(_TRAINER, pickle.loads)
         trainer = (_flatten(states, arrays), optimizer)
     content = {"path": path, "epoch": state["epoch"], "step": state["step"],
-               "extra": state["extra"], "rng": state["rng"],
+               "extra": state["extra"], "rng": state["rng"], "amp": state.get("amp"),
                "num_workers": saved_workers, "parameters": specs, "trainer": trainer,
                "compression": compression, "local_sgd": local_sgd, "version": version,
                "trainer_positions": meta.get("trainer_positions"),

@@ -16,7 +16,7 @@ import sys
 import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
-from . import async_updates
+from . import amp, async_updates
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
@@ -96,13 +96,23 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         construction order (which must be the same on every rank), so several models
         trained in one program never share keys; a prefix already used in this process
         is a ValueError.
-    loss_scale : float, default 1
-        The factor this rank's loss was multiplied by (static or dynamic loss scaling),
+    loss_scale : float or 'dynamic', default 1
+        A float: the factor this rank's loss was multiplied by (static loss scaling),
         which its ``rescale_grad`` divides out: ``rescale_grad = 1 / (batch_size *
         loss_scale)``. Each rank's gradient is unscaled by its own ``loss_scale`` before
         the sum, and the rank is weighed by its batch size ``1 / (rescale_grad *
         loss_scale)``, so ranks whose scales differ still train like one process. Set
         ``opt.loss_scale`` whenever the scale changes.
+        ``'dynamic'``: MXNet AMP's dynamic loss scaling, as ``amp.init_trainer`` gives a
+        Gluon trainer. Multiply the loss's gradient by ``opt.loss_scale`` (2**16 at
+        first), e.g. ``mod.backward(out_grads=[mx.nd.full(shape, opt.loss_scale)])``
+        for a loss output, and leave ``rescale_grad = 1 / batch_size``: the optimizer
+        divides the scale out. A step whose gradients hold an inf or a NaN on any rank
+        is skipped on every rank (no gradient is sent, no codec state changes) and
+        halves the scale; 2000 clean steps double it, as on one process. The check
+        needs every gradient of the step at its first update, so the optimizer must be
+        installed by a Module (``init_optimizer`` or ``fit`` with ``kvstore=None``);
+        the verdict travels with the batch sizes (one scalar wait per step).
     **optimizer_params
         Arguments of ``mx.optimizer.create`` when ``optimizer`` is a name.
 
@@ -175,6 +185,10 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._dg_module_defaults = module_defaults
         # the Module that installed it, when it drives several devices (see _update)
         self._dg_module = None
+        # the Module that installed it: with loss_scale='dynamic' a step's first call
+        # checks all of its gradients
+        self._dg_installer = None
+        self._dg_dynamic = None
         self.loss_scale = loss_scale
         async_updates.check_options(kv, compression, predivide, "DistributedOptimizer",
                                     optimizer)
@@ -198,14 +212,21 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     @property
     def loss_scale(self) -> float:
-        """This rank's loss scale (see the class docstring)."""
+        """This rank's loss scale (see the class docstring); with ``'dynamic'`` the
+        factor to multiply the next step's loss by."""
+        if self._dg_dynamic is not None:
+            return self._dg_dynamic.loss_scale
         return self._dg_loss_scale
 
     @loss_scale.setter
-    def loss_scale(self, value: float) -> None:
+    def loss_scale(self, value) -> None:
+        if isinstance(value, str) and value == "dynamic":
+            self._dg_dynamic, self._dg_loss_scale = amp.DynamicScale(), 1.0
+            return
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ValueError(f"loss_scale must be a positive number, got {value!r}")
-        self._dg_loss_scale = float(value)
+            raise ValueError(f"loss_scale must be a positive number, got {value!r} (or "
+                             "'dynamic' for dynamic loss scaling)")
+        self._dg_dynamic, self._dg_loss_scale = None, float(value)
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({self._dg_wrapped_optimizer!r}, "
@@ -271,6 +292,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                     self.kv, "DistributedOptimizer")
         indices = list(index) if isinstance(index, (list, tuple)) else [index]
         grads = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        dynamic = self._dg_dynamic
+        if dynamic is not None and dynamic.begin(
+                indices, self._step_grads, averager, 1.0 / inner.rescale_grad,
+                alone=not averager.distributed or self._dg_server_updates is not None):
+            return      # overflowed on some rank: every rank skips this step
         devices = self._devices()
         if devices > 1:
             if indices[0] % devices:
@@ -284,6 +310,14 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         if averager.codec is not None:
             # a gradient the codec refuses fails on one process too, not first on N
             averager.check_input(indices, grads, describe)
+        rescale_grad, scale = inner.rescale_grad, self._dg_loss_scale
+        weight_of_rank = 1.0 / (rescale_grad * scale)   # its batch size
+        if dynamic is not None:
+            # rescale_grad is 1 / batch size; the optimizer divides the scale out
+            scale, weight_of_rank = dynamic.step_scale, 1.0 / rescale_grad
+            if not averager.distributed or self._dg_server_updates is not None:
+                for g in grads:
+                    g *= 1.0 / scale
         if not averager.distributed:
             self._spread(indices)
             update(index, weight, grad, state)
@@ -294,15 +328,13 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             self._dg_server_updates.step(indices, grads, weights, inner.rescale_grad, inner,
                                          describe=describe)
             return
-        rescale_grad, scale = inner.rescale_grad, self._dg_loss_scale
         if scale != 1.0:
             for g in grads:
                 g *= 1.0 / scale
         # the averaged gradient is already divided by the sum of the batch sizes: the
         # update must not rescale it by this rank's own batch size again (rescaling by
         # 1 keeps every rank's update identical, bit for bit)
-        averager.reduce(indices, grads, weight=1.0 / (rescale_grad * scale),
-                        describe=describe)
+        averager.reduce(indices, grads, weight=weight_of_rank, describe=describe)
         self._spread(indices)
         self._update_unscaled(update, index, weight, grad, state)
 
@@ -319,6 +351,19 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             update(index, weight, grad, state)
         finally:
             inner.rescale_grad = rescale_grad
+
+    def _step_grads(self) -> list:
+        """Every gradient of the installing Module (all devices), for the overflow
+        check of ``loss_scale='dynamic'``."""
+        module = self._dg_installer
+        if module is None:
+            raise RuntimeError(
+                "DistributedOptimizer(loss_scale='dynamic') checks every gradient of a "
+                "step at its first update, so it must be installed by a Module: "
+                "mod.init_optimizer(kvstore=None, optimizer=opt) or mod.fit(..., "
+                "kvstore=None, optimizer=opt)")
+        return [g for per_device in module._exec_group.grad_arrays
+                for g in per_device if g is not None]
 
     # ------------------------------------------------------------ several devices
     def _devices(self) -> int:
@@ -385,6 +430,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state["_dg_averager"] = None
         state["_dg_server_updates"] = None
         state["_dg_module"] = None
+        state["_dg_installer"] = None
         state.pop("_dg_steps", None)    # a step in progress is this process's
         return state
 
@@ -433,6 +479,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                                  f"per worker, but the Module has the contexts {contexts}; "
                                  "use one device per worker there (or dist_sync)")
             self._dg_module = module
+        self._dg_installer = module
         self._adopt_module_defaults(init_locals)
 
     def _adopt_module_defaults(self, init_locals: dict) -> None:

@@ -9,7 +9,7 @@ import warnings
 import mxnet as mx
 from mxnet import gluon
 
-from . import async_updates, sharding
+from . import amp, async_updates, sharding
 from . import join as _join
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
@@ -76,6 +76,11 @@ class TrainerBase(gluon.Trainer):
         self._step_fresh: list[bool] | None = None
         self._header: mx.nd.NDArray | None = None
         self._fresh_counts = None
+        # AMP (dist_gluon.amp): the header's sum of the batch sizes once it arrived, and
+        # on how many ranks the step's gradients overflowed (None: gluon decides alone)
+        self._batch_total: float | None = None
+        self._overflows: float | None = None
+        self._amp_skipped = False       # the last step overflowed: no codec, round, check
         # DG_CHECK_SYNC: the ranks compare their weights every N steps (syncheck.py)
         self._sync_check = SyncCheck(self._kv, f"{averager.prefix}.sync")
         # a Local SGD step is this worker's own: gradients summed over its devices only,
@@ -123,6 +128,8 @@ class TrainerBase(gluon.Trainer):
         if codec is not None:
             arrays.update((f"codec.{name}", a) for name, a in codec.state_arrays().items())
             counters["codec"] = codec.state_counters()
+        if amp.loss_scaler(self) is not None:
+            counters["amp"] = amp.state(amp.loss_scaler(self))
         return arrays, counters
 
     def set_extra_counters(self, counters: dict) -> None:
@@ -134,6 +141,7 @@ class TrainerBase(gluon.Trainer):
         codec = self._averager.codec
         if codec is not None and "codec" in counters:
             codec.set_state_counters(counters["codec"], self._first_context)
+        amp.set_state(amp.loss_scaler(self), counters.get("amp"))
 
     def private_state_names(self) -> set[str]:
         """The names of :meth:`extra_state`'s arrays that are this rank's own (a codec's
@@ -194,17 +202,44 @@ class TrainerBase(gluon.Trainer):
         """Start the sum of this step's header over the workers: the batch sizes and
         the freshness counts (:meth:`~dist_gluon.averaging._GradientAverager.submit_step`).
         Sent before the gradients, with the highest priority."""
-        self._header = self._averager.submit_step(batch_size, self._freshness())
+        overflow = None
+        if amp.loss_scaler(self) is not None:
+            fresh = self._freshness()
+            overflow = amp.overflow_flag([g for i, p in enumerate(self._model_params)
+                                          if p.grad_req != "null" and fresh[i]
+                                          for g in p.list_grad()])
+        self._header = self._averager.submit_step(batch_size, self._freshness(), overflow)
 
     def _read_header(self) -> float:
-        """Wait for the header (the step's one wait) and keep the freshness counts;
-        returns the sum of the batch sizes."""
+        """Wait for the header (the step's one wait) and keep the freshness counts (and
+        with AMP the number of ranks that overflowed); returns the sum of the batch
+        sizes. Read already this step (AMP with a codec): no wait."""
+        if self._header is None and self._fresh_counts is not None:
+            return self._batch_total
         _timeline.submitted()
         values = self._header.asnumpy()
         _timeline.header_arrived()
         self._header = None
+        if amp.loss_scaler(self) is not None:
+            self._overflows, values = float(values[-1]), values[:-1]
         self._fresh_counts = values[1:]
-        return float(values[0])
+        self._batch_total = float(values[0])
+        return self._batch_total
+
+    def _amp_skips_reduce(self) -> bool:
+        """With AMP and a codec on several workers, before the codec runs: wait for the
+        header, and tell whether the step overflowed on any rank (then no gradient is
+        sent and the codec's state stays as it was); else the codec sees the gradients
+        unscaled (dist_gluon.amp)."""
+        scaler = amp.loss_scaler(self)
+        if scaler is None or self._averager.codec is None:
+            self._averager.loss_scale = 1.0
+            return False
+        if self._header is None and self._fresh_counts is None:
+            self._submit_header()       # allreduce_grads(): before update()'s header
+        self._read_header()
+        self._averager.loss_scale = scaler.loss_scale
+        return self._overflows > 0
 
     def _update(self, ignore_stale_grad=False):
         try:
@@ -222,9 +257,18 @@ class TrainerBase(gluon.Trainer):
                 # since every device now holds the sum
                 settle(self._model_params, [float(f) for f in self._freshness()], True, 1,
                        list, self._describe)
+            overflows = self._overflows
         finally:
             self._step_fresh = self._header = self._fresh_counts = None
-        with _timeline.span("optimizer update", "update"):
+            self._overflows = None
+        self._amp_skipped = overflows is not None and overflows > 0
+        if overflows is not None:
+            # every rank's verdict, the same on every rank; gluon's own check is skipped
+            amp.record(amp.loss_scaler(self), self._amp_skipped)
+            if self._amp_skipped:
+                return
+        with _timeline.span("optimizer update", "update"), \
+                amp.decided(self, overflows is not None):
             super()._update(ignore_stale_grad)
         if not self._alone:
             # a Local SGD worker's own steps differ between ranks by design
@@ -582,6 +626,12 @@ class DistributedTrainer(TrainerBase):
             self._init_params()
         _timeline.begin_step(self._last_grad_written)
         if self._server_updates is not None:
+            if amp.overflowed_alone(self):
+                # dist_async: each worker's push is its own step; an overflowed one is
+                # not pushed (its inf would reach the servers' weights)
+                self._step_fresh = None
+                _timeline.end_step(batch_size)
+                return
             entries = [(i, grad, self._model_params[i].list_data()[0])
                        for i, grad in self._grad_entries()]
             self._step_fresh = None
@@ -692,7 +742,7 @@ class DistributedTrainer(TrainerBase):
         self._end_step(was_local=True)
 
     def _end_step(self, was_local: bool) -> None:
-        if self._local_sgd is not None:
+        if self._local_sgd is not None and not (self._amp_skipped and not was_local):
             self._local_sgd.end_step(self._model_params, was_local)
 
     def set_learning_rate(self, lr: float) -> None:
@@ -741,6 +791,8 @@ class DistributedTrainer(TrainerBase):
         averager = self._averager
         self._tell_codec_learning_rate()
         entries = self._grad_entries()
+        if averager.distributed and self._amp_skips_reduce():
+            return      # overflowed on some rank: every rank skips this step
         if not averager.distributed or (averager.codec is not None and averager.codec.batched):
             # 2-bit and PowerSGD pack and pipeline a whole step's tensors; on one process
             # reduce() sends nothing but refuses a gradient the codec cannot take, so
