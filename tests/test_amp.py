@@ -19,7 +19,7 @@ from conftest import REPO, assert_ok, launch, process_env, worker_lines
 CASES = REPO / "tests" / "workers" / "amp_cases.py"
 NAMES = ["none", "fp16", "2bit", "powersgd", "onebit", "topk", "randomk", "dithering",
          "sharded", "2bit-split", "localsgd-2bit", "sparse-fp16", "module-none",
-         "module-2bit"]
+         "module-2bit", "compat-fp16"]
 
 
 @pytest.fixture(scope="module", params=["horovod", "dist_sync"])

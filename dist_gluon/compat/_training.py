@@ -116,6 +116,8 @@ class PeerTrainer(TrainerBase):
         (after the step's header: a stale gradient counts zero on every rank)."""
         if self._kv.num_workers > 1:
             self._submit_header()
+            if self._amp_skips_reduce():
+                return      # AMP: overflowed on some rank, every rank skips this step
         for position, grad in self._grad_entries():
             if scale != 1.0:
                 grad *= scale

@@ -21,6 +21,7 @@ from mxnet import autograd, gluon
 from mxnet.contrib import amp
 
 import dist_gluon as dg
+import dist_gluon.compat.horovod as hvd
 
 # a float32 model: nothing is cast, so the runs with and without AMP compare to float
 # tolerance; the loss scale (2**16) and its changes are AMP's own
@@ -119,6 +120,24 @@ for name, codec in cases.items():
     result["cases"][name] = {"scales": scales, "weights": weights(net),
                              "plain": weights(plain)}
 
+
+
+def peer_trainer(net):
+    """horovod.mxnet's trainer (the peers' API) with its fp16 compression: the same
+    rules as DistributedTrainer's."""
+    return hvd.DistributedTrainer(net.collect_params(), "sgd",
+                                  {"learning_rate": LR, "momentum": 0.9},
+                                  compression=hvd.Compression.fp16)
+hvd.init()
+net = make_net()
+trainer = peer_trainer(net)
+amp.init_trainer(trainer)
+scales = train(net, trainer, range(STEPS))
+plain = make_net()
+train(plain, peer_trainer(plain), [s for s in range(STEPS) if s != OVERFLOW_STEP],
+      with_amp=False)
+result["cases"]["compat-fp16"] = {"scales": scales, "weights": weights(net),
+                                  "plain": weights(plain)}
 
 
 def sparse_train(with_amp, steps):
