@@ -405,6 +405,17 @@ class Reporter:
             self._record._new_round()
         self._record._park(None)
 
+    def round_begins(self) -> None:
+        """Every rank of the round is about to make the round's first collective in
+        common (the State's sync): its collectives count from here, in a worker kept
+        from the round before and in a new one alike. A new worker has also counted
+        what its script ran before (the trainer's first broadcast...), which a kept one
+        does not run again: without this the launcher would compare counts that are
+        not of the same collectives, and see two ranks waiting in different
+        collectives as ranks at the same one."""
+        with self._lock:
+            self._record._new_round()
+
     def checkpoint_saved(self, epoch: int, step: int) -> None:
         """A checkpoint of (epoch, step) is on disk (called by dist_gluon.Checkpointer)."""
         self._record._saved(epoch, step)

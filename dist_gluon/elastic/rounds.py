@@ -161,6 +161,8 @@ def run(func):
                 # initialised again after a failed hvd.init()); a new one replaces it
                 session.next_round()
                 state.on_reset()
+            if session is not None:
+                session.reporter.round_begins()
             try:
                 state.sync()            # a peer lost during the sync is a fault as well
                 return func(state, *args, **kwargs)
