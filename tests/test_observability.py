@@ -155,6 +155,36 @@ def test_report_of_a_rank_slowed_in_compute_names_it_and_the_table_says_so():
     text = report.table(got)
     assert "straggler: rank 2 on h2: busy" in text and "compute" in text
 
+def test_the_report_keeps_every_rank_across_an_in_memory_restart_with_steps_summed():
+    """Round 0: ranks 0 and 1 make steps 1-5 (100 ms each); rank 1 is lost, a new rank
+    1 joins round 1 and makes its steps 1-4 while rank 0, kept, goes on in its first
+    round's file with steps 6-9. The report has both rows: rank 0 with its 9 steps,
+    rank 1 with 5 + 4, and rank 0's round-1 records line up with the new rank's."""
+    from dist_gluon.launch import observe
+
+    def rows(first, count, at):
+        return [(first + k, at + 0.1 * k - 0.09, at + 0.1 * k - 0.09, at + 0.1 * k,
+                 at + 0.1 * k - 0.05, at + 0.1 * k - 0.02, 0.0, 0.01 * k, 8, 4096)
+                for k in range(count)]
+
+    rounds = {0: {0: rows(1, 5, 0.1) + rows(6, 4, 10.1), 1: rows(1, 5, 0.1)},
+              1: {1: rows(1, 4, 10.1)}}
+    records, kept_from, steps = observe.across_rounds(rounds)
+    assert sorted(records) == [0, 1] and kept_from == {0: 0}
+    assert [row[0] for row in records[0]] == [1, 2, 3, 4]
+    assert [row[3] for row in records[0]] == [row[3] for row in records[1]]
+    assert steps == {0: 9, 1: 9}
+    got = report.build(records, {0: "h0", 1: "h0"})
+    assert [r.rank for r in got.ranks] == [0, 1]
+    assert got.ranks[0].shares == pytest.approx(got.ranks[1].shares)
+    # a plain restart (every rank new in round 1) sums the steps of both rounds
+    rounds = {0: {0: rows(1, 5, 0.1), 1: rows(1, 5, 0.1)},
+              1: {0: rows(1, 4, 10.1), 1: rows(1, 4, 10.1)}}
+    records, kept_from, steps = observe.across_rounds(rounds)
+    assert kept_from == {} and steps == {0: 9, 1: 9}
+    assert [row[3] for row in records[0]] == [row[3] for row in rows(1, 4, 10.1)]
+
+
 # A small model trained a few steps with momentum (so that optimizer states are
 # compared too); with "perturb", rank 1 changes one weight after its third step, as a
 # rank-dependent bug would.
