@@ -56,3 +56,9 @@ def test_ranks_in_different_collectives_after_a_reformation_are_a_reported_stall
     assert "Python stacks of rank 0" in text and "Python stacks of rank 1" in text, report
     assert f"stall timeout ({TIMEOUT} s)" in text, report
     assert proc.returncode == 124, report
+    # the survivor's horovod error at the loss is followed by a line saying it is
+    # expected (dist_gluon.launch.processes)
+    texts = [line for _, line in lines]
+    for at, line in enumerate(texts):
+        if "Horovod background loop uncaught exception" in line:
+            assert "dist_gluon: expected: the horovod error above" in texts[at + 1], report
