@@ -185,6 +185,30 @@ def test_the_report_keeps_every_rank_across_an_in_memory_restart_with_steps_summ
     assert [row[3] for row in records[0]] == [row[3] for row in rows(1, 4, 10.1)]
 
 
+def test_local_sgd_steps_without_a_sum_wait_for_no_one_and_name_no_straggler():
+    """Under Local SGD the steps between two averagings make no sum (their records
+    have none): ranks that run them half a step apart do not wait for each other, so
+    neither is a straggler (the report had compared rank 1's whole step with the time
+    rank 0 seemed to wait for it: "busy 94.9x the others'"). The averaging step, which
+    sums, still counts the wait."""
+    nan = float("nan")
+
+    def rows(rank):
+        out = []
+        for k in range(1, 13):
+            end = 0.1 * k + (0.0 if k % 4 == 0 else 0.05 * rank)
+            sums = end - 0.002 if k % 4 == 0 else nan
+            ready = end - (0.004 if k % 4 == 0 and rank == 1 else 0.02)
+            out.append((k, end - 0.099, end - 0.099, end, ready, sums, 0.0, 0.01 * k, 8,
+                        4096 if k % 4 == 0 else 0))
+        return out
+
+    got = report.build({0: rows(0), 1: rows(1)}, {0: "h0", 1: "h0"})
+    assert got.straggler is None, report.table(got)
+    assert got.ranks[0].busy == pytest.approx(got.ranks[1].busy, rel=0.2)
+    assert 0 < got.ranks[0].shares["wait"] < 0.1
+
+
 # A small model trained a few steps with momentum (so that optimizer states are
 # compared too); with "perturb", rank 1 changes one weight after its third step, as a
 # rank-dependent bug would.
