@@ -98,7 +98,10 @@ _ROUND_DATA_AT, _ROUND_BYTES = _CONTROL_AT + 52, 8192
 # workers that restart (ps-lite) but commit their state to their node's shared memory
 # (dist_gluon.elastic.run, dist_gluon.elastic.nodecopy): the next round takes it from there
 _NODE_COPY_AT = _ROUND_DATA_AT + _ROUND_BYTES                           # uint32
-RECORD_SIZE = _NODE_COPY_AT + 4
+# the script holds a dist_gluon.elastic.State under dist_gluon.elastic.run in a job
+# that is not elastic: the launcher says which flag recovers it in memory
+_HOLDS_STATE_AT = _NODE_COPY_AT + 4                                     # uint32
+RECORD_SIZE = _HOLDS_STATE_AT + 4
 # stop requests with a meaning of their own (the launcher numbers its requests from 1):
 # the worker got SIGTERM itself, or the launcher is ending the worker
 SIGNALLED, TERMINATING = 0xFFFFFFFE, 0xFFFFFFFF
@@ -210,6 +213,12 @@ class Record:
         """The worker commits its state to its node's shared memory: restarted, it
         takes the state from there (dist_gluon.elastic.run on ps-lite)."""
         return bool(_U32.unpack_from(self._map, _NODE_COPY_AT)[0])
+
+    @property
+    def holds_state(self) -> bool:
+        """The worker runs dist_gluon.elastic.run with a State, in a job that is not
+        elastic (so a failure restarts it from its script's start)."""
+        return bool(_U32.unpack_from(self._map, _HOLDS_STATE_AT)[0])
 
     @property
     def parked(self) -> int | None:
@@ -385,6 +394,11 @@ class Reporter:
         """This worker commits its state to its node's shared memory and takes it from
         there when it is started again (dist_gluon.elastic.run on ps-lite)."""
         self._record._commit_to_node()
+
+    def holds_state(self) -> None:
+        """This worker runs dist_gluon.elastic.run with a State in a job that is not
+        elastic: the launcher tells the user how to recover it in memory."""
+        _U32.pack_into(self._record._map, _HOLDS_STATE_AT, 1)
 
     def park(self, number: int | None) -> None:
         """The worker left round ``number`` and waits for its next (None: it is in a

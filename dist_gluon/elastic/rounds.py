@@ -150,6 +150,8 @@ def run(func):
                             f"dist_gluon.elastic.State, got {type(state).__name__}")
         session = _session(state)
         node_copy = None if session is not None else _node_copy(state)
+        if session is None and node_copy is None and jobcontrol.reporter() is not None:
+            jobcontrol.reporter().holds_state()     # the launcher names the flag
         if node_copy is not None:
             state._use_node_copy(node_copy)
         object.__setattr__(state, "_watch_stops", session is not None

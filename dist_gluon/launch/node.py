@@ -282,6 +282,7 @@ class Node:
                 "acked": attached and record.stop_acknowledged,
                 "keeps": attached and record.keeps,
                 "node_copy": attached and record.node_copy,
+                "holds_state": attached and record.holds_state,
                 "parked": attached and record.parked is not None,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
