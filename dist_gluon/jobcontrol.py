@@ -100,7 +100,10 @@ _ROUND_DATA_AT, _ROUND_BYTES = _CONTROL_AT + 52, 8192
 # workers that restart (ps-lite) but commit their state to their node's shared memory
 # (dist_gluon.elastic.run, dist_gluon.elastic.nodecopy): the next round takes it from there
 _NODE_COPY_AT = _ROUND_DATA_AT + _ROUND_BYTES                           # uint32
-RECORD_SIZE = _NODE_COPY_AT + 4
+# the script holds a dist_gluon.elastic.State under dist_gluon.elastic.run in a job
+# that is not elastic: the launcher says which flag recovers it in memory
+_HOLDS_STATE_AT = _NODE_COPY_AT + 4                                     # uint32
+RECORD_SIZE = _HOLDS_STATE_AT + 4
 # stop requests with a meaning of their own (the launcher numbers its requests from 1):
 # the worker got SIGTERM itself, or the launcher is ending the worker
 SIGNALLED, TERMINATING = 0xFFFFFFFE, 0xFFFFFFFF
@@ -212,6 +215,12 @@ class Record:
         """The worker commits its state to its node's shared memory: restarted, it
         takes the state from there (dist_gluon.elastic.run on ps-lite)."""
         return bool(_U32.unpack_from(self._map, _NODE_COPY_AT)[0])
+
+    @property
+    def holds_state(self) -> bool:
+        """The worker runs dist_gluon.elastic.run with a State, in a job that is not
+        elastic (so a failure restarts it from its script's start)."""
+        return bool(_U32.unpack_from(self._map, _HOLDS_STATE_AT)[0])
 
     @property
     def parked(self) -> int | None:
@@ -388,6 +397,11 @@ class Reporter:
         there when it is started again (dist_gluon.elastic.run on ps-lite)."""
         self._record._commit_to_node()
 
+    def holds_state(self) -> None:
+        """This worker runs dist_gluon.elastic.run with a State in a job that is not
+        elastic: the launcher tells the user how to recover it in memory."""
+        _U32.pack_into(self._record._map, _HOLDS_STATE_AT, 1)
+
     def park(self, number: int | None) -> None:
         """The worker left round ``number`` and waits for its next (None: it is in a
         round again)."""
@@ -406,6 +420,17 @@ class Reporter:
         with self._lock:
             self._record._new_round()
         self._record._park(None)
+
+    def round_begins(self) -> None:
+        """Every rank of the round is about to make the round's first collective in
+        common (the State's sync): its collectives count from here, in a worker kept
+        from the round before and in a new one alike. A new worker has also counted
+        what its script ran before (the trainer's first broadcast...), which a kept one
+        does not run again: without this the launcher would compare counts that are
+        not of the same collectives, and see two ranks waiting in different
+        collectives as ranks at the same one."""
+        with self._lock:
+            self._record._new_round()
 
     def checkpoint_saved(self, epoch: int, step: int) -> None:
         """A checkpoint of (epoch, step) is on disk (called by dist_gluon.Checkpointer)."""

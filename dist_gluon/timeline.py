@@ -102,11 +102,14 @@ def breakdown(records: dict[int, list[tuple]],
     period, data, compute, comm, wait)`` in seconds (``end`` on the records' clock),
     for every step whose previous step the rank also recorded. ``asynchronous``
     (dist_async): ranks never wait for one another, and their steps of the same
-    number are unrelated; communication runs from this rank's readiness."""
+    number are unrelated; communication runs from this rank's readiness. A step with
+    no sum (Local SGD, DiLoCo between two averagings) waits for no one either."""
     ready_by_step: dict[int, float] = {}
     for rows in records.values():
         for row in rows:
-            index, start, _header, _end, ready = row[:5]
+            index, start, _header, _end, ready, sums = row[:6]
+            if not _finite(sums):
+                continue        # a step without a sum (Local SGD's) waits for no one
             mine = max(start, ready) if _finite(ready) else start
             ready_by_step[index] = max(ready_by_step.get(index, -math.inf), mine)
     split = {}
@@ -120,7 +123,10 @@ def breakdown(records: dict[int, list[tuple]],
             if period <= 0:
                 continue
             mine = max(start, ready) if _finite(ready) else start
-            last = mine if asynchronous else ready_by_step.get(index, mine)
+            # ranks wait for one another only in a step that sums: Local SGD's and
+            # DiLoCo's steps between two averagings are each rank's own
+            last = mine if asynchronous or not _finite(sums) \
+                else ready_by_step.get(index, mine)
             wait = min(period, max(0.0, last - mine))
             comm = min(period - wait, max(0.0, sums - last)) if _finite(sums) else 0.0
             data = min(period - wait - comm, max(0.0, data))

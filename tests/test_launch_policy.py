@@ -665,3 +665,39 @@ def test_workers_that_keep_their_state_in_memory_are_told_so_never_a_checkpoint(
                           elastic(memory=True, formation=(0,)))
     assert "the state they kept in memory ends with the job" in alone.report
     assert "checkpoint" not in news + leaving.leaving[2]
+
+
+def _running(rank: int, count: int, key: str) -> dict:
+    return {"rank": rank, "host": "h0", "attached": True, "count": count, "phase": 1,
+            "departed_at": None, "exception": None, "returncode": None, "tail": [],
+            "left_at": None, "key_next": None, "key_last": key}
+
+
+class _StallView(_View):
+    def stacks(self, ranks):
+        return {rank: f"stack of {rank}" for rank in ranks}
+
+
+def test_ranks_with_as_many_collectives_but_different_last_keys_are_a_stall():
+    """Two ranks that each submitted 12 collectives, the last ones different (rank 0 in
+    a sum of its own, rank 1 in the step's), wait for each other forever: reported at
+    --stall-warning with both keys and stacks, ended at --stall-timeout. Ranks whose
+    last keys agree are computing, not stalled."""
+    from dist_gluon.launch import supervisor
+    view = _StallView()
+    judge = supervisor.Supervisor(view, stall_warning=10.0, stall_timeout=20.0)
+    agree = [_running(0, 12, "t1.0"), _running(1, 12, "t1.0")]
+    assert judge.check(agree, now=0.0) is None
+    assert judge.check(agree, now=100.0) is None and view.said == []
+    apart = [_running(0, 12, "extra"), _running(1, 12, "__dg_stop")]
+    assert judge.check(apart, now=100.0) is None
+    assert judge.check(apart, now=109.0) is None and view.said == []
+    assert judge.check(apart, now=110.0) is None
+    assert len(view.said) == 1
+    said = view.said[0]
+    assert said.startswith("stall: ranks 0, 1 have each submitted 12 collectives")
+    assert "rank 0 (h0) in key 'extra'; rank 1 (h0) in key '__dg_stop'" in said
+    assert "stack of 0" in said and "stack of 1" in said
+    verdict = judge.check(apart, now=120.0)
+    assert verdict is not None and not verdict.ok and verdict.status == 124
+    assert verdict.report.endswith("stall timeout (20 s).")

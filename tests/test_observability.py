@@ -155,6 +155,60 @@ def test_report_of_a_rank_slowed_in_compute_names_it_and_the_table_says_so():
     text = report.table(got)
     assert "straggler: rank 2 on h2: busy" in text and "compute" in text
 
+def test_the_report_keeps_every_rank_across_an_in_memory_restart_with_steps_summed():
+    """Round 0: ranks 0 and 1 make steps 1-5 (100 ms each); rank 1 is lost, a new rank
+    1 joins round 1 and makes its steps 1-4 while rank 0, kept, goes on in its first
+    round's file with steps 6-9. The report has both rows: rank 0 with its 9 steps,
+    rank 1 with 5 + 4, and rank 0's round-1 records line up with the new rank's."""
+    from dist_gluon.launch import observe
+
+    def rows(first, count, at):
+        return [(first + k, at + 0.1 * k - 0.09, at + 0.1 * k - 0.09, at + 0.1 * k,
+                 at + 0.1 * k - 0.05, at + 0.1 * k - 0.02, 0.0, 0.01 * k, 8, 4096)
+                for k in range(count)]
+
+    rounds = {0: {0: rows(1, 5, 0.1) + rows(6, 4, 10.1), 1: rows(1, 5, 0.1)},
+              1: {1: rows(1, 4, 10.1)}}
+    records, kept_from, steps = observe.across_rounds(rounds)
+    assert sorted(records) == [0, 1] and kept_from == {0: 0}
+    assert [row[0] for row in records[0]] == [1, 2, 3, 4]
+    assert [row[3] for row in records[0]] == [row[3] for row in records[1]]
+    assert steps == {0: 9, 1: 9}
+    got = report.build(records, {0: "h0", 1: "h0"})
+    assert [r.rank for r in got.ranks] == [0, 1]
+    assert got.ranks[0].shares == pytest.approx(got.ranks[1].shares)
+    # a plain restart (every rank new in round 1) sums the steps of both rounds
+    rounds = {0: {0: rows(1, 5, 0.1), 1: rows(1, 5, 0.1)},
+              1: {0: rows(1, 4, 10.1), 1: rows(1, 4, 10.1)}}
+    records, kept_from, steps = observe.across_rounds(rounds)
+    assert kept_from == {} and steps == {0: 9, 1: 9}
+    assert [row[3] for row in records[0]] == [row[3] for row in rows(1, 4, 10.1)]
+
+
+def test_local_sgd_steps_without_a_sum_wait_for_no_one_and_name_no_straggler():
+    """Under Local SGD the steps between two averagings make no sum (their records
+    have none): ranks that run them half a step apart do not wait for each other, so
+    neither is a straggler (the report had compared rank 1's whole step with the time
+    rank 0 seemed to wait for it: "busy 94.9x the others'"). The averaging step, which
+    sums, still counts the wait."""
+    nan = float("nan")
+
+    def rows(rank):
+        out = []
+        for k in range(1, 13):
+            end = 0.1 * k + (0.0 if k % 4 == 0 else 0.05 * rank)
+            sums = end - 0.002 if k % 4 == 0 else nan
+            ready = end - (0.004 if k % 4 == 0 and rank == 1 else 0.02)
+            out.append((k, end - 0.099, end - 0.099, end, ready, sums, 0.0, 0.01 * k, 8,
+                        4096 if k % 4 == 0 else 0))
+        return out
+
+    got = report.build({0: rows(0), 1: rows(1)}, {0: "h0", 1: "h0"})
+    assert got.straggler is None, report.table(got)
+    assert got.ranks[0].busy == pytest.approx(got.ranks[1].busy, rel=0.2)
+    assert 0 < got.ranks[0].shares["wait"] < 0.1
+
+
 # A small model trained a few steps with momentum (so that optimizer states are
 # compared too); with "perturb", rank 1 changes one weight after its third step, as a
 # rank-dependent bug would.

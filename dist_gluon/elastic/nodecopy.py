@@ -45,6 +45,16 @@ _VERSION = 1
 _ALIGN = 64             # bytes: every array starts on a cache line
 
 
+def _free_bytes(directory: str) -> int:
+    """Bytes this user may still take in ``directory``'s file system."""
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
 class NodeCopyError(RuntimeError):
     """The node's copy cannot be used: a directory that is not the job's, or a copy
     another job wrote."""
@@ -144,17 +154,39 @@ class NodeCopy:
             dtype = np.dtype(arr.dtype)
             entries[key] = (size, tuple(arr.shape), dtype.name)
             size += -(-arr.size * dtype.itemsize // _ALIGN) * _ALIGN
+        # the first commit checks room for both slots: the job fails at its start, not
+        # at its second commit
+        needed = size * (2 - len(set(self._files) - {slot}))
+        free = _free_bytes(self.directory)
+        if needed > free:
+            raise NodeCopyError(self._no_room(size, needed, free))
         self._made += 1
         name = f"slot{slot}-{os.getpid()}-{self._made}.bin"
-        fd = os.open(os.path.join(self.directory, name),
-                     os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        path = os.path.join(self.directory, name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, max(size, 1))
+            # the pages are reserved now: a file only truncated to its size (a hole)
+            # takes them as the commit's copies write, and a full /dev/shm then kills
+            # the worker with SIGBUS inside one of MXNet's engine threads, wordlessly
+            os.posix_fallocate(fd, 0, max(size, 1))
+        except OSError as err:
+            os.unlink(path)
+            raise NodeCopyError(self._no_room(size, needed, _free_bytes(self.directory))
+                                + f" ({err.strerror})") from err
         finally:
             os.close(fd)
         copies = self._map(os.path.join(self.directory, name), entries)
         self._files[slot] = (name, entries)
         return slot, copies
+
+    def _no_room(self, size: int, needed: int, free: int) -> str:
+        copies = "two copies" if needed > size else "a copy"
+        return (f"the node's copy of the elastic State needs {_mib(needed)} in "
+                f"{self.directory} ({copies} of {_mib(size)}: commits take turns in "
+                f"two), but only {_mib(free)} are free there; give "
+                "/dev/shm more room (a container's default is 64 MiB: docker run "
+                "--shm-size, Kubernetes an emptyDir with medium: Memory) or make the "
+                "model's state smaller")
 
     def publish(self, slot: int, serial: int, layout: dict) -> None:
         """The commit in ``slot`` is complete (its copies were waited for): name it in

@@ -152,6 +152,8 @@ def run(func):
                             f"dist_gluon.elastic.State, got {type(state).__name__}")
         session = _session(state)
         node_copy = None if session is not None else _node_copy(state)
+        if session is None and node_copy is None and jobcontrol.reporter() is not None:
+            jobcontrol.reporter().holds_state()     # the launcher names the flag
         if node_copy is not None:
             state.use_node_copy(node_copy)
         state.watch_stops(session is not None or node_copy is not None)
@@ -162,6 +164,8 @@ def run(func):
                 # initialised again after a failed hvd.init()); a new one replaces it
                 session.next_round()
                 state.on_reset()
+            if session is not None:
+                session.reporter.round_begins()
             try:
                 state.sync()            # a peer lost during the sync is a fault as well
                 return func(state, *args, **kwargs)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -68,7 +67,7 @@ class Node:
         self._stack_offsets: dict[int, int] = {}
         root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         statedir.remove_orphan_controls(root)
-        self._control_dir = tempfile.mkdtemp(prefix=statedir.control_prefix(), dir=root)
+        self._control_dir = statedir.make_control_dir(root)
         # a kept worker's record stays in its first round's directory
         self._dirs = [self._control_dir] + (kept._dirs if kept is not None else [])
         self._kept = kept
@@ -283,6 +282,7 @@ class Node:
                 "acked": attached and record.stop_acknowledged,
                 "keeps": attached and record.keeps,
                 "node_copy": attached and record.node_copy,
+                "holds_state": attached and record.holds_state,
                 "parked": attached and record.parked is not None,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
@@ -348,7 +348,7 @@ class Node:
         self.request_stop(jobcontrol.TERMINATING)
         terminate(self.processes, grace)
         for directory in self._dirs:
-            shutil.rmtree(directory, ignore_errors=True)
+            statedir.remove_dir(directory)
 
     def interrupt(self) -> None:
         for p in self.processes:

@@ -161,10 +161,13 @@ class Observation:
         if not rounds:
             return None
         latest = max(rounds)
-        records = rounds[latest]
-        hosts = {rank: self._hosts.get(f"rank{rank}.r{latest}", self.host)
-                 for rank in records}
-        return _report.build(records, hosts, dict(self._cores), self.asynchronous)
+        records, kept_from, steps = across_rounds(rounds)
+        hosts = {rank: self._hosts.get(f"rank{rank}.r{kept_from.get(rank, latest)}",
+                                       self.host) for rank in records}
+        report = _report.build(records, hosts, dict(self._cores), self.asynchronous)
+        for row in report.ranks:
+            row.steps = steps.get(row.rank, row.steps)
+        return report
 
     # ------------------------------------------------------------------ other nodes
     def outgoing(self) -> dict | None:
@@ -355,6 +358,43 @@ class Observation:
                       f)
         self.out.say(f"timeline of {len(ranks)} ranks written to {self.timeline_file} "
                      "(open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def across_rounds(rounds: dict[int, dict[int, list[tuple]]]
+                  ) -> tuple[dict[int, list[tuple]], dict[int, int], dict[int, int]]:
+    """The latest round's step records for the report, every rank of it included,
+    from ``rounds`` (round -> rank -> records): (rank -> records, rank -> the round
+    whose file a kept rank writes, rank -> its steps over every round).
+
+    A worker kept through an in-memory re-formation keeps writing the file of the round
+    it started in, its step numbers going on; its records made after the latest round
+    began are its part of that round, numbered as the round's new ranks number theirs
+    (the report lines ranks up by step number). Steps are summed over the rounds: a
+    rank's new process adds to what its predecessor made; a kept one counts its own."""
+    latest = max(rounds)
+    records = dict(rounds[latest])
+    # the round's first step, less half a step: a kept rank's first step of the round
+    # ends with the new ranks' (their sums end together), a little before or after
+    begun = min((rows[0][3] - (rows[1][3] - rows[0][3]) / 2 if len(rows) > 1 else rows[0][3]
+                 for rows in records.values() if rows), default=math.inf)
+    first = min((rows[0][0] for rows in records.values() if rows), default=1)
+    made = {rank: rows[-1][0] - rows[0][0] + 1 for rank, rows in records.items() if rows}
+    kept_from: dict[int, int] = {}
+    for number in sorted(rounds, reverse=True):
+        if number == latest:
+            continue
+        for rank, rows in rounds[number].items():
+            if not rows:
+                continue
+            if rank not in records and rows[-1][3] > begun:
+                since = [row for row in rows if row[3] > begun]
+                shift = since[0][0] - first
+                records[rank] = [(row[0] - shift, *row[1:]) for row in since]
+                kept_from[rank] = number
+                made[rank] = rows[-1][0]
+            elif rank not in kept_from:
+                made[rank] = made.get(rank, 0) + rows[-1][0] - rows[0][0] + 1
+    return records, kept_from, made
 
 
 def _said_events(said, pid: int, offset: float, scope: str) -> list[dict]:

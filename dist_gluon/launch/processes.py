@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -13,6 +14,14 @@ import time
 from . import output
 
 TAIL_LINES = 20
+# what horovod prints on every survivor when a peer of its Gloo ring is gone (its
+# background thread's error): in an elastic job, the lost peer seen from this side
+_LOST_PEER = re.compile(r"Horovod background loop uncaught exception.*gloo.*"
+                        r"(Connection reset by peer|Connection closed by peer|"
+                        r"Read error|Write error|Broken pipe|Timed out)", re.IGNORECASE)
+EXPECTED = ("dist_gluon: expected: the horovod error above is this worker seeing a peer "
+            "that was lost; the elastic job re-forms (from the workers' memory under "
+            "dist_gluon.elastic.run), as the launcher says")
 
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
@@ -44,6 +53,8 @@ class Process:
         self.label, self.role, self.rank = label, role, rank
         self.local_rank: int | None = None      # a worker's, on its node
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        # an elastic job's workers expect to lose peers (see _LOST_PEER)
+        self.elastic = env.get("DG_ELASTIC") == "1"
         self.ended_at: float | None = None      # time.time() when it ended
         self.popen = subprocess.Popen(argv, env=env, stdin=stdin,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -67,6 +78,8 @@ class Process:
             # read per line: a worker kept through a re-formation takes its new rank
             prefix = f"[{self.label}] " if self.label else ""
             output.emit(prefix + line + "\n", to_stderr)
+            if self.elastic and _LOST_PEER.search(line):
+                output.emit(prefix + EXPECTED + "\n", to_stderr)
         pipe.close()
 
     def _wait(self):

@@ -47,6 +47,7 @@ class Ledger:
     checkpoint: tuple[int, int] | None = None   # the newest, (epoch, step)
     stops: int = 0              # stop requests made (each has its number)
     preempts: list[int] = field(default_factory=list)   # preemptions heard between rounds
+    told_flag: bool = False     # said which flag recovers a State in memory
 
 
 class JobView:
@@ -194,6 +195,7 @@ class RoundWatch:
                 # for the next round (dist_gluon.elastic.run)
                 return RoundEnd(Outcome.STOPPED, lost=self.stop.leaving if self.stop else ())
             self._note_checkpoint(states)
+            self._tell_flag(states)
             running = any(s["returncode"] is None for s in states)
             failure = view.service_failure(running)
             if failure:
@@ -219,6 +221,25 @@ class RoundWatch:
                 return RoundEnd(Outcome.TIMEOUT, 124, f"timeout after {config.timeout:g} s. "
                                 f"Ranks still running: {', '.join(still) or 'none'}")
             time.sleep(0.05)
+
+    def _tell_flag(self, states: list[dict]) -> None:
+        """A script that holds a dist_gluon.elastic.State in a job that is not elastic
+        would restart from its start at a failure, silently ignoring the State: say
+        once, as its workers start, which flag recovers it in memory."""
+        if self.ledger.told_flag or self.config.elastic:
+            return
+        holding = [s["rank"] for s in states if s.get("holds_state")]
+        if not holding:
+            return
+        self.ledger.told_flag = True
+        restarts = (f"--max-restarts {self.config.max_restarts} restarts every worker "
+                    "from the script's start (or its last checkpoint)"
+                    if self.config.max_restarts else "a failure ends the job")
+        self.view.say(f"rank {holding[0]} keeps a dist_gluon.elastic.State under "
+                      "dist_gluon.elastic.run, but this job is not elastic: "
+                      f"{restarts}, not from the State's last commit in memory. Start the "
+                      "launcher with --nnodes 1:1 (one machine) or --nnodes MIN:MAX "
+                      "for recovery in memory.")
 
     def _planned_changes(self) -> None:
         """Elastic: nodes waiting to join, or a preempted node, ask the workers to stop

@@ -239,39 +239,53 @@ class Supervisor:
 
     # ------------------------------------------------------------------ stalls
     def _watch_stall(self, states, now):
+        """A stall is a job whose collective counts have not moved for
+        ``--stall-warning`` seconds while its ranks are in different collectives:
+        either some ranks wait in a collective the lowest have not reached, or every
+        rank submitted as many but the last ones differ (a rank in a sum of its own
+        while the others block in the step's: a sync check after a re-formation, a
+        user's extra sum). The second kind had been silent: only a lower count was
+        looked for. Per round: the supervisor and the records start with the round."""
         if self.stall_warning is None and self.stall_timeout is None:
             return None
-        low = min(s["count"] for s in states)
-        lagging = frozenset(s["rank"] for s in states if s["count"] == low and not _left(s))
-        ahead = [s for s in states if s["count"] > low]
-        state = (low, lagging) if ahead and lagging else None
-        if state != self._stall_state:
-            self._stall_state, self._stall_since, self._stall_warned = state, now, False
-        if state is None:
+        stall = _stall(states)
+        if stall != self._stall_state:
+            self._stall_state, self._stall_since, self._stall_warned = stall, now, False
+        if stall is None:
             return None
         waited = now - self._stall_since
         if self.stall_timeout is not None and waited >= self.stall_timeout:
-            report = self._stall_report(states, low, lagging, ahead, waited)
+            report = self._stall_report(states, stall, waited)
             return Verdict(False, 124, report + f"\nstall timeout ({self.stall_timeout:g} s).")
         if self.stall_warning is not None and waited >= self.stall_warning \
                 and not self._stall_warned:
             self._stall_warned = True
-            self.view.say(self._stall_report(states, low, lagging, ahead, waited)
+            self.view.say(self._stall_report(states, stall, waited)
                           + "\nThe job keeps running (--stall-timeout SEC ends it).")
         return None
 
-    def _stall_report(self, states, low, lagging, ahead, waited) -> str:
-        n = low + 1
-        key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
+    def _stall_report(self, states, stall, waited) -> str:
+        kind, low, lagging = stall
         by_rank = {s["rank"]: s for s in states}
         hosts = ", ".join(by_rank[r]["host"] or "?" for r in sorted(lagging))
-        lines = [f"stall: {_ranks(s['rank'] for s in ahead)} "
-                 f"{'has' if len(ahead) == 1 else 'have'} waited {waited:.0f} s in collective "
-                 f"#{n}" + (f" (key {key!r})" if key else "")
-                 + f" that {_ranks(lagging)} ({hosts}) "
-                 f"{'has' if len(lagging) == 1 else 'have'} not reached"
-                 + (f" (last submitted: #{low}, key {by_rank[min(lagging)]['key_last']!r})"
-                    if low else " (no collective submitted yet)") + "."]
+        if kind == _APART:
+            where = "; ".join(f"rank {s['rank']} ({s['host'] or '?'}) in key "
+                              f"{s['key_last']!r}" for s in states if s["rank"] in lagging)
+            lines = [f"stall: {_ranks(lagging)} have each submitted {low} collectives and "
+                     f"none has submitted another for {waited:.0f} s, but the last ones "
+                     f"differ (collective #{low}): {where}. The ranks called different "
+                     "collectives; each waits for the others to join its own."]
+        else:
+            ahead = [s for s in states if s["count"] > low]
+            n = low + 1
+            key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
+            lines = [f"stall: {_ranks(s['rank'] for s in ahead)} "
+                     f"{'has' if len(ahead) == 1 else 'have'} waited {waited:.0f} s in "
+                     f"collective #{n}" + (f" (key {key!r})" if key else "")
+                     + f" that {_ranks(lagging)} ({hosts}) "
+                     f"{'has' if len(lagging) == 1 else 'have'} not reached"
+                     + (f" (last submitted: #{low}, key {by_rank[min(lagging)]['key_last']!r})"
+                        if low else " (no collective submitted yet)") + "."]
         stacks = self.view.stacks(sorted(lagging))
         for rank in sorted(lagging):
             text = stacks.get(rank)
@@ -282,3 +296,23 @@ class Supervisor:
                 lines.append(f"no Python stacks from rank {rank} (it has not imported "
                              "dist_gluon's backend, or did not answer)")
         return "\n".join(lines)
+
+
+_BEHIND, _APART = "behind", "apart"
+
+
+def _stall(states) -> tuple[str, int, frozenset] | None:
+    """Whether the ranks are in different collectives, as (kind, count, ranks):
+    ``_BEHIND``, some ranks are ahead of the lowest count and ``ranks`` (the lowest,
+    still running) have not reached their collective; ``_APART``, every running rank
+    has submitted ``count`` collectives but the keys of the last differ (``ranks``:
+    all of them). None when the ranks agree (they may be computing)."""
+    low = min(s["count"] for s in states)
+    running = [s for s in states if not _left(s)]
+    lagging = frozenset(s["rank"] for s in running if s["count"] == low)
+    if any(s["count"] > low for s in states):
+        return (_BEHIND, low, lagging) if lagging else None
+    keys = {s.get("key_last") for s in running}
+    if low and len(running) > 1 and len(keys) > 1 and None not in keys:
+        return _APART, low, frozenset(s["rank"] for s in running)
+    return None

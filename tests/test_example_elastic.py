@@ -1,0 +1,66 @@
+"""docs/elastic.md's first script, examples/elastic/train_in_memory.py, does what the
+guide says: on one machine, a worker killed while it trains is replaced and the job
+ends with the weights of a run that lost no worker."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import process_env
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "elastic" / "train_in_memory.py"
+
+
+def _run(tmp_path, backend, kill_rank=None):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+         "--backend", backend, "--max-restarts", "1", "--", sys.executable, str(EXAMPLE),
+         "--epochs", "3", "--pace", "0.05"],
+        cwd=tmp_path, env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    if kill_rank is not None:
+        _kill_worker_when_training(proc.pid, kill_rank)
+    stdout, stderr = proc.communicate(timeout=180)
+    return proc.returncode, stdout, stderr
+
+
+def _kill_worker_when_training(launcher: int, rank: int) -> None:
+    """SIGKILL the launcher's worker of ``rank`` once it has trained a while (as a user
+    would from another terminal)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
+                                  text=True).stdout.split()
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    environ = f.read().split(b"\0")
+            except OSError:
+                continue
+            if f"DG_RANK={rank}".encode() in environ:
+                time.sleep(3.0)         # into its training
+                os.kill(int(pid), signal.SIGKILL)
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no worker of rank {rank} under launcher {launcher}")
+
+
+@pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
+def test_the_guides_first_script_heals_a_killed_worker_to_the_uninterrupted_weights(
+        tmp_path, backend):
+    code, stdout, stderr = _run(tmp_path, backend)
+    assert code == 0, stderr[-3000:]
+    whole = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    assert whole, stdout[-2000:]
+    code, stdout, stderr = _run(tmp_path, backend, kill_rank=1)
+    report = stdout[-2000:] + stderr[-3000:]
+    assert code == 0, report
+    assert "was killed by SIGKILL" in stderr, report
+    assert "last commit in memory" in stderr or "node's" in stderr, report
+    healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    assert healed and healed[1] == whole[1], report
