@@ -57,7 +57,7 @@ def matrix(tmp_path_factory):
         plan = out / f"plan_{_group_name(key)}.json"
         plan.write_text(json.dumps(rows))
         # a combination that hangs fails in seconds, with the lagging ranks' stacks
-        launcher_args = [*LAUNCH[backend], "--stall-timeout", "30"]
+        launcher_args = [*LAUNCH[backend], "--stall-timeout", "60"]
         # SyncBatchNorm on two CPU contexts of one process needs it (dist_gluon/syncbn.py)
         env = {"MXNET_CPU_TEMP_COPY": "1024"}
         if observe != "off":
