@@ -32,7 +32,7 @@ setup(
     # against the installed MXNet; the horovod backend checks the build at start.
     extras_require={
         "examples": ["gluoncv==0.10.5.post0", "matplotlib"],
-        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff", "coverage"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "ruff", "coverage", "allpairspy"],
     },
     entry_points={"console_scripts": ["dist-gluon-run=dist_gluon.launch:main"]},
 )

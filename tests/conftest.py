@@ -199,3 +199,34 @@ def pytest_terminal_summary(terminalreporter):
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {path}")
     terminalreporter.write_line(f"{total:8.1f} s in all")
+
+
+# Where the machine can make emulated hosts (root, network namespaces: ``make test`` sets
+# DG_REQUIRE_EMULATED_HOSTS=1 when root), the suites that need them (elastic, partitions,
+# memory mode, timeline across hosts, MPI across hosts...) must run: a skip there would
+# let a broken tools/emulated_cluster.py, or a missing sshd, pass the suite silently.
+# Such a skip becomes a failure that gives the skip's reason. A suite needs emulated
+# hosts when it uses tools/emulated_cluster.py.
+REQUIRE_EMULATED_HOSTS = "DG_REQUIRE_EMULATED_HOSTS"
+
+
+def _needs_emulated_hosts(path: Path) -> bool:
+    try:
+        return "emulated_cluster" in path.read_text()
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and os.environ.get(REQUIRE_EMULATED_HOSTS) == "1"
+            and _needs_emulated_hosts(item.path)):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"skipped ({reason}), but {REQUIRE_EMULATED_HOSTS}=1: this machine "
+                           "is expected to make emulated hosts (root, network namespaces: "
+                           "tools/emulated_cluster.py); run `make setup` as root for sshd "
+                           f"and OpenMPI, or set {REQUIRE_EMULATED_HOSTS}=0 where network "
+                           "namespaces are not allowed")
