@@ -102,11 +102,6 @@ CONSTRAINTS: list[Constraint] = [
 # Known bugs being fixed on other branches: the lead removes each constraint after
 # merging its fix, and the matrix then covers the pairs again.
 KNOWN_BUGS: list[Constraint] = [
-    # issue 50: AMP with a codec trains wrong (2-bit quantises the scaled gradients and
-    # swallows the overflow; fp16 overflows float16 until the scale has halved five
-    # times); being fixed on branch amp2.
-    ("issue 50, branch amp2: AMP with a compression codec trains wrong",
-     lambda r: not (_on(r, "amp") and _on(r, "codec"))),
     # Found by this matrix, not fixed yet (reported to the lead, 2026-11-28): after
     # mx.contrib.amp.init() (even with no operator cast to float16), SyncBatchNorm on
     # horovod trains wrong without a word (the weights hardly move, the running
