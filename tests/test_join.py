@@ -52,6 +52,25 @@ def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, tra
                                            err_msg=f"{case}, rank {rank}, parameter {name}")
 
 
+def test_hvd_join_takes_part_in_the_peers_trainer_steps_and_returns_the_last_rank(tmp_path):
+    """dist_gluon.compat.horovod: ranks with 3, 5 and 2 batches step Horovod's
+    DistributedTrainer inside dg.Join; hvd.join() (one epoch through step()) and leaving
+    the block (one through allreduce_grads + update) take part in the others' steps, so
+    every rank ends with the weights of one process applying Horovod's arithmetic to
+    the batches present (DG_CHECK_SYNC=1 compares the replicas at every step), and
+    every rank hears that rank 1, with the most batches, joined last."""
+    script = (WORKERS / "join_compat.py").read_text()
+    result = launch(script, tmp_path, n=3, env={"DG_CHECK_SYNC": "1"}, timeout=180)
+    assert_ok(result)
+    for rank in range(3):
+        lines = worker_lines(result.stdout, rank)
+        assert "join returned 1" in lines and "block's last 1" in lines, lines
+        # outside a block it is a barrier every rank calls at once: the highest rank
+        assert "join outside a block returned 2" in lines, lines
+        difference = float(lines[-1].rsplit(" ", 1)[1])
+        assert lines[-1].startswith("largest difference") and difference <= TOLERANCE, lines
+
+
 _ERROR_CASE = """
 import sys
 import mxnet as mx
@@ -128,7 +147,8 @@ def test_a_joined_rank_sends_nothing_through_a_codec_and_keeps_its_feedback(tmp_
 
 
 def test_join_refuses_what_it_cannot_shadow_and_does_nothing_on_one_process():
-    """dg.Join needs DistributedTrainers (not gluon's, not Local SGD's rounds); on one
+    """dg.Join needs DistributedTrainers or the peers' (not gluon's, not Local SGD's
+    rounds); on one
     process the block is free and the loop trains as without it."""
     net = gluon.nn.Dense(2, in_units=3)
     net.initialize()
