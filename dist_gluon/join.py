@@ -94,17 +94,20 @@ class Join:
     """
 
     def __init__(self, *trainers):
-        from .compat._training import PeerTrainer
+        from .compat._training import PeerOptimizer, PeerTrainer
+        from .optimizer import DistributedOptimizer
         from .trainer import DistributedTrainer
         if not trainers:
             raise ValueError("dg.Join needs the trainers stepped inside the block, "
                              "e.g. dg.Join(trainer) or dg.Join(g_trainer, d_trainer)")
         for trainer in trainers:
-            if not isinstance(trainer, (DistributedTrainer, PeerTrainer)):
+            if not isinstance(trainer, (DistributedTrainer, PeerTrainer,
+                                        DistributedOptimizer)):
                 raise TypeError(f"dg.Join takes dist_gluon.DistributedTrainer objects (or "
                                 "the DistributedTrainer of dist_gluon.compat.horovod or "
-                                f".byteps), got {type(trainer).__name__}: a gluon.Trainer "
-                                "does not announce its steps")
+                                ".byteps, or a DistributedOptimizer of the Module API), "
+                                f"got {type(trainer).__name__}: a gluon.Trainer does not "
+                                "announce its steps")
         kvs = {id(t.kv) for t in trainers}
         if len(kvs) > 1:
             raise ValueError("the trainers given to dg.Join communicate through different "
@@ -115,11 +118,15 @@ class Join:
                              f"sync_every={local_rounds[0].sync_every}); pad the shares "
                              "(dist_gluon.ShardSampler) instead")
         self._trainers = list(trainers)
-        self._peers = [isinstance(t, PeerTrainer) for t in trainers]
+        self._peers = [isinstance(t, (PeerTrainer, PeerOptimizer)) for t in trainers]
+        self._optimizers = [isinstance(t, DistributedOptimizer) for t in trainers]
+        # the indices a Module's optimizer updated in its current step
+        self._updated: dict[int, set] = {}
         self._kv = trainers[0].kv
         # the keys a rank that has left can shadow: the trainers' (gradients, header,
         # codecs, sync check), SyncBatchNorm's and the announcements'
-        self._own_keys = tuple(t._averager.key("") for t in trainers) + ("syncbn.", KEY)
+        self._own_keys = tuple(f"{t._dg_prefix}." if isinstance(t, DistributedOptimizer)
+                               else t._averager.key("") for t in trainers) + ("syncbn.", KEY)
         self._note: mx.nd.NDArray | None = None     # the announcement's sum, reused
         self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code] made once per code
         self._shadowing = False
@@ -139,7 +146,7 @@ class Join:
             raise RuntimeError("dg.Join blocks do not nest: give one block every trainer, "
                                "dg.Join(g_trainer, d_trainer)")
         # dist_async: a rank that has left simply stops pushing, nobody waits for it
-        self._events, self.last_joined = 0, None
+        self._events, self.last_joined, self._updated = 0, None, {}
         if self._kv.num_workers > 1 and self._kv.type != "dist_async":
             _current = self
         else:
@@ -205,6 +212,24 @@ class Join:
         if index is None:
             return
         self._announce(-(1 + 8 * index + _CALLS.index(call)), batch_size)
+
+    def before_optimizer_update(self, optimizer, index) -> None:
+        """A Module's update calls the optimizer once per parameter (or group): the
+        first call of a step (an index this step has not seen yet comes again, as
+        the gradient averager counts steps) announces the whole step."""
+        if self._shadowing:
+            return
+        number = next((i for i, t in enumerate(self._trainers) if t is optimizer), None)
+        if number is None:
+            return
+        first = index[0] if isinstance(index, (list, tuple)) else index
+        seen = self._updated.setdefault(number, set())
+        if seen and first not in seen:
+            seen.add(first)
+            return
+        seen.clear()
+        seen.add(first)
+        self._announce(-(1 + 8 * number + _CALLS.index("update")))
 
     def before_syncbn_forward(self, layer, number: int, recording: bool) -> None:
         if self._shadowing:
@@ -279,14 +304,17 @@ class Join:
         index, call = divmod(-code - 1, 8)
         trainer = self._trainers[index]
         name = _CALLS[call]
+        if self._optimizers[index]:
+            _shadow_module_update(trainer, peer=self._peers[index])
+            return
         # a DistributedTrainer sums the batch sizes (this rank adds 0); a peer's trainer
         # rescales by the rank's own, here the mean of the ranks still in the loop
         batch = float(values[2]) / self._in_loop if self._peers[index] else 0
         if name.startswith("step"):
-            with _codec_feedback_kept(trainer):
+            with _codec_feedback_kept(trainer.codec):
                 trainer.step(batch, ignore_stale_grad=name.endswith("stale"))
         elif name == "allreduce_grads":
-            with _codec_feedback_kept(trainer):
+            with _codec_feedback_kept(trainer.codec):
                 trainer.allreduce_grads()
         else:
             trainer.update(batch, ignore_stale_grad=name.endswith("stale"))
@@ -300,11 +328,10 @@ _OWN_CODEC_STATE = ("residual.", "error.", "momentum.")
 
 
 @contextlib.contextmanager
-def _codec_feedback_kept(trainer):
+def _codec_feedback_kept(codec):
     """A shadowed step through a codec with error feedback: the rank's own feedback is
     zero for the step, so that its zero gradient compresses to zeros and adds nothing,
     and is put back afterwards, unchanged (an array made in the step is left at zero)."""
-    codec = trainer.codec
     if codec is None:
         yield
         return
@@ -321,6 +348,37 @@ def _codec_feedback_kept(trainer):
                 kept[name].copyto(array)
             elif name.startswith(_OWN_CODEC_STATE):
                 array[:] = 0
+
+
+def _shadow_module_update(optimizer, peer: bool) -> None:
+    """The Module's ``update()`` with zero gradients and a weight (batch size) of 0:
+    the sums get nothing from this rank, which applies the same update as the others."""
+    module = optimizer._dg_module
+    if module is None:
+        raise JoinError("a rank that had left the loop of its dg.Join block cannot take "
+                        "part in the Module's update: its DistributedOptimizer was never "
+                        "installed in a Module (mod.init_optimizer or mod.fit)")
+    for grads in module._exec_group.grad_arrays:
+        for grad in grads:
+            if grad is not None:
+                grad[:] = 0
+    inner = optimizer._dg_wrapped_optimizer
+    rescale_grad = inner.rescale_grad
+    if not peer:
+        # DistributedOptimizer weighs a rank by 1 / rescale_grad, its batch size
+        inner.rescale_grad = float("inf")
+    averager = optimizer._dg_averager
+    try:
+        with _codec_feedback_kept(averager.codec if averager is not None else None):
+            module.update()
+    finally:
+        inner.rescale_grad = rescale_grad
+
+
+def optimizer_update(optimizer, index) -> None:
+    """Hook of DistributedOptimizer: announce a Module's step inside a Join block."""
+    if _current is not None:
+        _current.before_optimizer_update(optimizer, index)
 
 
 def current() -> Join | None:

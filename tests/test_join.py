@@ -71,6 +71,22 @@ def test_hvd_join_takes_part_in_the_peers_trainer_steps_and_returns_the_last_ran
         assert lines[-1].startswith("largest difference") and difference <= TOLERANCE, lines
 
 
+def test_the_module_api_trains_uneven_iterators_under_join_around_fit(tmp_path):
+    """Module API on dist_sync: ``with dg.Join(opt): mod.fit(...)`` with a
+    DistributedOptimizer and iterators of 3 and 5 batches, two epochs: both ranks end
+    with the weights of one Gluon process on the batches present at each step (to 5e-5:
+    Module's SoftmaxOutput and Gluon's loss alone differ by 3e-6 after these steps), and
+    rank 1, with the most batches, left last."""
+    script = (WORKERS / "join_module.py").read_text()
+    result = launch(script, tmp_path, backend="dist_sync", n=2, timeout=180)
+    assert_ok(result)
+    for rank in range(2):
+        lines = [line for line in worker_lines(result.stdout, rank)
+                 if line.startswith(("epoch", "largest"))]
+        assert lines[:2] == ["epoch 1: last to leave 1", "epoch 2: last to leave 1"], lines
+        assert float(lines[2].rsplit(" ", 1)[1]) <= 5e-5, lines
+
+
 _ERROR_CASE = """
 import sys
 import mxnet as mx
