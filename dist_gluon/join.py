@@ -69,11 +69,18 @@ class Join:
 
     Parameters
     ----------
-    *trainers : DistributedTrainer, or the DistributedTrainer of dist_gluon.compat.horovod
-        or .byteps
+    *trainers : DistributedTrainer, DistributedOptimizer, or the DistributedTrainer of
+        dist_gluon.compat.horovod or .byteps
         Every trainer stepped inside the block (a GAN's two), in the same order on every
-        rank. A rank that has left steps a peer's trainer with the mean batch size of
-        the ranks still in the loop (the peers rescale by a rank's own batch size).
+        rank; a Module's DistributedOptimizer, with ``mod.fit`` inside the block. A rank
+        that has left steps a peer's trainer with the mean batch size of the ranks still
+        in the loop (the peers rescale by a rank's own batch size).
+
+    Attributes
+    ----------
+    last_joined : int or None
+        After the block (or :meth:`finish`): the last rank to leave the loop, the same
+        on every rank (the one that took part in the most steps; the highest of a tie).
 
     Examples
     --------
