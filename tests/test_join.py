@@ -76,15 +76,18 @@ def test_the_module_api_trains_uneven_iterators_under_join_around_fit(tmp_path):
     DistributedOptimizer and iterators of 3 and 5 batches, two epochs: both ranks end
     with the weights of one Gluon process on the batches present at each step (to 5e-5:
     Module's SoftmaxOutput and Gluon's loss alone differ by 3e-6 after these steps), and
-    rank 1, with the most batches, left last."""
+    rank 1, with the most batches, left last. The same with Horovod's
+    DistributedOptimizer (dist_gluon.compat) on horovod, with Horovod's arithmetic."""
     script = (WORKERS / "join_module.py").read_text()
-    result = launch(script, tmp_path, backend="dist_sync", n=2, timeout=180)
-    assert_ok(result)
-    for rank in range(2):
-        lines = [line for line in worker_lines(result.stdout, rank)
-                 if line.startswith(("epoch", "largest"))]
-        assert lines[:2] == ["epoch 1: last to leave 1", "epoch 2: last to leave 1"], lines
-        assert float(lines[2].rsplit(" ", 1)[1]) <= 5e-5, lines
+    for backend, args in (("dist_sync", []), ("horovod", ["horovod"])):
+        result = launch(script, tmp_path, backend=backend, n=2, args=args, timeout=180)
+        assert_ok(result)
+        for rank in range(2):
+            lines = [line for line in worker_lines(result.stdout, rank)
+                     if line.startswith(("epoch", "largest"))]
+            assert lines[:2] == ["epoch 1: last to leave 1", "epoch 2: last to leave 1"], \
+                (backend, lines)
+            assert float(lines[2].rsplit(" ", 1)[1]) <= 5e-5, (backend, lines)
 
 
 _ERROR_CASE = """

@@ -1,8 +1,11 @@
 """dg.Join with the Module API: ``mod.fit`` inside the block, with a DistributedOptimizer
 and a data iterator of 3 batches on rank 0 and 5 on rank 1 (and 2 on a third rank), two
 epochs, each its own block; each rank compares its weights with one Gluon process
-trained on the batches present at each step, and prints the largest difference."""
+trained on the batches present at each step, and prints the largest difference. With
+the argument ``horovod``: Horovod's DistributedOptimizer (dist_gluon.compat), whose
+arithmetic is the sum of the present ranks' gradients / (size x batch)."""
 import logging
+import sys
 
 import mxnet as mx
 import numpy as np
@@ -10,6 +13,10 @@ from mxnet import autograd, gluon
 
 import dist_gluon as dg
 
+HOROVOD = sys.argv[1:] == ["horovod"]
+if HOROVOD:
+    import dist_gluon.compat.horovod as hvd
+    hvd.init()
 kv = dg.create()
 size, rank = kv.num_workers, kv.rank
 BATCHES, BATCH = [3, 5, 2][:size], 4
@@ -30,8 +37,8 @@ arg_params, aux_params = mod.get_params()
 dg.broadcast_parameters(arg_params)
 mod.set_params(arg_params, aux_params)
 start = {name: value.copy() for name, value in arg_params.items()}
-opt = dg.DistributedOptimizer(mx.optimizer.SGD(learning_rate=0.5, momentum=0.9,
-                                               rescale_grad=1.0 / BATCH))
+sgd = mx.optimizer.SGD(learning_rate=0.5, momentum=0.9, rescale_grad=1.0 / BATCH)
+opt = hvd.DistributedOptimizer(sgd) if HOROVOD else dg.DistributedOptimizer(sgd)
 logging.getLogger().setLevel(logging.ERROR)
 for epoch in range(2):
     mine = slice(0, BATCHES[rank])
@@ -59,7 +66,7 @@ for epoch in range(2):
         with autograd.record():
             loss = loss_fn(net(x), y)
         loss.backward()
-        trainer.step(len(present) * BATCH)
+        trainer.step((size if HOROVOD else len(present)) * BATCH)
 trained = mod.get_params()[0]
 difference = max(float(np.abs(trained[name].asnumpy() - param.data().asnumpy()).max())
                  for param, name in zip(net.collect_params().values(),
