@@ -13,12 +13,14 @@ others still take, until every rank has left:
    size is that of a peer's trainer (``dist_gluon.compat``), which rescales by each
    rank's own. The ranks in the loop never wait for that sum: it rides ahead of the
    event's own collectives.
-2. A rank in ``__exit__`` adds ``[0, 0, 0]`` and waits for the total. ``[0, 0]``: every
-   rank has left, and all return together. Otherwise the code (the total over the
-   number of ranks still in the loop) says which event to shadow, and it issues that
-   event's collectives with nothing of its own: a trainer step with batch size 0 and
-   zero (stale) gradients, then the same update as the others (so the weights, the
-   optimizer states and the sync check's counters stay equal everywhere); a
+2. A rank in ``__exit__`` adds ``[0, 0, 0]`` (and, in its own slot of the N that follow,
+   the number of events it announced, +1) and waits for the total. No rank in the loop:
+   every rank has left, and all return together (the most events: the last to leave).
+   Otherwise the code (the total over the number of ranks still in the loop) says which
+   event to shadow, and it issues that event's collectives with nothing of its own: a
+   trainer step with batch size 0 and zero (stale) gradients, then the same update as
+   the others (so the weights, the optimizer states and the sync check's counters stay
+   equal everywhere); a Module's update with zero gradients and weight 0; a
    SyncBatchNorm forward with a sample count of 0 (its running statistics move towards
    the global ones like everyone's) and zeros in its backward collective.
 3. The step's header sums the batch sizes, so the others divide by the samples that are
@@ -135,7 +137,7 @@ class Join:
         self._own_keys = tuple(f"{t._dg_prefix}." if isinstance(t, DistributedOptimizer)
                                else t._averager.key("") for t in trainers) + ("syncbn.", KEY)
         self._note: mx.nd.NDArray | None = None     # the announcement's sum, reused
-        self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code] made once per code
+        self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code, 0...] made once per code
         self._shadowing = False
         self._in_loop = 0           # ranks in the loop at the event being shadowed
         self._events = 0            # events this rank announced in the block's loop
