@@ -188,3 +188,8 @@ def test_join_refuses_what_it_cannot_shadow_and_does_nothing_on_one_process():
         trainer.step(4)
     # the gradient of the sum over 4 rows of ones is 4 per weight, divided by 4 samples
     np.testing.assert_allclose(net.weight.data().asnumpy(), before - 0.1, rtol=1e-6)
+    assert block.last_joined == 0
+    # a Module's optimizer is taken too (its steps announce themselves)
+    with dg.Join(dg.DistributedOptimizer(mx.optimizer.SGD())) as module_block:
+        pass
+    assert module_block.last_joined == 0
