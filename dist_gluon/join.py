@@ -8,15 +8,19 @@ others still take, until every rank has left:
 
 1. Each event of a step that communicates (a trainer's ``step``, ``allreduce_grads``
    or ``update``, a SyncBatchNorm's training forward) first *announces* itself: the
-   ranks in the loop add ``[1, code]`` into one tiny sum (:data:`KEY`), the code naming
-   the event (which trainer and call, which SyncBatchNorm layer). The ranks in the
-   loop never wait for that sum: it rides ahead of the event's own collectives.
-2. A rank in ``__exit__`` adds ``[0, 0]`` and waits for the total. ``[0, 0]``: every
-   rank has left, and all return together. Otherwise the code (the total over the
-   number of ranks still in the loop) says which event to shadow, and it issues that
-   event's collectives with nothing of its own: a trainer step with batch size 0 and
-   zero (stale) gradients, then the same update as the others (so the weights, the
-   optimizer states and the sync check's counters stay equal everywhere); a
+   ranks in the loop add ``[1, code, batch size]`` into one tiny sum (:data:`KEY`), the
+   code naming the event (which trainer and call, which SyncBatchNorm layer); the batch
+   size is that of a peer's trainer (``dist_gluon.compat``), which rescales by each
+   rank's own. The ranks in the loop never wait for that sum: it rides ahead of the
+   event's own collectives.
+2. A rank in ``__exit__`` adds ``[0, 0, 0]`` (and, in its own slot of the N that follow,
+   the number of events it announced, +1) and waits for the total. No rank in the loop:
+   every rank has left, and all return together (the most events: the last to leave).
+   Otherwise the code (the total over the number of ranks still in the loop) says which
+   event to shadow, and it issues that event's collectives with nothing of its own: a
+   trainer step with batch size 0 and zero (stale) gradients, then the same update as
+   the others (so the weights, the optimizer states and the sync check's counters stay
+   equal everywhere); a Module's update with zero gradients and weight 0; a
    SyncBatchNorm forward with a sample count of 0 (its running statistics move towards
    the global ones like everyone's) and zeros in its backward collective.
 3. The step's header sums the batch sizes, so the others divide by the samples that are
@@ -25,7 +29,7 @@ others still take, until every rank has left:
    step equals one process on the concatenation of the batches of the ranks that still
    have one.
 
-Before any rank has left, a step costs one extra sum of ``2 + N`` floats (N workers) per
+Before any rank has left, a step costs one extra sum of ``3 + N`` floats (N workers) per
 announced event, which nobody waits for.
 """
 from __future__ import annotations
@@ -67,9 +71,18 @@ class Join:
 
     Parameters
     ----------
-    *trainers : DistributedTrainer
+    *trainers : DistributedTrainer, DistributedOptimizer, or the DistributedTrainer of
+        dist_gluon.compat.horovod or .byteps
         Every trainer stepped inside the block (a GAN's two), in the same order on every
-        rank.
+        rank; a Module's DistributedOptimizer, with ``mod.fit`` inside the block. A rank
+        that has left steps a peer's trainer with the mean batch size of the ranks still
+        in the loop (the peers rescale by a rank's own batch size).
+
+    Attributes
+    ----------
+    last_joined : int or None
+        After the block (or :meth:`finish`): the last rank to leave the loop, the same
+        on every rank (the one that took part in the most steps; the highest of a tie).
 
     Examples
     --------
@@ -90,15 +103,20 @@ class Join:
     """
 
     def __init__(self, *trainers):
+        from .compat._training import PeerOptimizer, PeerTrainer
+        from .optimizer import DistributedOptimizer
         from .trainer import DistributedTrainer
         if not trainers:
             raise ValueError("dg.Join needs the trainers stepped inside the block, "
                              "e.g. dg.Join(trainer) or dg.Join(g_trainer, d_trainer)")
         for trainer in trainers:
-            if not isinstance(trainer, DistributedTrainer):
-                raise TypeError(f"dg.Join takes dist_gluon.DistributedTrainer objects, got "
-                                f"{type(trainer).__name__} (the peers' trainers of "
-                                "dist_gluon.compat do not announce their steps)")
+            if not isinstance(trainer, (DistributedTrainer, PeerTrainer,
+                                        DistributedOptimizer)):
+                raise TypeError(f"dg.Join takes dist_gluon.DistributedTrainer objects (or "
+                                "the DistributedTrainer of dist_gluon.compat.horovod or "
+                                ".byteps, or a DistributedOptimizer of the Module API), "
+                                f"got {type(trainer).__name__}: a gluon.Trainer does not "
+                                "announce its steps")
         kvs = {id(t.kv) for t in trainers}
         if len(kvs) > 1:
             raise ValueError("the trainers given to dg.Join communicate through different "
@@ -109,14 +127,21 @@ class Join:
                              f"sync_every={local_rounds[0].sync_every}); pad the shares "
                              "(dist_gluon.ShardSampler) instead")
         self._trainers = list(trainers)
+        self._peers = [isinstance(t, (PeerTrainer, PeerOptimizer)) for t in trainers]
+        self._optimizers = [isinstance(t, DistributedOptimizer) for t in trainers]
+        # the indices a Module's optimizer updated in its current step
+        self._updated: dict[int, set] = {}
         self._kv = trainers[0].kv
         # the keys a rank that has left can shadow: the trainers' (gradients, header,
         # codecs, sync check), SyncBatchNorm's and the announcements'
-        self._own_keys = tuple(t._averager.key("") for t in trainers) + ("syncbn.", KEY)
+        self._own_keys = tuple(f"{t._dg_prefix}." if isinstance(t, DistributedOptimizer)
+                               else t._averager.key("") for t in trainers) + ("syncbn.", KEY)
         self._note: mx.nd.NDArray | None = None     # the announcement's sum, reused
-        self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code] made once per code
+        self._codes: dict[int, mx.nd.NDArray] = {}  # [1, code, 0...] made once per code
         self._shadowing = False
         self._in_loop = 0           # ranks in the loop at the event being shadowed
+        self._events = 0            # events this rank announced in the block's loop
+        self.last_joined: int | None = None
 
     @property
     def trainers(self) -> list:
@@ -130,8 +155,11 @@ class Join:
             raise RuntimeError("dg.Join blocks do not nest: give one block every trainer, "
                                "dg.Join(g_trainer, d_trainer)")
         # dist_async: a rank that has left simply stops pushing, nobody waits for it
+        self._events, self.last_joined, self._updated = 0, None, {}
         if self._kv.num_workers > 1 and self._kv.type != "dist_async":
             _current = self
+        else:
+            self.last_joined = self._kv.rank
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -145,17 +173,33 @@ class Join:
             _current = None
         return False
 
+    def finish(self) -> int:
+        """This rank has run out of batches: shadow the other ranks' steps until every
+        rank has left, end the block's work here, and return the last rank to leave
+        (``hvd.join()`` inside a block; leaving the block does the same)."""
+        global _current
+        if _current is not self:
+            return self.last_joined
+        try:
+            return self._shadow_until_all_left()
+        finally:
+            _current = None
+
     # ------------------------------------------------------------ announcements
-    def _announce(self, code: int) -> None:
-        """Add ``[1, code]`` into the announcement sum (queued; nobody waits here)."""
+    def _announce(self, code: int, batch_size: float = 0.0) -> None:
+        """Add ``[1, code, batch_size]`` into the announcement sum (queued; nobody waits
+        here)."""
         kv = self._kv
         if self._note is None:
-            self._note = mx.nd.zeros((2 + kv.num_workers,), dtype="float32")
+            self._note = mx.nd.zeros((3 + kv.num_workers,), dtype="float32")
         mine = self._codes.get(code)
         if mine is None:
             mine = self._codes[code] = mx.nd.array(
-                [1.0, float(code)] + [0.0] * kv.num_workers, dtype="float32")
+                [1.0, float(code), 0.0] + [0.0] * kv.num_workers, dtype="float32")
         mine.copyto(self._note)
+        if batch_size:
+            self._note[2] = float(batch_size)
+        self._events += 1
         kv.pushpull(KEY, self._note, priority=2)
 
     def _ranks_in_loop(self) -> int:
@@ -167,16 +211,34 @@ class Join:
 
     def _joined_ranks(self) -> list[int]:
         values = self._note.asnumpy()
-        return [r for r in range(self._kv.num_workers) if values[2 + r] > 0]
+        return [r for r in range(self._kv.num_workers) if values[3 + r] > 0]
 
     # ------------------------------------------------------------ hooks (ranks in the loop)
-    def before_trainer_call(self, trainer, call: str) -> None:
+    def before_trainer_call(self, trainer, call: str, batch_size: float = 0.0) -> None:
         if self._shadowing:
             return
         index = next((i for i, t in enumerate(self._trainers) if t is trainer), None)
         if index is None:
             return
-        self._announce(-(1 + 8 * index + _CALLS.index(call)))
+        self._announce(-(1 + 8 * index + _CALLS.index(call)), batch_size)
+
+    def before_optimizer_update(self, optimizer, index) -> None:
+        """A Module's update calls the optimizer once per parameter (or group): the
+        first call of a step (an index this step has not seen yet comes again, as
+        the gradient averager counts steps) announces the whole step."""
+        if self._shadowing:
+            return
+        number = next((i for i, t in enumerate(self._trainers) if t is optimizer), None)
+        if number is None:
+            return
+        first = index[0] if isinstance(index, (list, tuple)) else index
+        seen = self._updated.setdefault(number, set())
+        if seen and first not in seen:
+            seen.add(first)
+            return
+        seen.clear()
+        seen.add(first)
+        self._announce(-(1 + 8 * number + _CALLS.index("update")))
 
     def before_syncbn_forward(self, layer, number: int, recording: bool) -> None:
         if self._shadowing:
@@ -200,15 +262,18 @@ class Join:
                 "batches (dist_gluon.ShardSampler pads the shares)")
 
     # ------------------------------------------------------------ a rank that has left
-    def _shadow_until_all_left(self) -> None:
+    def _shadow_until_all_left(self) -> int:
+        """Shadow the others' events until every rank has left; returns the last rank
+        to leave (the one that announced the most events; the highest such rank)."""
         kv = self._kv
         # This rank's last step may still have SyncBatchNorm backward collectives to
         # issue (MXNet runs those functions in its own threads once their inputs are
         # computed): they must go out before the shadows' collectives under the same
         # keys, which would otherwise be summed with the others' last real ones.
         mx.nd.waitall()
-        note = mx.nd.zeros((2 + kv.num_workers,), dtype="float32")
-        note[2 + kv.rank] = 1.0
+        note = mx.nd.zeros((3 + kv.num_workers,), dtype="float32")
+        # this rank has left, after taking part in that many events (+1: never 0)
+        note[3 + kv.rank] = 1.0 + self._events
         self._shadowing = True
         try:
             while True:
@@ -217,12 +282,16 @@ class Join:
                 values = total.asnumpy()
                 in_loop = int(round(float(values[0])))
                 if in_loop == 0:
+                    marks = values[3:]
+                    self.last_joined = max(range(kv.num_workers),
+                                           key=lambda r: (marks[r], r))
                     break
                 self._in_loop = in_loop
                 self._shadow(int(round(float(values[1]) / in_loop)), values)
         finally:
             self._shadowing = False
         self._note = None
+        return self.last_joined
 
     def _shadow(self, code: int, values: np.ndarray) -> None:
         rank = self._kv.rank
@@ -244,14 +313,20 @@ class Join:
         index, call = divmod(-code - 1, 8)
         trainer = self._trainers[index]
         name = _CALLS[call]
+        if self._optimizers[index]:
+            _shadow_module_update(trainer, peer=self._peers[index])
+            return
+        # a DistributedTrainer sums the batch sizes (this rank adds 0); a peer's trainer
+        # rescales by the rank's own, here the mean of the ranks still in the loop
+        batch = float(values[2]) / self._in_loop if self._peers[index] else 0
         if name.startswith("step"):
-            with _codec_feedback_kept(trainer):
-                trainer.step(0, ignore_stale_grad=name.endswith("stale"))
+            with _codec_feedback_kept(trainer.codec):
+                trainer.step(batch, ignore_stale_grad=name.endswith("stale"))
         elif name == "allreduce_grads":
-            with _codec_feedback_kept(trainer):
+            with _codec_feedback_kept(trainer.codec):
                 trainer.allreduce_grads()
         else:
-            trainer.update(0, ignore_stale_grad=name.endswith("stale"))
+            trainer.update(batch, ignore_stale_grad=name.endswith("stale"))
 
 
 # The codec state that is this worker's own (error feedback: 2-bit's residuals,
@@ -262,11 +337,10 @@ _OWN_CODEC_STATE = ("residual.", "error.", "momentum.")
 
 
 @contextlib.contextmanager
-def _codec_feedback_kept(trainer):
+def _codec_feedback_kept(codec):
     """A shadowed step through a codec with error feedback: the rank's own feedback is
     zero for the step, so that its zero gradient compresses to zeros and adds nothing,
     and is put back afterwards, unchanged (an array made in the step is left at zero)."""
-    codec = trainer.codec
     if codec is None:
         yield
         return
@@ -285,18 +359,50 @@ def _codec_feedback_kept(trainer):
                 array[:] = 0
 
 
+def _shadow_module_update(optimizer, peer: bool) -> None:
+    """The Module's ``update()`` with zero gradients and a weight (batch size) of 0:
+    the sums get nothing from this rank, which applies the same update as the others."""
+    module = optimizer._dg_installer
+    if module is None:
+        raise JoinError("a rank that had left the loop of its dg.Join block cannot take "
+                        "part in the Module's update: its DistributedOptimizer was never "
+                        "installed in a Module (mod.init_optimizer or mod.fit)")
+    for grads in module._exec_group.grad_arrays:
+        for grad in grads:
+            if grad is not None:
+                grad[:] = 0
+    inner = optimizer._dg_wrapped_optimizer
+    rescale_grad = inner.rescale_grad
+    if not peer:
+        # DistributedOptimizer weighs a rank by 1 / rescale_grad, its batch size
+        inner.rescale_grad = float("inf")
+    averager = optimizer._dg_averager
+    try:
+        with _codec_feedback_kept(averager.codec if averager is not None else None):
+            module.update()
+    finally:
+        inner.rescale_grad = rescale_grad
+
+
+def optimizer_update(optimizer, index) -> None:
+    """Hook of DistributedOptimizer: announce a Module's step inside a Join block."""
+    if _current is not None:
+        _current.before_optimizer_update(optimizer, index)
+
+
 def current() -> Join | None:
     """The Join block this process is in (None outside one, or on one process)."""
     return _current
 
 
-def trainer_call(trainer, call: str, ignore_stale_grad: bool = False) -> None:
-    """Hook of DistributedTrainer: announce ``call`` ('step', 'allreduce_grads',
-    'update') of ``trainer`` inside a Join block."""
+def trainer_call(trainer, call: str, ignore_stale_grad: bool = False,
+                 batch_size: float = 0.0) -> None:
+    """Hook of the trainers: announce ``call`` ('step', 'allreduce_grads', 'update') of
+    ``trainer`` inside a Join block (with the batch size a peer's trainer rescales by)."""
     if _current is not None:
         if ignore_stale_grad and call in ("step", "update"):
             call += "_ignore_stale"
-        _current.before_trainer_call(trainer, call)
+        _current.before_trainer_call(trainer, call, batch_size)
 
 
 def check_collective(kv, key) -> None:

@@ -17,6 +17,7 @@ import mxnet as mx
 from mxnet.kvstore.base import KVStoreBase
 
 from . import amp, async_updates
+from . import join as _join
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import Backend, resolve
@@ -268,6 +269,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         timeline (:class:`~dist_gluon.timeline.UpdateSteps`)."""
         rescale_grad = self._dg_wrapped_optimizer.rescale_grad
         samples = 1.0 / rescale_grad if rescale_grad else 0.0   # Module: its batch size
+        _join.optimizer_update(self, index)     # dg.Join: a step announces itself
         self._dg_steps.enter(index, grad, samples)
         self._update(update, index, weight, grad, state)
         self._dg_steps.leave(samples)
@@ -479,7 +481,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
                                  f"per worker, but the Module has the contexts {contexts}; "
                                  "use one device per worker there (or dist_sync)")
             self._dg_module = module
-        self._dg_installer = module
+        self._dg_installer = module     # its devices; dg.Join shadows its update()
         self._adopt_module_defaults(init_locals)
 
     def _adopt_module_defaults(self, init_locals: dict) -> None:

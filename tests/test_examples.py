@@ -202,6 +202,37 @@ def test_mnist_gluon_with_elastic_memory_outlives_a_killed_worker_without_checkp
     assert not list(tmp_path.iterdir())            # nothing written: no checkpoint
 
 
+def test_mnist_without_padding_trains_ranks_with_10_and_7_batches_to_equal_weights(tmp_path):
+    """--no-pad: the training set in 5 parts, rank 0 reading 3 and rank 1 two, so with
+    batches of 88 they hold 10 and 7 batches. Inside dg.Join rank 1 takes part in rank
+    0's last 3 steps of each epoch with zero samples: every rank exits 0, takes the 20
+    steps of the 2 epochs (the launcher's report counts each rank's steps), and ends
+    with the same weights, bit for bit (the summary's digests of every rank's weights);
+    so does the Module script, its fit inside dg.Join."""
+    proc = run("mnist/train_gluon.py", "--no-pad", "--files", "5", "--batch-size", "88",
+               "--epochs", "2", backend="horovod", cwd=tmp_path)
+    lines = rank0_lines(proc)        # every rank exited 0
+    assert any("the workers hold 10, 7 batches (dg.Join)" in line for line in lines)
+    assert any("[ 10/10]" in line for line in lines)
+    result = summary(lines)
+    assert result["replicas"] == "equal", result
+    assert (result["backend"], result["workers"], result["epochs"]) == ("horovod", "2", "2")
+    assert float(result["val_acc"]) > 0.3     # 10 classes: it learned from the parts
+    steps = {int(m.group(1)): int(m.group(2)) for m in re.finditer(
+        r"launch:\s+(\d) \S+\s+(\d+)\s+[\d.]+ ms", proc.stderr)}
+    assert steps == {0: 20, 1: 20}, proc.stderr[-2000:]
+
+    # the Module API: one mod.fit per epoch inside dg.Join, on dist_sync
+    lines = rank0_lines(run("mnist/train_module.py", "--no-pad", "--files", "5",
+                            "--batch-size", "88", "--epochs", "2", backend="dist_sync",
+                            cwd=tmp_path))
+    assert any("the workers hold 10, 7 batches (dg.Join)" in line for line in lines)
+    result = summary(lines)
+    assert (result["replicas"], result["backend"], result["epochs"]) == (
+        "equal", "dist_sync", "2"), result
+    assert float(result["val_acc"]) > 0.3, result
+
+
 @pytest.fixture(scope="module")
 def mnist_one_process(tmp_path_factory):
     """The summary of one process on batches of 64 for an epoch."""

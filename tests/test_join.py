@@ -52,6 +52,44 @@ def test_ranks_with_fewer_batches_shadow_the_others_steps(tmp_path, backend, tra
                                            err_msg=f"{case}, rank {rank}, parameter {name}")
 
 
+def test_hvd_join_takes_part_in_the_peers_trainer_steps_and_returns_the_last_rank(tmp_path):
+    """dist_gluon.compat.horovod: ranks with 3, 5 and 2 batches step Horovod's
+    DistributedTrainer inside dg.Join; hvd.join() (one epoch through step()) and leaving
+    the block (one through allreduce_grads + update) take part in the others' steps, so
+    every rank ends with the weights of one process applying Horovod's arithmetic to
+    the batches present (DG_CHECK_SYNC=1 compares the replicas at every step), and
+    every rank hears that rank 1, with the most batches, joined last."""
+    script = (WORKERS / "join_compat.py").read_text()
+    result = launch(script, tmp_path, n=3, env={"DG_CHECK_SYNC": "1"}, timeout=180)
+    assert_ok(result)
+    for rank in range(3):
+        lines = worker_lines(result.stdout, rank)
+        assert "join returned 1" in lines and "block's last 1" in lines, lines
+        # outside a block it is a barrier every rank calls at once: the highest rank
+        assert "join outside a block returned 2" in lines, lines
+        difference = float(lines[-1].rsplit(" ", 1)[1])
+        assert lines[-1].startswith("largest difference") and difference <= TOLERANCE, lines
+
+
+def test_the_module_api_trains_uneven_iterators_under_join_around_fit(tmp_path):
+    """Module API on dist_sync: ``with dg.Join(opt): mod.fit(...)`` with a
+    DistributedOptimizer and iterators of 3 and 5 batches, two epochs: both ranks end
+    with the weights of one Gluon process on the batches present at each step (to 5e-5:
+    Module's SoftmaxOutput and Gluon's loss alone differ by 3e-6 after these steps), and
+    rank 1, with the most batches, left last. The same with Horovod's
+    DistributedOptimizer (dist_gluon.compat) on horovod, with Horovod's arithmetic."""
+    script = (WORKERS / "join_module.py").read_text()
+    for backend, args in (("dist_sync", []), ("horovod", ["horovod"])):
+        result = launch(script, tmp_path, backend=backend, n=2, args=args, timeout=180)
+        assert_ok(result)
+        for rank in range(2):
+            lines = [line for line in worker_lines(result.stdout, rank)
+                     if line.startswith(("epoch", "largest"))]
+            assert lines[:2] == ["epoch 1: last to leave 1", "epoch 2: last to leave 1"], \
+                (backend, lines)
+            assert float(lines[2].rsplit(" ", 1)[1]) <= 5e-5, (backend, lines)
+
+
 _ERROR_CASE = """
 import sys
 import mxnet as mx
@@ -128,7 +166,8 @@ def test_a_joined_rank_sends_nothing_through_a_codec_and_keeps_its_feedback(tmp_
 
 
 def test_join_refuses_what_it_cannot_shadow_and_does_nothing_on_one_process():
-    """dg.Join needs DistributedTrainers (not gluon's, not Local SGD's rounds); on one
+    """dg.Join needs DistributedTrainers or the peers' (not gluon's, not Local SGD's
+    rounds); on one
     process the block is free and the loop trains as without it."""
     net = gluon.nn.Dense(2, in_units=3)
     net.initialize()
@@ -149,3 +188,8 @@ def test_join_refuses_what_it_cannot_shadow_and_does_nothing_on_one_process():
         trainer.step(4)
     # the gradient of the sum over 4 rows of ones is 4 per weight, divided by 4 samples
     np.testing.assert_allclose(net.weight.data().asnumpy(), before - 0.1, rtol=1e-6)
+    assert block.last_joined == 0
+    # a Module's optimizer is taken too (its steps announce themselves)
+    with dg.Join(dg.DistributedOptimizer(mx.optimizer.SGD())) as module_block:
+        pass
+    assert module_block.last_joined == 0

@@ -13,6 +13,7 @@ import warnings
 
 import mxnet as mx
 
+from .. import join as _join
 from .. import timeline as _timeline
 from ..averaging import _GradientAverager, check_compression, claim_prefix
 from ..backends import Backend
@@ -98,16 +99,22 @@ class PeerTrainer(TrainerBase):
     def step(self, batch_size, ignore_stale_grad=False):
         """``gluon.Trainer.step``, reported as a step in the job's report and timeline."""
         _timeline.begin_step(self._last_grad_written)
+        if self._averager.distributed:      # inside dg.Join, for a rank that has left
+            _join.trainer_call(self, "step", ignore_stale_grad, batch_size)
         super().step(batch_size, ignore_stale_grad)
         _timeline.end_step(batch_size)
 
     def allreduce_grads(self):
         """``gluon.Trainer.allreduce_grads``: a step begins (it ends with :meth:`update`)."""
         _timeline.begin_step(self._last_grad_written)
+        if self._averager.distributed:
+            _join.trainer_call(self, "allreduce_grads")
         super().allreduce_grads()
 
     def update(self, batch_size, ignore_stale_grad=False):
         """``gluon.Trainer.update``: the step :meth:`allreduce_grads` began ends."""
+        if self._averager.distributed:
+            _join.trainer_call(self, "update", ignore_stale_grad, batch_size)
         super().update(batch_size, ignore_stale_grad)
         _timeline.end_step(batch_size)
 

@@ -344,6 +344,48 @@ def broadcast_parameters(params, root_rank=0, prefix=None):
         raise ValueError(f"invalid params of type: {type(params)}")
 
 
+def join(device=-1) -> int:
+    """Called by a rank that has run out of data: take part in the other ranks' steps
+    until every rank has called it (or left its ``dg.Join`` block); returns the last
+    rank to join, the same on every rank.
+
+    As ``hvd.join()`` of Horovod's TensorFlow and PyTorch APIs (horovod.mxnet 0.28 has
+    none). The steps to take part in are those of the trainers of the ``dg.Join`` block
+    the loop runs in, which announce themselves there::
+
+        with dg.Join(trainer):
+            for data, label in loader:      # another number of batches on each rank
+                ...
+                trainer.step(data.shape[0])
+            last = hvd.join()
+
+    Meanwhile this rank adds zero gradients to each of their steps and applies the same
+    update, with their mean batch size (Horovod's trainer rescales by a rank's own), so
+    the weights stay equal on every rank; broadcasting them from the returned rank, as
+    one does after Horovod's join, changes nothing. Outside a block every rank must call
+    it at the same point (it is a barrier there, and returns the highest rank).
+
+    Parameters
+    ----------
+    device : int
+        Accepted for Horovod's signature; unused.
+
+    Returns
+    -------
+    int
+        The rank that called ``join`` last (of several at the same step, the highest).
+    """
+    from .. import join as _join
+    kv = _session.kv
+    block = _join.current()
+    if block is not None and block._kv is kv:
+        return block.finish()
+    # outside a block no step announces itself: every rank calls it at the same point,
+    # none of them later than another
+    kv.barrier()
+    return kv.num_workers - 1
+
+
 def _check_num_groups(num_groups) -> None:
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
         raise ValueError(f"num_groups must be an integer >= 0, got {num_groups!r}")
@@ -431,4 +473,5 @@ __all__ = [
     "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "Compression", "DistributedOptimizer", "DistributedTrainer", "broadcast_parameters",
+    "join",
 ]

@@ -43,15 +43,26 @@ What makes it distributed (everything else is a plain Gluon training loop):
   as waiting for data in the launcher's report, and ``timeline.expect_steps`` lets its
   progress line (on a terminal) show the time left; with ``--plot``, rank 0 also draws
   each rank's step time split into data, compute, communication and waiting
-  (``runs/mnist-steps.png``, docs/observability.md).
+  (``runs/mnist-steps.png``, docs/observability.md);
+- ``--no-pad`` reads the training set as ``--files`` equal parts that each worker
+  reads whole (as ``mx.io.ImageRecordIter`` with ``num_parts``/``part_index`` over
+  files, or a stream's shards), with no padding: the workers hold different numbers of
+  batches (``--files 5 --batch-size 88`` on 2 workers: 10 and 7), and the epoch's loop
+  runs inside ``dg.Join``, so the worker that runs out first takes part in the others'
+  remaining steps with zero samples, and all end with the same weights
+  (docs/uneven-inputs.md). The summary line's ``replicas=equal`` says that every
+  worker ends with the same weights, bit for bit.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
 import time
 
 import mxnet as mx
+import numpy as np
 from digits import load_digits  # examples/mnist/digits.py, beside this script
 from mxnet import autograd, gluon
 from mxnet.gluon import nn
@@ -153,6 +164,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="shorthand for --devices gpu:LIST, e.g. --gpus 0,1,2,3")
     parser.add_argument("--plot", default=None, metavar="PATH",
                         help="write a PNG of the loss and accuracy curves to PATH")
+    parser.add_argument("--no-pad", action="store_true",
+                        help="no padding: each worker reads whole parts of the training "
+                             "set (--files), so the workers hold different numbers of "
+                             "batches, and trains inside dg.Join")
+    parser.add_argument("--files", type=int, default=3, metavar="K",
+                        help="with --no-pad: the training set as K equal parts, worker r "
+                             "reading parts r, r + N, ... (default: 3)")
     args = parser.parse_args(argv)
     if args.gpus is not None:
         args.devices = f"gpu:{args.gpus}"
@@ -179,6 +197,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--local-sgd-warmup needs --sync-every > 1 or --outer-lr")
     if not 0 <= args.sync_delay <= args.sync_every:
         parser.error("--sync-delay must be from 0 to --sync-every")
+    if args.no_pad and (rounds or args.elastic_memory):
+        # dg.Join shadows the trainer's steps, not Local SGD rounds, and a commit of
+        # dg.elastic.State is a collective a worker that ran out cannot shadow
+        parser.error("--no-pad does not go with --sync-every, --outer-lr or "
+                     "--elastic-memory")
+    if args.files < 1:
+        parser.error("--files must be at least 1")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     return args
@@ -199,6 +224,46 @@ def load_mnist(data_dir: str):
                          f"the digits bundled with scikit-learn")
     return (gluon.data.vision.MNIST(root=data_dir, train=True),
             gluon.data.vision.MNIST(root=data_dir, train=False))
+
+
+class FileParts(gluon.data.Sampler):
+    """A worker's whole parts of a data set stored as ``files`` equal contiguous parts
+    (worker ``rank`` of ``workers`` reads parts rank, rank + workers, ...), shuffled
+    together each epoch. Nothing is padded: when ``files`` is not a multiple of the
+    workers, they hold different numbers of samples, and of batches."""
+
+    def __init__(self, length: int, files: int, rank: int, workers: int, seed: int):
+        bounds = np.linspace(0, length, files + 1).astype(int)
+        self._shares = [np.concatenate([np.arange(bounds[f], bounds[f + 1])
+                                        for f in range(r, files, workers)] or [[]])
+                        for r in range(workers)]
+        self._mine = self._shares[rank].astype(int)
+        self._seed, self._rank, self._epoch = seed, rank, 0
+
+    def sizes(self) -> list[int]:
+        """Every worker's number of samples, by rank."""
+        return [len(share) for share in self._shares]
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        if skip:
+            raise ValueError("--no-pad resumes at the start of an epoch only")
+        self._epoch = epoch
+
+    def __iter__(self):
+        order = np.random.RandomState([self._seed, self._epoch, self._rank])
+        return iter(order.permutation(self._mine).tolist())
+
+    def __len__(self) -> int:
+        return len(self._mine)
+
+
+def weights_digest(net) -> str:
+    """A hash of every parameter's bytes: equal digests, equal weights bit for bit."""
+    digest = hashlib.sha256()
+    for name, param in sorted(net.collect_params().items()):
+        digest.update(name.encode())
+        digest.update(param.data().asnumpy().tobytes())
+    return digest.hexdigest()
 
 
 def lenet() -> nn.HybridSequential:
@@ -314,7 +379,12 @@ def main(argv=None) -> None:
 
     def loaders():
         """Each worker's share of the data, for the current formation of the job."""
-        train_sampler = dg.ShardSampler(len(train_data), kv=kv, shuffle=True, seed=args.seed)
+        if args.no_pad:
+            train_sampler = FileParts(len(train_data), args.files, kv.rank, kv.num_workers,
+                                      args.seed)
+        else:
+            train_sampler = dg.ShardSampler(len(train_data), kv=kv, shuffle=True,
+                                            seed=args.seed)
         val_sampler = dg.ShardSampler(len(val_data), kv=kv, shuffle=False)
         return (train_sampler, val_sampler,
                 gluon.data.DataLoader(train_data, args.batch_size, sampler=train_sampler),
@@ -329,7 +399,16 @@ def main(argv=None) -> None:
     net.initialize(mx.init.Xavier(magnitude=2.24), ctx=devices)
     net.hybridize()
 
-    schedule, lr, warmup_steps, total_steps = make_schedule(args, kv, len(loaders()[2]))
+    if args.no_pad:
+        # the steps of an epoch: those of the worker with the most batches, which the
+        # others take part in with zero samples once they have run out
+        batches = [-(-size // args.batch_size) for size in loaders()[0].sizes()]
+        steps_per_epoch = max(batches)
+        log(f"data: no padding, the training set in {args.files} parts; the workers "
+            f"hold {', '.join(map(str, batches))} batches (dg.Join)")
+    else:
+        steps_per_epoch = len(loaders()[2])
+    schedule, lr, warmup_steps, total_steps = make_schedule(args, kv, steps_per_epoch)
     rounds = {}
     if args.sync_every > 1 or args.outer_lr is not None:
         rounds = {"sync_every": args.sync_every, "local_sgd_warmup": args.local_sgd_warmup,
@@ -413,7 +492,7 @@ def main(argv=None) -> None:
         workers = kv.num_workers
         train_sampler, val_sampler, train_loader, val_loader = loaders()
         # the launcher's progress line (on a terminal) shows the time left
-        timeline.expect_steps((args.epochs - state.epoch) * len(train_loader))
+        timeline.expect_steps((args.epochs - state.epoch) * steps_per_epoch)
         for epoch in range(state.epoch, args.epochs):
             skip = state.done
             train_sampler.set_epoch(epoch, skip=skip)
@@ -422,39 +501,47 @@ def main(argv=None) -> None:
                                                     mx.metric.Accuracy()])
             tic = time.time()
             stop_at = None
+            # --no-pad: the worker that runs out of batches first stays in dg.Join's exit
+            # and takes part in the others' steps with zero samples until all have left
+            join = dg.Join(trainer) if args.no_pad else contextlib.nullcontext()
             # timeline.data: the time each batch takes to arrive counts as waiting for
             # data in the launcher's report and timeline
-            for batch, (images, labels) in enumerate(timeline.data(train_loader), start=1):
-                # each device takes a slice of the batch; a device left without one (a
-                # last batch smaller than the devices) must add nothing to the sum
-                used = devices[:images.shape[0]]
-                if len(used) < len(devices):
-                    net.collect_params().zero_grad()
-                inputs = gluon.utils.split_and_load(to_input(images), used, even_split=False)
-                targets = gluon.utils.split_and_load(labels, used, even_split=False)
-                with autograd.record():
-                    outputs = [net(x) for x in inputs]
-                    losses = [loss_fn(out, y) for out, y in zip(outputs, targets)]
-                autograd.backward(losses)
-                trainer.step(images.shape[0])
-                metric.get_metric(0).update(None, losses)
-                metric.get_metric(1).update(targets, outputs)
-                state.samples += images.shape[0] * workers
-                # worker r's batch j held positions (j*B + i)*N + r of the order after
-                # `skip`, so the first skip + batch*B*N are done
-                state.done = min(len(train_data), skip + batch * args.batch_size * workers)
-                if batch % args.log_interval == 0 or batch == batches:
-                    (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
-                    log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{batches}] "
-                        f"loss {batch_loss:.4f} acc {batch_acc:.4f} "
-                        f"lr {trainer.learning_rate:.4f}")
-                if args.elastic_memory:
-                    # a step boundary: a lost node costs at most the step after it, and a
-                    # node joins or leaves here (the commit raises on every rank)
-                    state.commit()
-                elif dg.stop_requested(kv):       # the same answer on every worker
-                    stop_at = batch
-                    break
+            with join:
+                for batch, (images, labels) in enumerate(timeline.data(train_loader),
+                                                         start=1):
+                    # each device takes a slice of the batch; a device left without one (a
+                    # last batch smaller than the devices) must add nothing to the sum
+                    used = devices[:images.shape[0]]
+                    if len(used) < len(devices):
+                        net.collect_params().zero_grad()
+                    inputs = gluon.utils.split_and_load(to_input(images), used, even_split=False)
+                    targets = gluon.utils.split_and_load(labels, used, even_split=False)
+                    with autograd.record():
+                        outputs = [net(x) for x in inputs]
+                        losses = [loss_fn(out, y) for out, y in zip(outputs, targets)]
+                    autograd.backward(losses)
+                    trainer.step(images.shape[0])
+                    metric.get_metric(0).update(None, losses)
+                    metric.get_metric(1).update(targets, outputs)
+                    if not args.no_pad:
+                        state.samples += images.shape[0] * workers
+                    # worker r's batch j held positions (j*B + i)*N + r of the order after
+                    # `skip`, so the first skip + batch*B*N are done
+                    state.done = min(len(train_data), skip + batch * args.batch_size * workers)
+                    if batch % args.log_interval == 0 or batch == batches:
+                        (_, batch_loss), (_, batch_acc) = (m.get() for m in metric.metrics)
+                        log(f"epoch {epoch + 1}/{args.epochs} [{batch:>3}/{batches}] "
+                            f"loss {batch_loss:.4f} acc {batch_acc:.4f} "
+                            f"lr {trainer.learning_rate:.4f}")
+                    if args.elastic_memory:
+                        # a step boundary: a lost node costs at most the step after it, and a
+                        # node joins or leaves here (the commit raises on every rank)
+                        state.commit()
+                    # (not with --no-pad: a collective that a worker which has run out
+                    # cannot take part in; the job stops at the end of the epoch)
+                    elif not args.no_pad and dg.stop_requested(kv):   # same on every worker
+                        stop_at = batch
+                        break
             if stop_at is not None and stop_at < batches:
                 if checkpointer is not None:
                     checkpointer.save(net, trainer, epoch, step=stop_at,
@@ -468,6 +555,8 @@ def main(argv=None) -> None:
                 return False
             mx.nd.waitall()
             elapsed = max(time.time() - tic, 1e-9)
+            if args.no_pad:
+                state.samples += len(train_data)    # every worker's parts, once
             if not rounds:
                 # dist_async: every rank evaluates the servers' weights. (With rounds this
                 # would cut the round short: each worker evaluates its own weights.)
@@ -476,7 +565,8 @@ def main(argv=None) -> None:
                                                dg.reduce_metric(metric, kv=kv).metrics)
             val_loss, val_acc = evaluate(net, val_loader, val_sampler, loss_fn, kv,
                                          devices[0])
-            speed = len(train_sampler) * workers / elapsed
+            speed = (len(train_data) if args.no_pad
+                     else len(train_sampler) * workers) / elapsed
             state.train_time += elapsed
             state.history = state.history + [{
                 "epoch": epoch + 1, "train_loss": train_loss, "train_acc": train_acc,
@@ -517,11 +607,13 @@ def main(argv=None) -> None:
         steps = timeline.steps_plot_path(args.plot)
         log(f"plot: {args.plot}" + (f", step times by rank: {steps}"
                                     if os.path.exists(steps) else ""))
+    # every worker's digest of its weights: the same everywhere, or the replicas drifted
+    replicas = "equal" if len(set(kv.allgather_object(weights_digest(net)))) == 1 else "differ"
     final = history[-1]
     speed = state.samples / state.train_time if state.train_time else float("nan")
     log(f"summary: val_acc={final['val_acc']:.4f} val_loss={final['val_loss']:.4f} "
         f"epochs={final['epoch']} backend={kv.type} workers={kv.num_workers} "
-        f"sync_every={args.sync_every} "
+        f"sync_every={args.sync_every} replicas={replicas} "
         f"samples/s={speed:.0f} time={time.time() - started:.1f}s")
 
 

@@ -19,14 +19,20 @@ What makes it distributed (everything else is a plain ``mod.fit``):
   update, installed with ``mod.fit(..., kvstore=None, optimizer=opt)``;
 - the learning rate grows with the number of workers, after a linear warmup;
 - the validation accuracy is that of one process evaluating the whole validation set:
-  each worker evaluates its share without padding and ``dg.reduce_metric`` sums.
+  each worker evaluates its share without padding and ``dg.reduce_metric`` sums;
+- ``--no-pad``: each worker reads whole parts of the training set (``--files``), not
+  padded, so the workers hold different numbers of batches, and each epoch's
+  ``mod.fit`` runs inside ``with dg.Join(opt):`` (docs/uneven-inputs.md); the summary's
+  ``replicas=equal`` says every worker ends with the same weights.
 """
 from __future__ import annotations
 
 import argparse
 import gzip
+import hashlib
 import os
 import time
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -75,6 +81,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seed of the shuffling and the initial weights (default: 42)")
     parser.add_argument("--log-interval", type=int, default=10,
                         help="print progress every this many batches (default: 10)")
+    parser.add_argument("--no-pad", action="store_true",
+                        help="no padding: each worker reads whole parts of the training "
+                             "set (--files), so the workers hold different numbers of "
+                             "batches, and each epoch's fit runs inside dg.Join")
+    parser.add_argument("--files", type=int, default=3, metavar="K",
+                        help="with --no-pad: the training set as K equal parts, worker r "
+                             "reading parts r, r + N, ... (default: 3)")
     args = parser.parse_args(argv)
     two_bit = args.compression == "2bit"
     if args.lr is None:
@@ -83,6 +96,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.momentum = 0.0 if two_bit else 0.9
     if args.epochs < 1 or args.batch_size < 1 or args.log_interval < 1:
         parser.error("--epochs, --batch-size and --log-interval must be at least 1")
+    if args.files < 1:
+        parser.error("--files must be at least 1")
     if not 0 < args.val_fraction < 1:
         parser.error(f"--val-fraction must be in (0, 1), got {args.val_fraction}")
     return args
@@ -131,6 +146,16 @@ def lenet() -> mx.sym.Symbol:
     return mx.sym.SoftmaxOutput(net, name="softmax")
 
 
+def file_parts(length: int, files: int, workers: int) -> list[np.ndarray]:
+    """Each worker's indices when the data set is stored as ``files`` equal contiguous
+    parts and worker r reads parts r, r + workers, ... whole: no padding, so the
+    workers hold different numbers of samples when ``files`` is not a multiple of them."""
+    bounds = np.linspace(0, length, files + 1).astype(int)
+    return [np.concatenate([np.arange(bounds[f], bounds[f + 1])
+                            for f in range(r, files, workers)] or [[]]).astype(int)
+            for r in range(workers)]
+
+
 def evaluate(mod, val_iter, kv) -> float:
     """Accuracy over the whole validation set, the same on every worker."""
     metric = mx.metric.Accuracy()
@@ -167,7 +192,16 @@ def main(argv=None) -> None:
     # Every worker gets a share of the same size, hence the same number of batches; the
     # iterator reshuffles its share every epoch. The validation share has no padding.
     np.random.seed(args.seed + kv.rank)
-    share = dg.ShardSampler(len(train_y), kv=kv, seed=args.seed).indices()
+    if args.no_pad:
+        shares = file_parts(len(train_y), args.files, workers)
+        share = shares[kv.rank]
+        # an epoch has the steps of the worker with the most batches, which the others
+        # take part in with zero samples once they have run out
+        batches = [-(-len(s) // args.batch_size) for s in shares]
+        log(f"data: no padding, the training set in {args.files} parts; the workers hold "
+            f"{', '.join(map(str, batches))} batches (dg.Join)")
+    else:
+        share = dg.ShardSampler(len(train_y), kv=kv, seed=args.seed).indices()
     train_iter = mx.io.NDArrayIter(to_input(train_x[share]), train_y[share], args.batch_size,
                                    shuffle=True, label_name="softmax_label")
     val_sampler = dg.ShardSampler(len(val_y), kv=kv, shuffle=False)
@@ -185,7 +219,7 @@ def main(argv=None) -> None:
 
     # N workers train on N times the batch, so they take N times the step (Goyal et al.,
     # 2017), reached by a linear warmup from the one-worker rate, then a cosine decay.
-    steps_per_epoch = -(-len(share) // args.batch_size)
+    steps_per_epoch = max(batches) if args.no_pad else -(-len(share) // args.batch_size)
     total_steps = args.epochs * steps_per_epoch
     warmup_steps = min(int(args.warmup_epochs * steps_per_epoch), total_steps - 1)
     lr = args.lr * workers
@@ -215,23 +249,45 @@ def main(argv=None) -> None:
     def validate(epoch: int, symbol, arg, aux) -> None:
         elapsed = time.time() - epoch_tic[0]
         val_acc = evaluate(mod, val_iter, kv)
-        speed = steps_per_epoch * args.batch_size * workers / elapsed
+        samples = len(train_y) if args.no_pad else steps_per_epoch * args.batch_size * workers
+        speed = samples / elapsed
         history.append({"epoch": epoch + 1, "val_acc": val_acc, "time": elapsed,
-                        "samples": steps_per_epoch * args.batch_size * workers})
+                        "samples": samples})
         log(f"epoch {epoch + 1}/{args.epochs}: val_acc={val_acc:.4f} time={elapsed:.1f}s "
             f"samples/s={speed:.0f}")
         epoch_tic[0] = time.time()
 
     # fit() binds and initialises the module again; forced to, it takes rank 0's values
     # (instead of warning that it is already bound and initialised).
-    mod.fit(train_iter, num_epoch=args.epochs, kvstore=None, optimizer=opt,
-            arg_params=arg_params, aux_params=aux_params, force_rebind=True, force_init=True,
-            eval_metric="acc", batch_end_callback=progress, epoch_end_callback=validate)
+    if not args.no_pad:
+        mod.fit(train_iter, num_epoch=args.epochs, kvstore=None, optimizer=opt,
+                arg_params=arg_params, aux_params=aux_params, force_rebind=True,
+                force_init=True, eval_metric="acc", batch_end_callback=progress,
+                epoch_end_callback=validate)
+    else:
+        # one fit per epoch inside dg.Join: the worker that runs out of batches first
+        # takes part in the others' remaining updates; the validation (a collective the
+        # block cannot shadow) runs after the block
+        warnings.filterwarnings("ignore", "Parameters already initialized")
+        for epoch in range(args.epochs):
+            with dg.Join(opt):
+                mod.fit(train_iter, begin_epoch=epoch, num_epoch=epoch + 1, kvstore=None,
+                        optimizer=opt, arg_params=arg_params, aux_params=aux_params,
+                        force_rebind=epoch == 0, force_init=epoch == 0, eval_metric="acc",
+                        batch_end_callback=progress)
+            validate(epoch, None, None, None)
+
+    # every worker's digest of its weights: the same everywhere, or the replicas drifted
+    digest = hashlib.sha256()
+    for name, value in sorted(mod.get_params()[0].items()):
+        digest.update(name.encode() + value.asnumpy().tobytes())
+    replicas = "equal" if len(set(kv.allgather_object(digest.hexdigest()))) == 1 else "differ"
 
     final = history[-1]
     speed = sum(h["samples"] for h in history) / sum(h["time"] for h in history)
     log(f"summary: val_acc={final['val_acc']:.4f} epochs={final['epoch']} backend={kv.type} "
-        f"workers={workers} samples/s={speed:.0f} time={time.time() - started:.1f}s")
+        f"workers={workers} replicas={replicas} samples/s={speed:.0f} "
+        f"time={time.time() - started:.1f}s")
 
 
 if __name__ == "__main__":
