@@ -44,6 +44,21 @@ _HYBRIDIZE_HELP = (
     "process SyncBatchNorm is nn.BatchNorm and may be hybridized.")
 
 
+_AMP_HELP = (
+    "dist_gluon.SyncBatchNorm cannot sum its statistics in float64 (horovod's exact sums) "
+    "after mx.contrib.amp.init(): AMP makes every operator that meets a float64 "
+    "statistic run in float64, which MXNet's MKLDNN operators cannot, and the layer "
+    "would train wrong without an error. Use AMP with SyncBatchNorm on dist_sync or p3 "
+    "(their float32 all-gather composes with it), or gluon.nn.BatchNorm (each worker's "
+    "own statistics) on horovod.")
+
+
+def _amp_initialized() -> bool:
+    """Whether ``mx.contrib.amp.init()`` has rewritten MXNet's operator functions."""
+    from mxnet.contrib.amp import amp
+    return bool(getattr(amp, "_amp_initialized", False))
+
+
 class SyncBatchNorm(nn.BatchNorm):
     """Batch normalisation whose statistics are those of all workers' samples together.
 
@@ -385,6 +400,8 @@ def _layer_graphs(c: int, dtype, running_dtype, eps: float, momentum: float,
     """The cached graphs of a layer with ``c`` channels (shared by equal layers)."""
     key = (c, np.dtype(dtype).name, np.dtype(running_dtype).name, eps, momentum, fix_gamma,
            gather)
+    if not gather and _amp_initialized():
+        raise RuntimeError(_AMP_HELP)
     if key not in _graphs:
         _graphs[key] = _build_graphs(c, np.dtype(dtype).name, np.dtype(running_dtype).name,
                                      eps, momentum, fix_gamma, gather)

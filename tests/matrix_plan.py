@@ -97,23 +97,20 @@ CONSTRAINTS: list[Constraint] = [
     # the DistributedOptimizer replaces with kvstore=None: one device per Module worker.
     ("the Module path runs one device per worker",
      lambda r: not (_is(r, "path", "module") and _is(r, "devices", 2))),
+    # SyncBatchNorm sums its statistics in float64 on horovod; after
+    # mx.contrib.amp.init() AMP's widest-type casts make the operators that meet those
+    # sums float64 ones, which MKLDNN cannot run (found by this matrix: it trained wrong
+    # without a word). Refused at the layer's first training forward
+    # (dist_gluon/syncbn.py _AMP_HELP; test_syncbn.py proves the refusal); dist_sync and
+    # p3 (float32 all-gather) compose with AMP.
+    ("SyncBatchNorm on horovod refuses AMP",
+     lambda r: not (_is(r, "backend", "gloo", "mpi") and _on(r, "syncbn")
+                    and _on(r, "amp"))),
 ]
 
 # Known bugs being fixed on other branches: the lead removes each constraint after
 # merging its fix, and the matrix then covers the pairs again.
 KNOWN_BUGS: list[Constraint] = [
-    # Found by this matrix, not fixed yet (reported to the lead, 2026-11-28): after
-    # mx.contrib.amp.init() (even with no operator cast to float16), SyncBatchNorm on
-    # horovod trains wrong without a word (the weights hardly move, the running
-    # statistics not at all), or fails with "MXNetError: unknown type for MKLDNN :1"
-    # where an array is read (sparse.py _union_of_rows, syncheck.py _gather), or hangs
-    # in Checkpointer.save: AMP's widest-type casts turn the operators that mix
-    # SyncBatchNorm's float64 sums (horovod sums float64 itself) with float32 into
-    # float64 ones, which MKLDNN cannot run. dist_sync and p3 (float32 all-gather) pass,
-    # and so does horovod without amp.init().
-    ("matrix finding: SyncBatchNorm on horovod trains wrong after amp.init()",
-     lambda r: not (_is(r, "backend", "gloo", "mpi") and _on(r, "syncbn")
-                    and _on(r, "amp"))),
     # Found by this matrix (reported, needs a decision: docs or a refusal): with Local
     # SGD, 2-bit compresses the round's weight difference against its absolute
     # threshold (0.5): every element under it stays in the residual, and after 2 rounds

@@ -357,3 +357,34 @@ def test_an_empty_batch_on_one_rank_is_a_clear_error_not_nan(tmp_path):
     assert "SyncBatchNorm got an empty batch (0, 4) on rank 1; every rank needs at least " \
         "one sample" in proc.stderr, proc.stderr[-3000:]
     assert "nan" not in proc.stdout
+
+
+def test_amp_with_syncbn_on_horovod_is_refused_naming_both_and_composes_on_dist_sync(
+        tmp_path):
+    # horovod sums SyncBatchNorm's statistics in float64, which AMP's casts turn into
+    # float64 MKLDNN operators: it trained wrong without a word (the combination matrix
+    # found it); dist_sync's float32 all-gather composes with AMP
+    script = """
+    import mxnet as mx
+    import numpy as np
+    from mxnet import autograd
+    from mxnet.contrib import amp
+
+    import dist_gluon as dg
+
+    amp.init()
+    kv = dg.create()
+    bn = dg.SyncBatchNorm(in_channels=4)
+    bn.initialize()
+    x = mx.nd.array(np.arange(12).reshape(3, 4) * (kv.rank + 1))
+    with autograd.record():
+        y = bn(x)
+    y.backward()
+    print("mean", float(y.mean().asscalar()), flush=True)
+    """
+    refused = launch(script, tmp_path, "horovod", n=2, timeout=120)
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    assert "SyncBatchNorm cannot sum its statistics in float64 (horovod's exact sums) " \
+        "after mx.contrib.amp.init()" in refused.stderr, refused.stderr[-3000:]
+    composed = launch(script, tmp_path, "dist_sync", n=2, timeout=120)
+    assert_ok(composed)
