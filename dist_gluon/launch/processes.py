@@ -54,7 +54,8 @@ class Process:
         self.local_rank: int | None = None      # a worker's, on its node
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         # an elastic job's workers expect to lose peers (see _LOST_PEER)
-        self.elastic = env.get("DG_ELASTIC") == "1"
+        # (env None: the launcher's own environment, as for ssh's remote launchers)
+        self.elastic = (os.environ if env is None else env).get("DG_ELASTIC") == "1"
         self.ended_at: float | None = None      # time.time() when it ended
         self.popen = subprocess.Popen(argv, env=env, stdin=stdin,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
