@@ -319,6 +319,7 @@ class Join:
         # a DistributedTrainer sums the batch sizes (this rank adds 0); a peer's trainer
         # rescales by the rank's own, here the mean of the ranks still in the loop
         batch = float(values[2]) / self._in_loop if self._peers[index] else 0
+        _amp_scale_of_this_step(trainer)
         if name.startswith("step"):
             with _codec_feedback_kept(trainer.codec):
                 trainer.step(batch, ignore_stale_grad=name.endswith("stale"))
@@ -327,6 +328,16 @@ class Join:
                 trainer.allreduce_grads()
         else:
             trainer.update(batch, ignore_stale_grad=name.endswith("stale"))
+
+
+def _amp_scale_of_this_step(trainer) -> None:
+    """With AMP, the gradient scale of the step being shadowed: ``amp.scale_loss`` sets
+    ``trainer._scale`` from the loss scale at every forward, which a rank that has left
+    no longer runs; a scale kept from its last own step (before a change of the loss
+    scale) would update its weights differently from the others'."""
+    scaler = getattr(trainer, "_amp_loss_scaler", None)
+    if scaler is not None:
+        trainer._scale = trainer._amp_original_scale / scaler.loss_scale
 
 
 # The codec state that is this worker's own (error feedback: 2-bit's residuals,

@@ -34,6 +34,7 @@ AXES: dict[str, tuple] = {
     "devices": (1, 2),                # mx.cpu(0) and mx.cpu(1) in each worker
     "shard": ("off", "states"),       # shard_optimizer_states=True
     "fault": ("none", "restart"),     # checkpoint at mid-run, restored onto 1 process
+    "uneven": ("off", "join"),        # rank 1 has one batch fewer, in a dg.Join block
 }
 # amp too: mx.contrib.amp.init() changes MXNet's operators for the rest of the process
 LAUNCH_AXES = ("backend", "observe", "amp")
@@ -106,6 +107,22 @@ CONSTRAINTS: list[Constraint] = [
     ("SyncBatchNorm on horovod refuses AMP",
      lambda r: not (_is(r, "backend", "gloo", "mpi") and _on(r, "syncbn")
                     and _on(r, "amp"))),
+    # dg.Join does not shadow Local SGD rounds: refused when the block is entered
+    # (dist_gluon/join.py).
+    ("dg.Join refuses Local SGD", lambda r: not (_on(r, "uneven") and _on(r, "local_sgd"))),
+    # horovod.mxnet's trainer averages over the workers, whatever their samples (the
+    # rank that left counts as one with the mean batch): tests/test_join.py checks that
+    # arithmetic; the replay here is one process on the samples present.
+    ("the compat trainer's dg.Join averages over workers, not over samples",
+     lambda r: not (_on(r, "uneven") and _is(r, "path", "compat_hvd"))),
+    # A rank that left cannot shadow SyncBatchNorm's in-process meeting of a worker's
+    # devices: a JoinError naming the layer ends the job (docs/uneven-inputs.md).
+    ("dg.Join cannot shadow SyncBatchNorm over several devices of a worker",
+     lambda r: not (_on(r, "uneven") and _on(r, "syncbn") and _is(r, "devices", 2))),
+    # The Module replay binds one batch shape; dg.Join with the Module API is checked
+    # against one process in tests/test_join.py.
+    ("the Module replay has one batch shape",
+     lambda r: not (_on(r, "uneven") and _is(r, "path", "module"))),
 ]
 
 # Known bugs being fixed on other branches: the lead removes each constraint after

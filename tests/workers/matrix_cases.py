@@ -128,10 +128,13 @@ def overflow_factors(parts, step, lo, row):
         part[3][:] = mx.nd.array(values, ctx=part[3].context)
 
 
-def train_steps(net, trainer, row, steps, lo, count, ctxs, after_step=None):
-    """Steps ``steps`` of the row's loop on samples [lo, lo + count) of every micro-batch."""
+def train_steps(net, trainer, row, steps, lo, count, ctxs, after_step=None, last=None):
+    """Steps ``steps`` of the row's loop on samples [lo, lo + count) of every micro-batch
+    (``last``: another (lo, count) for the final step, the replay of uneven=join)."""
     micros = 2 if row["accumulate"] != "off" else 1
+    whole = (lo, count)
     for step in steps:
+        lo, count = last if last is not None and step == STEPS - 1 else whole
         for micro in range(micros):
             parts = shares(step, micro, lo, count, ctxs)
             overflow_factors(parts, step, lo, row)
@@ -224,8 +227,19 @@ def train(name, row, kv):
         def after(step):
             if step == HALF - 1:
                 ckpt.save(net, trainer, epoch=0, step=HALF)
-    train_steps(net, trainer, row, range(STEPS), lo, share, ctxs, after)
+    if row["uneven"] == "off":
+        train_steps(net, trainer, row, range(STEPS), lo, share, ctxs, after)
+    else:
+        # rank 1 runs out of batches one step early; dg.Join shadows rank 0's last step
+        with dg.Join(trainer):
+            train_steps(net, trainer, row, range(STEPS - (kv.rank == 1)), lo, share, ctxs,
+                        after)
     return weights(net, trainer), trainer
+
+
+def present(row):
+    """The replay's final step: only rank 0's samples with uneven=join, else None."""
+    return (0, B) if row["uneven"] != "off" else None
 
 
 def replay(name, row):
@@ -240,7 +254,7 @@ def replay(name, row):
         trainer = gluon.Trainer(net.collect_params(), "sgd", dict(SGD), kvstore=None)
         if row["amp"] != "off":
             amp.init_trainer(trainer)
-        train_steps(net, trainer, row, range(STEPS), 0, G, ctx)
+        train_steps(net, trainer, row, range(STEPS), 0, G, ctx, last=present(row))
         return weights(net, trainer)
     # Local SGD: each simulated worker steps alone on its share; the weights are
     # averaged after every H steps
@@ -275,7 +289,7 @@ def restored(name, row, kv):
         amp.init_trainer(trainer)
     meta = dg.Checkpointer(os.path.join(OUT, f"ckpt_{name}"), kv=kv).restore(net, trainer)
     assert meta is not None and meta["step"] == HALF, meta
-    train_steps(net, trainer, row, range(HALF, STEPS), 0, G, ctx)
+    train_steps(net, trainer, row, range(HALF, STEPS), 0, G, ctx, last=present(row))
     return weights(net, trainer)
 
 
