@@ -1,6 +1,6 @@
 """A script that holds a dist_gluon.elastic.State is never restarted from its start
-without a word: in a job that is not elastic, the launcher says as the workers start
-which flag recovers the State in memory."""
+without a word: a job on one machine with --max-restarts recovers it in memory (as
+--nnodes 1:1), and a job that cannot says, as its workers start, what would."""
 from conftest import launch
 
 SCRIPT = """
@@ -30,18 +30,43 @@ train(state)
 """
 
 
-def test_a_state_in_a_job_that_restarts_from_the_start_names_the_flag(tmp_path):
-    """-n 2 --max-restarts 1 without --nnodes: the job runs (its workers would restart
-    from the script's start), and the launcher says once that --nnodes 1:1 recovers the
-    State in memory."""
-    proc = launch(SCRIPT, tmp_path, launcher_args=["--max-restarts", "1"])
+def test_a_state_in_a_job_that_cannot_recover_it_in_memory_names_what_would(tmp_path):
+    """Without --max-restarts, or over MPI, a failure would end the job or restart it
+    from the script's start: the launcher says once which flag recovers the State."""
+    proc = launch(SCRIPT, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines()
             if "keeps a dist_gluon.elastic.State" in line]
     assert len(said) == 1, proc.stderr[-3000:]
-    assert "--max-restarts 1 restarts every worker from the script's start" in said[0]
-    assert "--nnodes 1:1" in said[0]
-    # an elastic job recovers it in memory: nothing to say
-    proc = launch(SCRIPT, tmp_path, launcher_args=["--nnodes", "1:1", "--max-restarts", "1"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "keeps a dist_gluon.elastic.State" not in proc.stderr
+    assert "without --max-restarts a failure ends the job" in said[0]
+    assert "--max-restarts R" in said[0]
+    # one machine with --max-restarts is elastic (as --nnodes 1:1): nothing to say
+    for flags in (["--max-restarts", "1"], ["--nnodes", "1:1", "--max-restarts", "1"]):
+        proc = launch(SCRIPT, tmp_path, launcher_args=flags)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "keeps a dist_gluon.elastic.State" not in proc.stderr, flags
+
+
+def test_what_the_launcher_says_of_a_state_it_cannot_recover_in_memory(monkeypatch):
+    from dist_gluon.launch.cli import parse
+    from dist_gluon.launch.rounds import state_not_recovered
+
+    mpi = parse(["-n", "2", "--max-restarts", "2", "--transport", "mpi", "--", "python",
+                 "t.py"]) if _mpirun() else None
+    if mpi is not None:
+        assert not mpi.elastic
+        text = state_not_recovered(mpi)
+        assert "--max-restarts 2 restarts every worker from the script's start" in text
+        assert "--transport gloo" in text
+    monkeypatch.setenv("DG_JOB_SECRET", "0" * 64)
+    static = parse(["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+                    "-n", "2", "--max-restarts", "1", "--", "python", "t.py"])
+    assert not static.elastic
+    assert "--nnodes MIN:MAX" in state_not_recovered(static)
+    one = parse(["-n", "2", "--max-restarts", "1", "--", "python", "t.py"])
+    assert one.elastic and one.one_machine and (one.min_nodes, one.max_nodes) == (1, 1)
+
+
+def _mpirun() -> bool:
+    from dist_gluon.launch import mpi
+    return bool(mpi.mpirun_path())

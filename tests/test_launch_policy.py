@@ -645,6 +645,13 @@ def test_workers_that_keep_their_state_in_memory_are_told_so_never_a_checkpoint(
     assert policy.in_memory([{"keeps": True}, {"node_copy": True}])
     assert not policy.in_memory([{"node_copy": True}, {"keeps": False, "node_copy": False}])
     assert not policy.in_memory([])
+    # workers started again after a re-formation that have not said yet (not attached,
+    # or attached before any collective) count as the round before: a node joining in
+    # that moment is told the job re-forms at their next commit, as it does
+    starting = [{"attached": False}, {"attached": True, "count": 0, "node_copy": False}]
+    assert policy.in_memory(starting, before=True)
+    assert not policy.in_memory(starting, before=False)
+    assert not policy.in_memory([*starting, {"attached": True, "count": 4}], before=True)
     memory = elastic(memory=True, nodes=2, workers=2, restarts=1, reformations=1)
     news = policy.formation_news(RoundEnd(Outcome.LOST, lost=(2,)), memory, changed=True)
     assert news == ("re-forming with 2 nodes (2 workers) from the workers' last commit in "

@@ -120,7 +120,8 @@ def _main(argv=None) -> int:
         raise Interrupted(signum)
 
     # elastic: SIGTERM is a preemption notice (the node leaves after a checkpoint)
-    preemption = Preemption() if config.elastic else None
+    # (a job on one machine is elastic only to recover in memory: SIGTERM ends it)
+    preemption = Preemption() if config.elastic and not config.one_machine else None
     handlers = {signal.SIGINT: on_signal,
                 signal.SIGTERM: preemption.handler if preemption else on_signal}
     previous = {s: signal.signal(s, h) for s, h in handlers.items()}

@@ -103,7 +103,9 @@ def _job_arguments(parser) -> None:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole job (every node) up to R times after a "
                              "failure, or (--nnodes MIN:MAX) after a failure or a lost "
-                             "node; scripts resume from their last checkpoint")
+                             "node; scripts resume from their last checkpoint, or, under "
+                             "dist_gluon.elastic.run, from their last commit in memory "
+                             "(on one machine as with --nnodes MIN:MAX)")
 
 
 def _watch_arguments(parser) -> None:
@@ -272,6 +274,15 @@ def _check_elastic(parser, ns) -> None:
     text = ns.nnodes
     ns.elastic = text is not None and ":" in text
     ns.min_nodes = ns.max_nodes = None
+    ns.one_machine = (text is None and ns.max_restarts > 0 and not ns.hosts
+                      and not ns.hostfile and ns.node_rank is None
+                      and ns.transport != "mpi" and not _under_slurm_nodes())
+    if ns.one_machine:
+        # one machine that may restart: as --nnodes 1:1, so that a script under
+        # dist_gluon.elastic.run recovers from its last commit in memory rather than
+        # from its start (--transport mpi cannot: mpirun starts a fixed set of ranks)
+        text = "1:1"
+        ns.elastic = True
     if text is None:
         return
     low, _, high = text.partition(":")
@@ -291,6 +302,15 @@ def _check_elastic(parser, ns) -> None:
                      "of ranks, which cannot change while the job runs")
     if ns.last_call < 0:
         parser.error(f"--last-call must be >= 0, got {ns.last_call:g}")
+
+
+def _under_slurm_nodes() -> bool:
+    """srun started this launcher as one of several nodes (SLURM counts them)."""
+    try:
+        defaults = slurm.defaults(os.environ)
+    except ValueError:
+        return True         # _check_nodes says why
+    return bool(defaults) and defaults["nnodes"] > 1
 
 
 def _check_servers(parser, ns) -> None:

@@ -37,6 +37,12 @@ class LaunchConfig:
         Nodes of the job (MAX of an elastic job); None only for -H without --nnodes.
     elastic : bool
         ``--nnodes MIN:MAX``: the job re-forms between ``min_nodes`` and ``max_nodes``.
+        Also a job on this machine alone with ``--max-restarts`` (``one_machine``).
+    one_machine : bool
+        Elastic because a job on one machine (no ``--nnodes``, ``-H`` or
+        ``--hostfile``) may restart: as ``--nnodes 1:1``, so that workers under
+        ``dist_gluon.elastic.run`` recover in memory, but SIGTERM ends it at once
+        (no preemption, which a job of one node cannot outlive).
     node_rank : int or None
         This node's rank; None when this launcher fans out over ssh (-H/--hostfile).
     stall_warning : float or None
@@ -71,6 +77,7 @@ class LaunchConfig:
     # several machines, one launcher per node
     nnodes: int | None = 1
     elastic: bool = False
+    one_machine: bool = False
     min_nodes: int | None = 1
     max_nodes: int | None = 1
     node_rank: int | None = 0

@@ -205,7 +205,7 @@ class Master:
                            f"interrupted by {signal.Signals(stop.signum).name}")
         finally:
             states = view.states()
-            self.memory = config.elastic and policy.in_memory(states)
+            self.memory = config.elastic and policy.in_memory(states, self.memory)
             decision, end = self._decide(end, tuple(view.preempted))
             keep = keep_workers(config, spec, end, decision, states)
             unconfirmed = self._end_round(node, end, decision, keep)

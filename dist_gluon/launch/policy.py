@@ -309,10 +309,20 @@ def too_few(count: int, job: Standing) -> str:
             f"of --nnodes {job.min_nodes}:{job.max_nodes}: the job ends")
 
 
-def in_memory(states: list[dict]) -> bool:
+def in_memory(states: list[dict], before: bool = False) -> bool:
     """Whether every worker keeps its state in memory through a re-formation: in its
-    process, or in its node's shared memory (dist_gluon.elastic.run)."""
-    return bool(states) and all(s.get("keeps") or s.get("node_copy") for s in states)
+    process, or in its node's shared memory (dist_gluon.elastic.run). A worker that has
+    not said yet (just started again after a re-formation: not attached, or no collective
+    and no word) counts as it did in the round before (``before``)."""
+    if not states:
+        return False
+    for s in states:
+        said = s.get("keeps") or s.get("node_copy")
+        if not said and (not s.get("attached", True) or s.get("count", 1) == 0):
+            said = before
+        if not said:
+            return False
+    return True
 
 
 def checkpoint_text(checkpoint: tuple[int, int] | None) -> str:

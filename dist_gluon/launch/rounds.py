@@ -188,7 +188,7 @@ class RoundWatch:
             if config.elastic:
                 self._planned_changes()
             states = view.states()
-            self.formation.in_memory = policy.in_memory(states)
+            self.formation.in_memory = policy.in_memory(states, self.formation.in_memory)
             if config.elastic and states and all(s["acked"] and s.get("parked")
                                                  for s in states):
                 # workers that keep their processes agreed to stop at a commit and wait
@@ -232,14 +232,8 @@ class RoundWatch:
         if not holding:
             return
         self.ledger.told_flag = True
-        restarts = (f"--max-restarts {self.config.max_restarts} restarts every worker "
-                    "from the script's start (or its last checkpoint)"
-                    if self.config.max_restarts else "a failure ends the job")
         self.view.say(f"rank {holding[0]} keeps a dist_gluon.elastic.State under "
-                      "dist_gluon.elastic.run, but this job is not elastic: "
-                      f"{restarts}, not from the State's last commit in memory. Start the "
-                      "launcher with --nnodes 1:1 (one machine) or --nnodes MIN:MAX "
-                      "for recovery in memory.")
+                      f"dist_gluon.elastic.run, but {state_not_recovered(self.config)}")
 
     def _planned_changes(self) -> None:
         """Elastic: nodes waiting to join, or a preempted node, ask the workers to stop
@@ -281,3 +275,24 @@ class RoundWatch:
         self.saves = count
         # the node that takes over, should this one be lost, names it
         self.view.broadcast(Saved(epoch, step))
+
+
+def state_not_recovered(config: LaunchConfig) -> str:
+    """Why a job that is not elastic does not recover a State in memory at a failure,
+    and what does."""
+    if config.transport == "mpi":
+        return (f"--transport mpi {_restarts(config)}: mpirun starts a fixed set of ranks, "
+                "which cannot re-form around live ones. Use --transport gloo (with "
+                "--max-restarts R) for recovery in memory.")
+    if not config.max_restarts:
+        return ("without --max-restarts a failure ends the job. Start the launcher with "
+                "--max-restarts R to recover from the State's last commit in memory.")
+    return (f"this job is not elastic: {_restarts(config)}. Start the launchers with "
+            "--nnodes MIN:MAX (e.g. --nnodes N:N for N nodes) for recovery in memory.")
+
+
+def _restarts(config: LaunchConfig) -> str:
+    if not config.max_restarts:
+        return "a failure ends the job"
+    return (f"--max-restarts {config.max_restarts} restarts every worker from the "
+            "script's start (or its last checkpoint), not from the State's last commit")
