@@ -9,12 +9,13 @@ with the state of the last commit (a new worker gets it from a live peer).
 
 On one machine, two workers; kill one while it trains and watch the job heal:
 
-    python -m dist_gluon.launch --nnodes 1:1 -n 2 --max-restarts 3 \\
+    python -m dist_gluon.launch -n 2 --max-restarts 3 \\
         -- python examples/elastic/train_in_memory.py --epochs 20
     pkill -KILL -f 'train_in_memory.py' --newest     # in another terminal
 
-(``--nnodes 1:1`` makes the job elastic; on horovod the survivor keeps its process,
-on dist_sync every worker restarts from the node's copy in /dev/shm.)
+(``--max-restarts`` on one machine makes the job elastic, as ``--nnodes 1:1``; on
+horovod the survivor keeps its process, on dist_sync every worker restarts from the
+node's copy in /dev/shm.)
 """
 import argparse
 import time
