@@ -37,7 +37,7 @@ import sys
 import threading
 
 from .. import timeline
-from . import cli, observe, output, ssh, statedir
+from . import cli, observe, output, ssh, standby, statedir
 from .agent import Agent
 from .config import LaunchConfig
 from .job import Interrupted, Preemption
@@ -139,5 +139,6 @@ def _main(argv=None) -> int:
             signal.signal(s, handler)
         # the node's copy of the workers' state in memory ends with the launcher
         statedir.remove()
+        standby.pool().close()
         if observation is not None:
             observation.finish()

@@ -100,6 +100,10 @@ def _job_arguments(parser) -> None:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds the whole job may run; then everything is "
                              "terminated and the launcher exits 124")
+    parser.add_argument("--no-warm-standby", dest="warm_standby", action="store_false",
+                        help="do not keep a warm standby process per worker (MXNet and "
+                             "dist_gluon imported) for a restarted worker's script to run "
+                             "in: restarted workers start a new interpreter")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole job (every node) up to R times after a "
                              "failure, or (--nnodes MIN:MAX) after a failure or a lost "

@@ -38,6 +38,9 @@ class LaunchConfig:
     elastic : bool
         ``--nnodes MIN:MAX``: the job re-forms between ``min_nodes`` and ``max_nodes``.
         Also a job on this machine alone with ``--max-restarts`` (``one_machine``).
+    warm_standby : bool
+        A job that may restart keeps one warm standby process per worker, which a
+        restarted worker's script runs in (standby.py); ``--no-warm-standby``: not.
     one_machine : bool
         Elastic because a job on one machine (no ``--nnodes``, ``-H`` or
         ``--hostfile``) may restart: as ``--nnodes 1:1``, so that workers under
@@ -66,6 +69,7 @@ class LaunchConfig:
     compat: str | None = None
     timeout: float | None = None
     max_restarts: int = 0
+    warm_standby: bool = True
     # watching the workers
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None

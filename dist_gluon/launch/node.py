@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from .. import jobcontrol
-from . import jobenv, mpi, secret, statedir
+from . import jobenv, mpi, secret, standby, statedir
 from .config import LaunchConfig
 from .processes import TERM_GRACE, Process, terminate
 from .protocol import RoundSpec
@@ -71,6 +71,9 @@ class Node:
         # a kept worker's record stays in its first round's directory
         self._dirs = [self._control_dir] + (kept._dirs if kept is not None else [])
         self._kept = kept
+        # the workers' environment, for the standbys of the next round (standby.py)
+        self._base: dict[str, str] | None = None
+        self._warmed = not warm_standbys(config, spec)
 
     @property
     def nproc(self) -> int:
@@ -114,6 +117,7 @@ class Node:
             # the nodes' copies in memory (dist_gluon.elastic.State.sync), not from the
             # broadcast of a new job's model
             base["DG_ELASTIC_HEAL"] = "1"
+        self._base = base
         kept, self._kept = self._adoptable(), None
         try:
             if spec.backend == "horovod":
@@ -241,10 +245,27 @@ class Node:
             self._spawn(str(rank), "worker", rank, list(self.config.command), env)
 
     def _spawn(self, label, role, rank, argv, env):
+        if role == "worker" and warm_standbys(self.config, self.spec):
+            warm = standby.pool().take(label, rank, argv, env)
+            if warm is not None:
+                self.processes.append(warm)
+                return
         try:
             self.processes.append(Process(label, role, rank, argv, env))
         except OSError as err:
             raise SystemExit(f"dist_gluon.launch: cannot start {argv[0]!r}: {err}") from err
+
+    def _warm_up(self) -> None:
+        """Once every worker of this node has passed its first collectives (its
+        imports and start are over: the standbys do not slow them), start one standby
+        per worker for the next round (standby.py)."""
+        if self._warmed or self._base is None:
+            return
+        workers = self.workers
+        records = [self._records.get(p.rank) for p in workers]
+        if workers and all(r is not None and r.attached and r.count > 0 for r in records):
+            self._warmed = True
+            standby.pool().fill(len(workers), self._base)
 
     # ------------------------------------------------------------------ watching
     @property
@@ -254,6 +275,7 @@ class Node:
     def states(self, hint: int = 0) -> list[dict]:
         """The state of each of this node's workers (see supervisor.py); ``hint`` is the
         lowest collective count in the job, whose next key reports name."""
+        self._warm_up()
         states = []
         now = time.time()
         beat = time.monotonic()
@@ -353,3 +375,12 @@ class Node:
     def interrupt(self) -> None:
         for p in self.processes:
             p.signal_group(signal.SIGTERM)
+
+
+def warm_standbys(config: LaunchConfig, spec: RoundSpec) -> bool:
+    """Whether this launcher's workers may be restarted and a standby can take their
+    place (standby.py): a job with restarts or elastic, whose command runs this
+    launcher's Python on a script or module, not started by mpirun."""
+    return bool(config.warm_standby and (config.max_restarts or config.elastic)
+                and not (spec.backend == "horovod" and spec.transport == "mpi")
+                and standby.takes_over(config.command))
