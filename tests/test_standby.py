@@ -32,7 +32,7 @@ for step in range(4):
     kv.pushpull("t", total, out=total)
     total.wait_to_read()
     if restart == 0 and kv.rank == 1 and step == 2:
-        time.sleep(1.0)             # the launcher has seen the first collectives
+        time.sleep(4.0)             # past standby.WARM_AFTER: the standbys started
         os.kill(os.getpid(), signal.SIGKILL)
 if restart == 1 and kv.rank == 0:
     sys.exit(7)                     # the exit status is the script's

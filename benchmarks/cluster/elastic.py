@@ -94,7 +94,11 @@ def main() -> None:
                         help="keep the state in memory (dg.elastic.State, a commit every "
                              "step) instead of checkpoints: the workers keep their processes")
     args = parser.parse_args()
-    times = {"process": process_start(), "script": STARTED, "imported": IMPORTED}
+    # a worker run by a launcher's warm standby starts when it is handed its command
+    # (DG_WARM_START), its imports long done
+    handed = os.environ.get("DG_WARM_START")
+    times = {"process": float(handed) if handed else process_start(), "script": STARTED,
+             "imported": IMPORTED, "warm": bool(handed)}
 
     kv = dg.create()
     times["created"] = time.time()

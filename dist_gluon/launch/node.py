@@ -74,6 +74,7 @@ class Node:
         # the workers' environment, for the standbys of the next round (standby.py)
         self._base: dict[str, str] | None = None
         self._warmed = not warm_standbys(config, spec)
+        self._training_since: float | None = None
 
     @property
     def nproc(self) -> int:
@@ -256,14 +257,21 @@ class Node:
             raise SystemExit(f"dist_gluon.launch: cannot start {argv[0]!r}: {err}") from err
 
     def _warm_up(self) -> None:
-        """Once every worker of this node has passed its first collectives (its
-        imports and start are over: the standbys do not slow them), start one standby
-        per worker for the next round (standby.py)."""
+        """Once every worker of this node has trained for standby.WARM_AFTER seconds
+        past its first collective (its start is over, and the standbys' imports do not
+        slow it; a job that ends sooner never pays for them), start one standby per
+        worker for the next round (standby.py)."""
         if self._warmed or self._base is None:
             return
         workers = self.workers
         records = [self._records.get(p.rank) for p in workers]
-        if workers and all(r is not None and r.attached and r.count > 0 for r in records):
+        if not (workers and all(r is not None and r.attached and r.count > 0
+                                for r in records)):
+            return
+        now = time.monotonic()
+        if self._training_since is None:
+            self._training_since = now
+        if now - self._training_since >= standby.WARM_AFTER:
             self._warmed = True
             standby.pool().fill(len(workers), self._base)
 

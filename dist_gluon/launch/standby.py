@@ -3,16 +3,16 @@ imports.
 
 A restart (``--max-restarts``, or a re-formation of an elastic job on ps-lite, whose
 workers restart on every change) starts every worker again, and each new interpreter
-imports MXNet, NumPy and dist_gluon before the script does anything: 4 s of CPU here
-per worker, more while the node is busy, the largest part of a ps-lite recovery. So a
-launcher whose job may restart keeps, beside the workers of a running round, one
-standby process per local worker, started once those workers have taken their first
-steps (not to slow their start): the standby imports ``mxnet``, ``numpy`` and dist_gluon's
-API, then waits on its stdin. When the next round starts a worker, the launcher hands
-the standby the worker's command line, environment and directory instead of starting a
-process, and the standby runs the script in itself, as ``python script.py`` or
-``python -m module`` would (``__main__``, ``sys.argv``, ``sys.path[0]``); ``ps`` and
-``pkill -f`` then show the worker's command line.
+imports MXNet, NumPy and dist_gluon before the script does anything: 4 s of CPU here per
+worker, more while the node is busy, the largest part of a ps-lite recovery. So a
+launcher whose job may restart keeps, beside the workers of a running round, one standby
+process per local worker, started once those workers have trained for a few seconds (not
+to slow their start, nor a job that ends sooner): the standby imports ``mxnet``,
+``numpy`` and dist_gluon's API, then waits on its stdin. When the next round starts a
+worker, the launcher hands the standby the worker's command line, environment and
+directory instead of starting a process, and the standby runs the script in itself, as
+``python script.py`` or ``python -m module`` would (``__main__``, ``sys.argv``,
+``sys.path[0]``); ``ps`` and ``pkill -f`` then show the worker's command line.
 
 Only a command that runs this launcher's Python on a script or a module can be taken
 over (``python train.py ...``, ``python -u train.py``, ``python -m pkg.train``); any
@@ -42,6 +42,9 @@ from .processes import Process, terminate
 # handed over (DMLC_ROLE=server in a standby's environment would even start a ps-lite
 # server inside `import mxnet`)
 _PER_ROUND = ("DG_", "DMLC_", "HOROVOD_", "PS_")
+# seconds a round's workers train past their first collective before the standbys
+# start: short jobs (tests, a failure at the start) never pay for the imports
+WARM_AFTER = 3.0
 # room for the worker's command line in the standby's own (ps, pkill -f)
 _CMDLINE_ROOM = 4096
 _PADDING = "--standby-room=" + "." * _CMDLINE_ROOM
