@@ -192,7 +192,11 @@ ELASTIC = {"hosts": 3, "rate": "1gbit", "nnodes": "2:3", "max_restarts": 3,
            "backends": ("horovod", "dist_sync", "p3"), "modes": ("restart", "memory"),
            "faults": ("kill", "link"),
            "lost_hosts": (2, 0), "node_local": (0,),
-           "batch": 4, "image": 64, "save_every": 2, "steps_after": 2}
+           "batch": 4, "image": 64, "save_every": 2, "steps_after": 2,
+           # seconds the first round trains before the fault, as a job does for long
+           # before it meets one: its launchers' warm standbys (launch/standby.py) have
+           # started and imported by then
+           "train_before": 15.0}
 ELASTIC_TAG = "ELASTIC "
 # the phases of a recovery, each named for the boundary that ends it; it begins at the
 # boundary before it that the recovery has ("electing" and "took" only where the host
@@ -711,15 +715,18 @@ class _Lines:
                          and text in line), None)
 
 
-def _fault_moment(events: list[dict], save_every: int, memory: bool = False) -> bool:
+def _fault_moment(events: list[dict], save_every: int, memory: bool = False,
+                  train_before: float = 0.0) -> bool:
     """The first round has saved a checkpoint and trained a step past it (in memory
-    mode: has trained as many steps, committing each)."""
+    mode: has trained as many steps, committing each), and has trained for
+    ``train_before`` seconds since its first step."""
+    steps = [e for e in events if e["event"] == "step" and e["reformation"] == 0]
+    if not steps or steps[-1]["time"] - steps[0]["time"] < train_before:
+        return False
     if memory:
-        return any(e["event"] == "step" and e["reformation"] == 0 and e["step"] > save_every
-                   for e in events)
+        return any(e["step"] > save_every for e in steps)
     saved = [e["step"] for e in events if e["event"] == "saved" and e["reformation"] == 0]
-    return bool(saved) and any(e["event"] == "step" and e["reformation"] == 0
-                               and e["step"] > saved[0] for e in events)
+    return bool(saved) and any(e["step"] > saved[0] for e in steps)
 
 
 def inject_fault(cluster, host: int, fault: str) -> float:
@@ -883,6 +890,7 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
     argv = [str(HERE / "cluster" / "elastic.py"), "--dir", str(workdir / f"ckpt-{port}"),
             "--batch", str(cfg["batch"]), "--image", str(cfg["image"]),
             "--save-every", str(cfg["save_every"]), "--steps-after", str(cfg["steps_after"]),
+            "--max-steps", "100000",       # the first round ends at the fault
             *(["--memory"] if memory else
               ["--node-local"] if lost in cfg["node_local"] else [])]
     stay = [h.index for h in cluster.hosts if h.index != lost]
@@ -904,11 +912,13 @@ def run_elastic_job(cluster, backend: str, fault: str, lost: int, timeout: float
     fault_at = None
     try:
         with lines.changed:
-            while not _fault_moment(lines.events(), cfg["save_every"], memory):
+            while not _fault_moment(lines.events(), cfg["save_every"], memory,
+                                    cfg.get("train_before", 0.0)):
                 if time.monotonic() > deadline or procs[0].poll() is not None:
                     break
                 lines.changed.wait(timeout=1.0)
-        if _fault_moment(lines.events(), cfg["save_every"], memory):
+        if _fault_moment(lines.events(), cfg["save_every"], memory,
+                         cfg.get("train_before", 0.0)):
             # the first round's workers on the hosts that stay (all ranks printed their
             # timeline at their first step, long before the fault)
             names = {cluster.hosts[n].name: n for n in stay}
