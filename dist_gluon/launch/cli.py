@@ -101,9 +101,11 @@ def _job_arguments(parser) -> None:
                         help="seconds the whole job may run; then everything is "
                              "terminated and the launcher exits 124")
     parser.add_argument("--no-warm-standby", dest="warm_standby", action="store_false",
+                        default=os.environ.get("DG_WARM_STANDBY", "1") != "0",
                         help="do not keep a warm standby process per worker (MXNet and "
                              "dist_gluon imported) for a restarted worker's script to run "
-                             "in: restarted workers start a new interpreter")
+                             "in: restarted workers start a new interpreter (also "
+                             "DG_WARM_STANDBY=0)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole job (every node) up to R times after a "
                              "failure, or (--nnodes MIN:MAX) after a failure or a lost "
