@@ -21,7 +21,10 @@ other command (a shell wrapper, ``python -c``, another interpreter), ``--transpo
 
 What the standby imported read its environment then, not the worker's: the node's
 environment minus the launcher's per-round and per-rank variables, which MXNet, ps-lite,
-horovod and dist_gluon all read later (``mx.kv.create``, ``hvd.init``, at first use).
+horovod and dist_gluon all read later (``mx.kv.create``, ``hvd.init``, at first use;
+MXNet's engine starts at the script's first operation, so ``MXNET_ENGINE_TYPE`` set in
+the script works). Only what libraries read as they load (OpenMP's and OpenBLAS's thread
+counts) keeps the launcher's value if the script sets it before its imports.
 
 The standby's program is ``python -m dist_gluon._standby`` (it runs in the worker's
 process, so outside launch/, which imports neither MXNet nor NumPy).
