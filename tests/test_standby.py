@@ -17,6 +17,8 @@ import sys
 import time
 
 warm = "mxnet" in sys.modules           # imported before this script ran
+# read when MXNet's engine starts, at the first operation: in a standby too
+os.environ["MXNET_ENGINE_TYPE"] = "ThreadedEngine"
 import mxnet as mx
 import dist_gluon as dg
 
@@ -53,6 +55,10 @@ def test_a_restarted_worker_runs_its_script_in_a_warm_standby(tmp_path, backend)
     assert re.search(r"rank 0 \(.*\) exited \(SystemExit: 7\)", proc.stderr), report
     assert "was killed by SIGKILL" in proc.stderr, report
     for rank in (0, 1):
+        engines = [line for line in worker_lines(proc.stderr, rank)
+                   if "MXNet start using engine" in line]
+        assert len(engines) == 2 and all(line.endswith("engine: ThreadedEngine")
+                                         for line in engines), report
         first, second = _rounds(proc, rank)
         assert first.startswith(f"round 0 rank {rank} warm False handed False"), report
         assert second == (f"round 1 rank {rank} warm True handed True name __main__ argv "
