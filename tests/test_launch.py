@@ -508,6 +508,12 @@ def test_nnodes_min_max_makes_an_elastic_job_also_over_ssh_and_under_srun(monkey
                                      "--preempt-grace", "7", "--", "python", "x.py"])
     command = ssh.node_command(fan, 1, "h1")
     assert "--nnodes 1:3 --node-rank 1" in command and "--preempt-grace 7" in command
+    assert "--no-warm-standby" not in command
+    cold = launch_module._parse_args(["-H", "h1:1,h2:1", "--max-restarts", "1",
+                                      "--no-warm-standby", "--", "python", "x.py"])
+    assert "--no-warm-standby" in ssh.node_command(cold, 1, "h1")
+    # -H is several machines: --max-restarts alone does not make the job elastic there
+    assert not cold.elastic and not cold.one_machine
 
     # under srun an explicit MIN:MAX still takes this node's rank and node 0 from SLURM
     for name, value in {"SLURM_JOB_ID": "7", "SLURM_NODEID": "1", "SLURM_NNODES": "2",

@@ -132,6 +132,8 @@ def node_command(config: LaunchConfig, node_rank: int, master_addr: str) -> str:
     if config.elastic:
         argv += ["--preempt-grace", f"{config.preempt_grace:g}",
                  "--last-call", f"{config.last_call:g}"]
+    if not config.warm_standby:
+        argv.append("--no-warm-standby")
     for flag, value in (("--timeout", config.timeout), ("--stall-timeout", config.stall_timeout),
                         ("--iface", config.iface), ("--transport", config.transport),
                         # node 0's mpirun starts the other nodes' MPI ranks over ssh
