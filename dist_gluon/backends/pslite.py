@@ -417,8 +417,20 @@ class DistSync(Backend):
                 raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
                                  f"{known[1]}, now used with shape {spec[0]} and dtype "
                                  f"{spec[1]}; on {self._type} a key keeps its first shape")
-        if new_names:
+        if not new_names:
+            return
+        if not self._p3:
             self._kv.init(new_names, new_values)
+            return
+        # One key per init on P3: MXNet 1.9's P3StoreDist::PushDefault (the initial value
+        # that ps-lite's rank 0 pushes in init) reads its own closure after its last
+        # send, and the server's reply can complete the push and free that closure
+        # first. An init of several keys allocates the next keys' pushes meanwhile, which
+        # reuse the freed memory: a worker read garbage there and died of SIGSEGV in 10
+        # of 20 loaded runs (docs/troubleshooting.md). An init of one key waits for its
+        # push on the engine's CPU worker, which runs after the push has returned.
+        for name, value in zip(new_names, new_values):
+            self._kv.init(name, value)
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
