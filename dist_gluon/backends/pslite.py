@@ -417,20 +417,11 @@ class DistSync(Backend):
                 raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
                                  f"{known[1]}, now used with shape {spec[0]} and dtype "
                                  f"{spec[1]}; on {self._type} a key keeps its first shape")
-        if not new_names:
-            return
-        if not self._p3:
-            self._kv.init(new_names, new_values)
-            return
-        # One key per init on P3: MXNet 1.9's P3StoreDist::PushDefault (the initial value
-        # that ps-lite's rank 0 pushes in init) reads its own closure after its last
-        # send, and the server's reply can complete the push and free that closure
-        # first. An init of several keys allocates the next keys' pushes meanwhile, which
-        # reuse the freed memory: a worker read garbage there and died of SIGSEGV in 10
-        # of 20 loaded runs (docs/troubleshooting.md). An init of one key waits for its
-        # push on the engine's CPU worker, which runs after the push has returned.
-        for name, value in zip(new_names, new_values):
-            self._kv.init(name, value)
+        if new_names:
+            self._init_keys(new_names, new_values)
+
+    def _init_keys(self, names, values) -> None:
+        self._kv.init(names, values)
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
@@ -476,6 +467,22 @@ class P3(DistSync):
 
     _type = "p3"
     _p3 = True
+
+    def _init_keys(self, names, values) -> None:
+        """``kv.init`` one key at a time: MXNet 1.9's P3 kvstore can crash in an init of
+        several.
+
+        In ``kv.init`` ps-lite's rank 0 pushes each key's initial value, and
+        P3StoreDist::PushDefault reads its own closure (the key's slices) after its last
+        send; the server's reply can complete that push on ps-lite's thread and free the
+        closure first while MXNet's engine worker, preempted, still runs it. Memory
+        allocated meanwhile takes its place and the worker loops on garbage: SIGSEGV in
+        SArray::segment, or in ThreadedEngine::OnComplete (benchmarks/FINDINGS.md 12).
+        An init of several keys allocates the next keys' pushes, closures of the same
+        size, right then: creating keys 32 at a time crashed ps-lite's rank 0 in 7 of 8
+        loaded runs, one at a time in 2 of 17. One init per key costs a barrier each."""
+        for name, value in zip(names, values):
+            self._kv.init(name, value)
 
 
 class DistAsync(DistSync):
