@@ -477,7 +477,7 @@ class P3(DistSync):
         send; the server's reply can complete that push on ps-lite's thread and free the
         closure first while MXNet's engine worker, preempted, still runs it. Memory
         allocated meanwhile takes its place and the worker loops on garbage: SIGSEGV in
-        SArray::segment, or in ThreadedEngine::OnComplete (benchmarks/FINDINGS.md 12).
+        SArray::segment, or in ThreadedEngine::OnComplete (benchmarks/FINDINGS.md 12b).
         An init of several keys allocates the next keys' pushes, closures of the same
         size, right then: creating keys 32 at a time crashed ps-lite's rank 0 in 7 of 8
         loaded runs, one at a time in 2 of 17. One init per key costs a barrier each."""
