@@ -726,8 +726,6 @@ def test_import_registers_horovod_without_shadowing_mxnets_own_kvstores(monkeypa
 class _RecordingStore:
     """MXNet's native kvstore as a ps-lite backend sees it, recording each init call."""
 
-    rank = 0
-
     def __init__(self):
         self.inits = []
 
