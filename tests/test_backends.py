@@ -737,7 +737,7 @@ class _RecordingStore:
     (pslite.DistSync, [["w0", "w1", "w2"]]),
     # MXNet 1.9's P3 kvstore frees its init push under the engine worker that runs it,
     # and an init of several keys reuses that memory at once: ps-lite's rank 0 died of
-    # SIGSEGV creating keys 32 at a time in 7 of 8 loaded runs (1 key at a time: 2 of 17)
+    # SIGSEGV creating keys 32 at a time in 7 of 8 loaded runs (1 key at a time: 5 of 25)
     (pslite.P3, [["w0"], ["w1"], ["w2"]]),
 ])
 def test_new_server_keys_are_created_together_on_dist_sync_and_one_by_one_on_p3(

@@ -480,7 +480,7 @@ class P3(DistSync):
         SArray::segment, or in ThreadedEngine::OnComplete (benchmarks/FINDINGS.md 12b).
         An init of several keys allocates the next keys' pushes, closures of the same
         size, right then: creating keys 32 at a time crashed ps-lite's rank 0 in 7 of 8
-        loaded runs, one at a time in 2 of 17. One init per key costs a barrier each."""
+        loaded runs, one at a time in 5 of 25. One init per key costs a barrier each."""
         for name, value in zip(names, values):
             self._kv.init(name, value)
 
