@@ -418,7 +418,10 @@ class DistSync(Backend):
                                  f"{known[1]}, now used with shape {spec[0]} and dtype "
                                  f"{spec[1]}; on {self._type} a key keeps its first shape")
         if new_names:
-            self._kv.init(new_names, new_values)
+            self._init_keys(new_names, new_values)
+
+    def _init_keys(self, names, values) -> None:
+        self._kv.init(names, values)
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
@@ -464,6 +467,22 @@ class P3(DistSync):
 
     _type = "p3"
     _p3 = True
+
+    def _init_keys(self, names, values) -> None:
+        """``kv.init`` one key at a time: MXNet 1.9's P3 kvstore can crash in an init of
+        several.
+
+        In ``kv.init`` ps-lite's rank 0 pushes each key's initial value, and
+        P3StoreDist::PushDefault reads its own closure (the key's slices) after its last
+        send; the server's reply can complete that push on ps-lite's thread and free the
+        closure first while MXNet's engine worker, preempted, still runs it. Memory
+        allocated meanwhile takes its place and the worker loops on garbage: SIGSEGV in
+        SArray::segment, or in ThreadedEngine::OnComplete (benchmarks/FINDINGS.md 12b).
+        An init of several keys allocates the next keys' pushes, closures of the same
+        size, right then: creating keys 32 at a time crashed ps-lite's rank 0 in 7 of 8
+        loaded runs, one at a time in 5 of 25. One init per key costs a barrier each."""
+        for name, value in zip(names, values):
+            self._kv.init(name, value)
 
 
 class DistAsync(DistSync):
