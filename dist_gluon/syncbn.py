@@ -8,19 +8,21 @@ forward pass (sums, squared sums and sample counts) and one in the backward pass
 gradients of those sums). On one process it is ``nn.BatchNorm``.
 
 The arithmetic on whole tensors is done by MXNet's own BatchNorm operator (its generic
-reductions are 10-50 times slower on CPU); two autograd Functions on per-channel values
-connect the workers. The forward collective is issued from the training script's
-thread, in the order of the forward pass. MXNet runs backward functions in its own
-custom-operator threads, in the order its engine schedules them (independent branches,
-e.g. a ResNet's shortcut, in either order), so backward collectives may be issued in a
-different order on each rank; every key is used by exactly one layer, and the backends
-match collectives by key.
+reductions are 10-50 times slower on CPU); one autograd Function per layer, from the
+input and gamma and beta to per-channel values, connects the workers. The forward
+collective is issued from the training script's thread, in the order of the forward
+pass. MXNet runs backward functions in its own custom-operator threads, in the order
+its engine schedules them (independent branches, e.g. a ResNet's shortcut, in either
+order), so backward collectives may be issued in a different order on each rank; every
+key is used by exactly one layer, and the backends match collectives by key.
 """
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import threading
+import traceback
 
 import mxnet as mx
 import numpy as np
@@ -210,15 +212,14 @@ class SyncBatchNorm(nn.BatchNorm):
         channel = self._channel(x, axis)
         # y = (x - mean) * scale + shift with scale = gamma / sqrt(var + eps) and shift =
         # beta from the global statistics, by MXNet's BatchNorm operator (fast, and its
-        # backward gives the per-channel sums over x). Only the two functions between
-        # are differentiated by hand, per channel, with MXNet operators on x's device;
-        # autograd chains them.
+        # backward gives the per-channel sums over x). Only the function from x, gamma
+        # and beta to scale and shift is differentiated by hand, with MXNet operators on
+        # x's device; autograd chains it.
         graphs = _layer_graphs(channel.channels, x.dtype, running_mean.dtype, kwargs["eps"],
                                kwargs["momentum"], kwargs["fix_gamma"], channel.gather)
-        moments = _LocalMoments(axis, channel, graphs)(x)
-        affine = _GlobalAffine(channel, graphs, x.size // channel.channels,
+        affine = _GlobalAffine(axis, channel, graphs, x.size // channel.channels,
                                (running_mean, running_var), autograd.is_recording())
-        scale, shift = affine(mx.nd.concat(moments, gamma, beta, dim=0))
+        scale, shift = affine(x, mx.nd.concat(gamma, beta, dim=0))
         out = mx.nd.BatchNorm(x, scale, shift, affine.mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
@@ -415,11 +416,12 @@ def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
     def part(array, begin, end):
         return sym.slice_axis(array, axis=0, begin=begin, end=end)
 
-    # _LocalMoments: [mean, var] from the BatchNorm operator's mean and 1 / sqrt(var + eps)
+    # _GlobalAffine, forward: [mean, var, gamma, beta] of this worker from the BatchNorm
+    # operator's mean and 1 / sqrt(var + eps)
     mean, invstd = sym.var("mean"), sym.var("invstd")
-    local = sym.concat(mean, sym.relu(invstd ** -2 - _LocalMoments._EPS), dim=0)
+    local = sym.concat(mean, sym.relu(invstd ** -2 - _GlobalAffine._EPS), sym.var("gb"), dim=0)
 
-    # _GlobalAffine, forward: this worker's sums [n mean, n (var + mean^2), n] (float64)
+    # ... its sums [n mean, n (var + mean^2), n] (float64)
     packed, count = sym.var("packed"), sym.var("count")
     mean, var = part(packed, 0, c).astype(f64), part(packed, c, 2 * c).astype(f64)
     sums = sym.broadcast_mul(sym.concat(mean, sym.square(mean) + var,
@@ -451,8 +453,8 @@ def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
     running = [sym.var(name) * float(keep) + stat.astype(running_dtype)
                * float(np.float32(1) - keep)
                for name, stat in (("running_mean", mean), ("running_var", var))]
-    weight = sym.broadcast_div(count, total).astype(dtype)
-    affine = [scale, part(packed, 3 * c, 4 * c), mean.astype(dtype), invstd, weight,
+    share = (1.0 / total).astype(dtype)
+    affine = [scale, part(packed, 3 * c, 4 * c), mean.astype(dtype), invstd, share,
               *running]
 
     # _GlobalAffine, backward: this worker's gradients of the global mean and variance
@@ -460,13 +462,18 @@ def _build_graphs(c, dtype, running_dtype, eps, momentum, fix_gamma,
     invstd = sym.var("invstd")
     mine = sym.concat(-scale * dshift, dscale * scale * sym.square(invstd) * -0.5, dim=0)
 
-    # ... and from every worker's, the gradients of this worker's [mean, var, gamma, beta]
-    grads, weight = sym.var("grads"), sym.var("weight")
+    # ... and from every worker's, the gradients of this worker's inputs: of gamma and
+    # beta, and of x through its mean and variance, ``dx = d own_mean / n_own + 2 d
+    # own_var (x - own_mean) / n_own`` with ``d own_mean = (dmean + 2 dvar (own_mean -
+    # mean)) n_own / n`` and ``d own_var = dvar n_own / n``: the scale and the shift that
+    # the BatchNorm operator applies to ``x - own_mean``
+    grads, share = sym.var("grads"), sym.var("share")
     own_mean, mean = sym.var("own_mean"), sym.var("mean")
     dmean, dvar = part(grads, 0, c), part(grads, c, 2 * c)
     dgamma = sym.zeros_like(dscale) if fix_gamma else dscale * invstd
-    back = sym.concat(sym.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), weight),
-                      sym.broadcast_mul(dvar, weight), dgamma, dshift, dim=0)
+    back = [sym.broadcast_mul(2 * dvar, share),
+            sym.broadcast_mul(dmean + 2 * dvar * (own_mean - mean), share),
+            sym.concat(dgamma, dshift, dim=0)]
     return {name: _Graph(graph) for name, graph in
             (("local", local), ("sums", sums), ("affine", affine), ("mine", mine),
              ("back", back))}
@@ -479,85 +486,134 @@ def _on(array: mx.nd.NDArray, ctx) -> mx.nd.NDArray:
     return array if array.context == ctx else array.as_in_context(ctx)
 
 
-class _LocalMoments(autograd.Function):
-    """This worker's per-channel ``[mean, var]`` (biased variance), from MXNet's
-    BatchNorm operator in training mode (its own reductions are 10-50 times slower on
-    CPU). One input only: an autograd.Function of MXNet 1.9 drops the gradients of the
-    inputs that follow one whose gradient is not needed."""
+class _Function(autograd.Function):
+    """``autograd.Function`` that gives every input that needs a gradient its gradient.
 
-    # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
-    _EPS = 1e-10
+    MXNet 1.9's ``Function`` stops writing input gradients at the first input that needs
+    none (``return True`` in its backward entry), so an input after one that autograd does
+    not follow (a layer's first input taken straight from the data, frozen gamma and beta)
+    would silently get no gradient, and it never adds to a gradient whose request is
+    ``add``. This is its ``__call__`` (MXNet 1.9.1) with that loop fixed."""
 
-    def __init__(self, axis: int, channel: _Channel, graphs: dict[str, _Graph]):
-        super().__init__()
-        self._axis, self._channel, self._graphs = axis, channel, graphs
+    def __call__(self, *inputs):
+        assert not self._used, "each Function instance can only be called once"
+        self._used = True
+        previous = autograd.set_recording(False)
+        outputs = self.forward(*inputs)
+        autograd.set_recording(previous)
+        if not previous:
+            return outputs
+        results = (outputs,) if isinstance(outputs, mx.nd.NDArray) else outputs
+        key = autograd.Function._registry.inc()
 
-    def forward(self, x):
-        ch = self._channel
-        _, mean, invstd = mx.nd.BatchNorm(x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis,
-                                          eps=self._EPS, fix_gamma=False, output_mean_var=True)
-        self._x, self._mean, self._n = x, mean, x.size // ch.channels
-        return self._graphs["local"](mean=mean, invstd=invstd)
+        def backward_entry(num_ograds, num_igrads, ptrs, reqs, is_train, _):
+            try:
+                output_grads = [mx.nd.NDArray(ctypes.cast(i, mx.base.NDArrayHandle),
+                                              writable=False) for i in ptrs[:num_ograds]]
+                input_grads = [mx.nd.NDArray(ctypes.cast(i, mx.base.NDArrayHandle),
+                                             writable=True)
+                               for i in ptrs[num_ograds:num_ograds + num_igrads]]
+                requests = [reqs[i] for i in range(num_igrads)]
+                returned = self.backward(*output_grads)
+                if isinstance(returned, mx.nd.NDArray):
+                    returned = (returned,)
+                for grad, value, req in zip(input_grads, returned, requests):
+                    if req in (1, 2):           # write, inplace
+                        grad[:] = value
+                    elif req == 3:              # add
+                        grad[:] += value
+            except Exception:   # noqa: BLE001 - MXNet's C callback takes no exception
+                traceback.print_exc()
+                return False
+            return True
 
-    def backward(self, dmoments):
-        """``dx = dmean / n + 2 dvar (x - mean) / n``: per channel an affine function of
-        ``x - mean``, again by the BatchNorm operator."""
-        c, n = self._channel.channels, self._n
-        dmoments = _on(dmoments, self._x.context)
-        return mx.nd.BatchNorm(self._x, dmoments[c:] * (2.0 / n), dmoments[:c] * (1.0 / n),
-                               self._mean, self._channel.backward_unit_var, axis=self._axis,
-                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
+        def delete_entry(_):
+            autograd.Function._registry.ref_holder.pop(key, None)
+            return True
+
+        callbacks = [ctypes.cast(autograd.Function._bwd_functype(backward_entry),
+                                 ctypes.CFUNCTYPE(ctypes.c_int)),
+                     ctypes.cast(autograd.Function._del_functype(delete_entry),
+                                 ctypes.CFUNCTYPE(ctypes.c_int))]
+        context = mx.base.MXCallbackList(
+            ctypes.c_int(len(callbacks)),
+            ctypes.cast(mx.base.c_array(ctypes.CFUNCTYPE(ctypes.c_int), callbacks),
+                        ctypes.POINTER(ctypes.CFUNCTYPE(ctypes.c_int))),
+            ctypes.cast(mx.base.c_array(ctypes.c_void_p, [None] * len(callbacks)),
+                        ctypes.POINTER(ctypes.c_void_p)))
+        autograd.Function._registry.ref_holder[key] = context
+        mx.base.check_call(mx.base._LIB.MXCustomFunctionRecord(
+            ctypes.c_int(len(inputs)), mx.base.c_handle_array(inputs),
+            ctypes.c_int(len(results)), mx.base.c_handle_array(results),
+            ctypes.byref(context)))
+        return outputs
 
 
-class _GlobalAffine(autograd.Function):
-    """From ``[mean, var, gamma, beta]`` of this worker (one input for the reason given
-    in _LocalMoments) to the ``scale`` and ``shift`` of ``y = (x - mean) * scale +
-    shift``: the sums of every worker (the forward collective) give the global mean
+class _GlobalAffine(_Function):
+    """From ``x`` and ``[gamma, beta]`` to the ``scale`` and ``shift`` of ``y = (x - mean)
+    * scale + shift``: this worker's per-channel mean and biased variance (MXNet's
+    BatchNorm operator in training mode; its own reductions are 10-50 times slower on
+    CPU), their sums over every worker (the forward collective), hence the global mean
     (``self.mean``, which the BatchNorm operator subtracts) and biased variance, ``scale
     = gamma / sqrt(var + eps)`` and ``shift = beta``; the running statistics move
     towards them. The backward pass sums the gradients of the global mean and variance
     over the workers (the backward collective: each worker's loss depends on every
-    worker's statistics); those of gamma and beta stay this worker's, which the trainer
-    sums. Everything runs on the engine, on the layer's device (cached graphs)."""
+    worker's statistics) and turns them into x's gradient, again by the BatchNorm
+    operator; those of gamma and beta stay this worker's, which the trainer sums.
+    Everything runs on the engine, on the layer's device (cached graphs). One function
+    per layer, not one per collective: each costs a hop to MXNet's custom-operator
+    threads and back in the backward pass, on its critical path."""
 
-    def __init__(self, channel: _Channel, graphs: dict[str, _Graph], count: int, running,
-                 update: bool):
+    # the operator returns 1 / sqrt(var + eps); a tiny eps keeps var exact
+    _EPS = 1e-10
+
+    def __init__(self, axis: int, channel: _Channel, graphs: dict[str, _Graph], count: int,
+                 running, update: bool):
         super().__init__()
-        self._channel, self._graphs = channel, graphs
+        self._axis, self._channel, self._graphs = axis, channel, graphs
         self._running, self._update = running, update
         self._count = channel.count(count)
         self.mean = None
 
-    def forward(self, packed):
+    def forward(self, x, gb):
         ch, graphs = self._channel, self._graphs
+        _, own_mean, own_invstd = mx.nd.BatchNorm(
+            x, ch.ones, ch.zeros, *ch.scratch, axis=self._axis, eps=self._EPS,
+            fix_gamma=False, output_mean_var=True)
+        packed = graphs["local"](mean=own_mean, invstd=own_invstd, gb=gb)
         extra = {"own_row": ch.own_row} if ch.gather else {}
         graphs["sums"](packed=packed, count=self._count, out=ch.sums, **extra)
         sums = ch.sum_forward()
         running_mean, running_var = self._running
-        scale, shift, mean, invstd, weight, new_mean, new_var = graphs["affine"](
+        scale, shift, mean, invstd, share, new_mean, new_var = graphs["affine"](
             sums=sums, packed=packed, count=self._count, running_mean=running_mean,
             running_var=running_var)
         if self._update:
             new_mean.copyto(running_mean)
             new_var.copyto(running_var)
         self.mean = mean
-        self._saved = (packed[:self._channel.channels], mean, invstd, scale, weight)
+        self._saved = (x, own_mean, mean, invstd, scale, share)
         return scale, shift
 
     def backward(self, dscale, dshift):
         """shift is ``beta + scale * (mean - mean)`` to autograd: the output depends on
         the mean through it, ``dmean = -scale * dshift``; and on the variance through
         scale, ``dvar = -dscale * scale * invstd^2 / 2``. Summed over the workers, they
-        flow to this worker's row: ``d own_mean = w (dmean + 2 dvar (own_mean - mean))``
-        and ``d own_var = w dvar``, with ``w = n_own / n``."""
+        flow to this worker's mean and variance, and from them to x (see the graph
+        ``back``)."""
         ch, graphs = self._channel, self._graphs
-        own_mean, mean, invstd, scale, weight = self._saved
+        x, own_mean, mean, invstd, scale, share = self._saved
         dscale, dshift = _on(dscale, scale.context), _on(dshift, scale.context)
         graphs["mine"](dscale=dscale, dshift=dshift, scale=scale, invstd=invstd,
                        out=ch.grads)
         grads = ch.sum_backward()
-        return graphs["back"](grads=grads, own_mean=own_mean, mean=mean, weight=weight,
-                              dscale=dscale, dshift=dshift, invstd=invstd)
+        dx_scale, dx_shift, dgb = graphs["back"](
+            grads=grads, own_mean=own_mean, mean=mean, share=share, dscale=dscale,
+            dshift=dshift, invstd=invstd)
+        dx = mx.nd.BatchNorm(x, dx_scale, dx_shift, own_mean, ch.backward_unit_var,
+                             axis=self._axis, eps=_UNIT_EPS, fix_gamma=False,
+                             use_global_stats=True)
+        return dx, dgb
 
 
 # How long a device waits in a layer's collective for the worker's other devices before

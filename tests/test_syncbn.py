@@ -145,6 +145,29 @@ def test_gradients_accumulate_with_grad_req_add_as_with_batchnorm():
         assert np.abs(expected - got).max() <= TOLERANCE * np.abs(expected).max()
 
 
+def test_gradients_reach_gamma_beta_and_the_input_when_the_other_needs_none():
+    # the input straight from the data (no gradient) and frozen gamma and beta
+    # (grad_req 'null'): whichever needs no gradient, the other still gets BatchNorm's
+    rng = np.random.RandomState(0)
+    x = mx.nd.array(rng.randn(4, 3, 5, 5) * 2 + 1)
+    dy = mx.nd.array(rng.randn(4, 3, 5, 5))
+    for frozen in (False, True):
+        got = []
+        for layer in _pair(x.shape, kv=OneOfTwoIdentical()):
+            data = x.copy()
+            if frozen:
+                layer.collect_params().setattr("grad_req", "null")
+                data.attach_grad()
+            with autograd.record():
+                y = layer(data)
+            y.backward(dy)
+            got.append([data.grad] if frozen else [layer.gamma.grad(), layer.beta.grad()])
+        for expected, grad in zip(*got):
+            expected, grad = expected.asnumpy(), grad.asnumpy()
+            assert np.abs(expected).max() > 0
+            assert np.abs(expected - grad).max() <= TOLERANCE * np.abs(expected).max()
+
+
 def test_parameters_are_batchnorms_so_parameters_load_either_way(tmp_path):
     def net(norm):
         block = gluon.nn.HybridSequential()
