@@ -85,7 +85,9 @@ def test_which_commands_a_standby_can_run(tmp_path):
     assert not standby.takes_over([python])
     # the per-round and per-rank variables are the worker's, set at the hand-over
     env = standby.standby_environment({"PATH": "/bin", "OMP_NUM_THREADS": "1",
-                                       "DG_RANK": "1", "DMLC_ROLE": "server",
-                                       "HOROVOD_RANK": "1", "PS_VERBOSE": "1"})
-    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+                                       "DG_RANK": "1", "DG_LOCAL_RANK": "1",
+                                       "DMLC_ROLE": "server", "HOROVOD_RANK": "1",
+                                       "PS_VERBOSE": "1", "DG_BACKEND": "p3"})
+    # what start-up code may read (a sitecustomize: tests/lean's reads DG_ variables)
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "DG_BACKEND": "p3"}
     assert os.path.basename(sys.executable).startswith("python")

@@ -41,10 +41,11 @@ import time
 from .._standby import ENV_HANDED
 from .processes import Process, terminate
 
-# the launcher's variables of one round or one rank: the worker's own, set when it is
+# the backends' variables and the worker's place: the worker's own, set when it is
 # handed over (DMLC_ROLE=server in a standby's environment would even start a ps-lite
-# server inside `import mxnet`)
-_PER_ROUND = ("DG_", "DMLC_", "HOROVOD_", "PS_")
+# server inside `import mxnet`). The launcher's other DG_ variables stay: they are the
+# same in every round and a site's start-up code may read them.
+_PER_ROUND = ("DMLC_", "HOROVOD_", "PS_", "DG_RANK", "DG_LOCAL_RANK")
 # seconds a round's workers train past their first collective before the standbys
 # start: short jobs (tests, a failure at the start) never pay for the imports
 WARM_AFTER = 3.0
