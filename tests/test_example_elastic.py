@@ -1,11 +1,13 @@
 """docs/elastic.md's first script, examples/elastic/train_in_memory.py, does what the
 guide says: on one machine, a worker killed while it trains is replaced and the job
-ends with the weights of a run that lost no worker."""
+ends with the weights of a run that lost no worker, passing the sync check
+(DG_CHECK_SYNC) after the heal."""
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,33 +23,43 @@ def _run(tmp_path, backend, kill_rank=None):
         [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
          "--backend", backend, "--max-restarts", "1", "--", sys.executable, str(EXAMPLE),
          "--epochs", "3", "--pace", "0.05"],
-        cwd=tmp_path, env=process_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    if kill_rank is not None:
-        _kill_worker_when_training(proc.pid, kill_rank)
-    stdout, stderr = proc.communicate(timeout=180)
-    return proc.returncode, stdout, stderr
+        # the ranks compare their weights every 7 steps: several times after the heal
+        cwd=tmp_path, env=process_env(DG_CHECK_SYNC="7"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    reader = threading.Thread(target=lambda: out.extend(proc.stdout))
+    reader.start()
+    try:
+        if kill_rank is not None:
+            _kill_worker_when_training(proc.pid, kill_rank, out)
+        stderr = proc.communicate(timeout=180)[1]
+    finally:
+        proc.kill()
+        reader.join()
+    return proc.returncode, "".join(out), stderr
 
 
-def _kill_worker_when_training(launcher: int, rank: int) -> None:
-    """SIGKILL the launcher's worker of ``rank`` once it has trained a while (as a user
-    would from another terminal)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
-                                  text=True).stdout.split()
-        for pid in children:
-            try:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    environ = f.read().split(b"\0")
-            except OSError:
-                continue
-            if f"DG_RANK={rank}".encode() in environ:
-                time.sleep(3.0)         # into its training
-                os.kill(int(pid), signal.SIGKILL)
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"no worker of rank {rank} under launcher {launcher}")
+def _kill_worker_when_training(launcher: int, rank: int, out: list[str]) -> None:
+    """SIGKILL the launcher's worker of ``rank`` in the second epoch (as a user would
+    from another terminal): once rank 0 has printed the first epoch's line, whenever
+    the workers took to start."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any("epoch 0:" in line for line in out):
+        time.sleep(0.05)
+    time.sleep(0.3)                     # into the second epoch
+    children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
+                              text=True).stdout.split()
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"DG_RANK={rank}".encode() in environ:
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no worker of rank {rank} under launcher {launcher} in the "
+                         f"second epoch; its output: {''.join(out)[-2000:]}")
 
 
 @pytest.mark.parametrize("backend", ["horovod", "dist_sync"])
