@@ -417,13 +417,12 @@ class DistSync(Backend):
             copy.copyto(arr)
 
     def _create_keys(self, names, arrays):
-        new_names, new_values, created = [], [], set()
+        new_names, new_values, created = [], [], {}
         for name, arr in zip(names, arrays):
             spec = (arr.shape, np.dtype(arr.dtype))
-            known = self._keys.get(name)
+            known = self._keys.get(name, created.get(name))
             if known is None:
-                self._keys[name] = spec
-                created.add(name)
+                created[name] = spec
                 for wire_name, part in self._wire(name, arr):
                     new_names.append(wire_name)
                     new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
@@ -432,8 +431,9 @@ class DistSync(Backend):
                                  f"{known[1]}, now used with shape {spec[0]} and dtype "
                                  f"{spec[1]}; on {self._type} a key keeps its first shape")
         if new_names:
-            self._agree_on_new_keys([n for n in names if n in created])
+            self._agree_on_new_keys(list(created))
             self._kv.init(new_names, new_values)
+            self._keys.update(created)
 
     def _agree_on_new_keys(self, names) -> None:
         """Check that every worker creates the same keys now, before they are created.
