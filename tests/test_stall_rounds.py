@@ -57,6 +57,7 @@ def _run(tmp_path, backend, kind):
     return proc.returncode, lines
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize("kind,backend", CASES if os.environ.get("DG_STALL_KINDS") == "all"
                          else SUBSET)
 def test_ranks_in_different_collectives_after_a_reformation_are_reported(
