@@ -234,6 +234,9 @@ class DistSync(Backend):
         self._num_workers = self._kv.num_workers
         self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
         self._keys: dict[str, tuple] = {}
+        # one creation of keys at a time, across threads (the workers must create them
+        # in one order): _create_keys
+        self._create_lock = threading.Lock()
         self._slice_buffers: dict[str, mx.nd.NDArray] = {}
         super().__init__()
         self._rank = self._launcher_rank()
@@ -292,11 +295,11 @@ class DistSync(Backend):
             arrays = [a for a, e in zip(arrays, exact) if not e]
             if not names:
                 return
+        self._create_keys(names, arrays)
         with self._submit_lock:
             self._submit_sums(names, arrays, priority)
 
     def _submit_sums(self, names, arrays, priority):
-        self._create_keys(names, arrays)
         wire_names, wire, slices = [], [], []
         for name, arr in zip(names, arrays):
             for wire_name, part in self._wire(name, arr):
@@ -417,23 +420,31 @@ class DistSync(Backend):
             copy.copyto(arr)
 
     def _create_keys(self, names, arrays):
-        new_names, new_values, created = [], [], {}
-        for name, arr in zip(names, arrays):
-            spec = (arr.shape, np.dtype(arr.dtype))
-            known = self._keys.get(name, created.get(name))
-            if known is None:
-                created[name] = spec
-                for wire_name, part in self._wire(name, arr):
-                    new_names.append(wire_name)
-                    new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
-            elif known != spec:
-                raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
-                                 f"{known[1]}, now used with shape {spec[0]} and dtype "
-                                 f"{spec[1]}; on {self._type} a key keeps its first shape")
-        if new_names:
-            self._agree_on_new_keys(list(created))
-            self._kv.init(new_names, new_values)
-            self._keys.update(created)
+        """Create the keys of ``names`` that are new (a collective of every worker, on
+        the script's thread: ps-lite creates a key with a barrier). Only the calls into
+        the kvstore hold the submission lock: another thread's collective of a key that
+        exists (SyncBatchNorm's, from MXNet's threads) must not wait behind a wait for
+        the peers, who may need that very collective before they get here."""
+        with self._create_lock:
+            new_names, new_values, created = [], [], {}
+            for name, arr in zip(names, arrays):
+                spec = (arr.shape, np.dtype(arr.dtype))
+                known = self._keys.get(name, created.get(name))
+                if known is None:
+                    created[name] = spec
+                    for wire_name, part in self._wire(name, arr):
+                        new_names.append(wire_name)
+                        new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
+                elif known != spec:
+                    raise ValueError(
+                        f"key {name!r} was created with shape {known[0]} and dtype "
+                        f"{known[1]}, now used with shape {spec[0]} and dtype {spec[1]}; "
+                        f"on {self._type} a key keeps its first shape")
+            if new_names:
+                self._agree_on_new_keys(list(created))
+                with self._submit_lock:
+                    self._kv.init(new_names, new_values)
+                self._keys.update(created)
 
     def _agree_on_new_keys(self, names) -> None:
         """Check that every worker creates the same keys now, before they are created.
@@ -454,7 +465,8 @@ class DistSync(Backend):
         digest = (zlib.crc32("\n".join(names).encode("utf-8")) & 0xFFFFFF) + 1
         slots = mx.nd.zeros((n,))
         slots[self._kv.rank] = digest
-        self._kv.pushpull(_NEW_KEYS, slots, out=slots)
+        with self._submit_lock:
+            self._kv.pushpull(_NEW_KEYS, slots, out=slots)
         mine = slots.asnumpy()
         others = [r for r, value in enumerate(mine) if value != digest]
         if others:
