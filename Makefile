@@ -20,7 +20,7 @@ PYTEST_ARGS ?=
 TEST_PROCESSES ?= 3
 PYTEST_PARALLEL = $(if $(filter-out 1,$(TEST_PROCESSES)),-n $(TEST_PROCESSES) --dist loadgroup)
 
-.PHONY: setup kernels gpu-check system-packages horovod test test-matrix test-fast coverage demo lm-demo lint bench bench-cluster clean
+.PHONY: setup kernels gpu-check system-packages horovod test test-matrix test-stalls test-fast coverage demo lm-demo lint bench bench-cluster clean
 
 # Debian packages behind the emulated-cluster tests (tools/emulated_cluster.py): sshd and
 # the ssh client for the ssh launch path, ip and tc for namespaces and rate limits.
@@ -114,6 +114,10 @@ test: setup
 # runs every pair.
 test-matrix: setup
 	DG_MATRIX_STRENGTH=3 $(PY) -m pytest -q tests/test_matrix.py $(PYTEST_ARGS)
+
+# Every mismatch of tests/test_stall_rounds.py on every backend (make test runs a subset).
+test-stalls: setup
+	DG_STALL_KINDS=all $(PY) -m pytest -q tests/test_stall_rounds.py $(PYTEST_ARGS)
 
 # The edit-run loop: the tests that start no MXNet process of their own and those that
 # read their module's shared horovod job (no other backends, no test that launches a job

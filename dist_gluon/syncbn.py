@@ -30,6 +30,7 @@ from mxnet import autograd
 from mxnet.gluon import nn
 
 from . import join as _join
+from . import worker
 from .backends import Backend, resolve
 
 # Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
@@ -163,6 +164,7 @@ class SyncBatchNorm(nn.BatchNorm):
         self._name: str | None = None
         self._comms: dict = {}          # context -> _Channel
         self._meetings: tuple | None = None     # (forward, backward) over the devices
+        self._round: int | None = None  # the job's round the channels were made in
 
     @property
     def kv(self) -> Backend:
@@ -259,8 +261,17 @@ class SyncBatchNorm(nn.BatchNorm):
             channel.sum_backward()
 
     def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
-        """This layer's communication on ``x``'s device. A layer gets the next number at
-        its first training forward (on any of its devices)."""
+        """This layer's communication on ``x``'s device, made at the layer's first
+        training forward in each round of the job (the number, its keys' name, at the
+        first of all: a kept process and a new one number their layers alike)."""
+        if self._round != worker.context().restart:
+            # a process kept through a re-formation (dist_gluon.elastic.run): the new
+            # round may give it another rank and world, and a new worker makes its
+            # channels with a collective at its first training forward (below), which
+            # this one must make too, or every later sum of the layer pairs with the
+            # peer's one before (they hang, or sum the wrong steps' statistics)
+            self._comms, self._meetings = {}, None
+            self._round = worker.context().restart
         comm = self._comms.get(x.context)
         if comm is None:
             if self.kv.type == "dist_async":

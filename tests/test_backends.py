@@ -236,6 +236,20 @@ emit("allgather_object large", {"sent_sha": hashlib.sha256(mine).hexdigest(),
 sliced_checks(kv)
 aliased_checks(kv)
 
+# ---------------------------------------------------------------- mismatched collectives
+if kv.type in ("dist_sync", "p3"):
+    # each rank makes the first collective of a key of its own, of one shape: ps-lite
+    # would give both keys one number and sum one rank's tensor into the other's
+    value = mx.nd.full((2,), 1 + rank)
+    try:
+        kv.pushpull(f"only_rank{rank}", value)
+        emit("different new keys", {"out": describe(value)})
+    except RuntimeError as error:
+        emit("different new keys", {"error": str(error)})
+    value = mx.nd.full((2,), 1 + rank)
+    kv.pushpull("after_the_mismatch", value)
+    emit("different new keys, then", describe(value))
+
 # ---------------------------------------------------------------- barrier
 if rank == 1:
     time.sleep(1.0)
@@ -538,6 +552,22 @@ def test_aliased_outputs_on_three_pslite_workers(three_workers_run):
 
 
 # ------------------------------------------------------------------ objects
+def test_ranks_that_make_first_collectives_of_different_keys_both_get_an_error(api_run):
+    """dist_sync/p3: MXNet numbers a process's keys in the order it creates them, so
+    two ranks that create different keys at once would share a number on the servers
+    (one rank's tensor summed into the other's, without a word); each gets an error
+    that says the ranks call different collectives, and the job's collectives go on."""
+    backend, results = api_run
+    if backend not in ("dist_sync", "p3"):
+        pytest.skip("horovod names each collective: such ranks wait (a reported stall)")
+    for rank, found in enumerate(results):
+        error = found["different new keys"].get("error", "")
+        assert "the ranks call different collectives" in error \
+            and f"rank {rank} makes its first collective of 'only_rank{rank}'" in error, \
+            found["different new keys"]
+        assert _array(found["different new keys, then"]).tolist() == [3.0, 3.0]
+
+
 def test_broadcast_object_returns_the_roots_object_numpy_arrays_included(api_run):
     _, results = api_run
     for found in results:

@@ -18,6 +18,7 @@ import os
 import socket
 import sys
 import threading
+import zlib
 
 import mxnet as mx
 import numpy as np
@@ -44,6 +45,8 @@ _SLICE_ELEMENTS = 1 << 18
 # that its bytes cross every host's link instead of one server's: a 1 MiB sum over 4
 # hosts at 1 Gbit/s took 48 ms as one key, 22 ms as four (benchmarks/FINDINGS.md).
 _SPREAD_ELEMENTS = 1 << 16
+# the key on which the workers agree on the keys they create (DistSync._agree_on_new_keys)
+_NEW_KEYS = "__dg_new_keys"
 
 CONNECT_TIMEOUT_VARIABLE = "DG_CONNECT_TIMEOUT"
 DEFAULT_CONNECT_TIMEOUT = 60.0
@@ -148,6 +151,12 @@ def _not_connected(timeout: float) -> str:
             f"of the job was started with the same scheduler address; {advice}")
 
 
+def _listed(names: list[str], most: int = 3) -> str:
+    """``'a', 'b' and 2 more`` for an error message."""
+    shown = ", ".join(repr(n) for n in names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _rank_problems(values: list[str | None]) -> list[str]:
     """What is wrong with the DG_RANK values of a job's workers (one per worker)."""
     n = len(values)
@@ -225,12 +234,19 @@ class DistSync(Backend):
         self._num_workers = self._kv.num_workers
         self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
         self._keys: dict[str, tuple] = {}
+        # one creation of keys at a time, across threads (the workers must create them
+        # in one order): _create_keys
+        self._create_lock = threading.Lock()
         self._slice_buffers: dict[str, mx.nd.NDArray] = {}
         super().__init__()
         self._rank = self._launcher_rank()
 
     def _joined(self) -> None:
-        """Called once connected, before the first collective."""
+        """Called once connected, before the first collective: the key on which the
+        workers agree on the keys they create (:meth:`_agree_on_new_keys`), created while
+        every worker is here."""
+        if self._kv.num_workers > 1:
+            self._kv.init(_NEW_KEYS, mx.nd.zeros((self._kv.num_workers,)))
 
     @property
     def rank(self) -> int:
@@ -279,11 +295,11 @@ class DistSync(Backend):
             arrays = [a for a, e in zip(arrays, exact) if not e]
             if not names:
                 return
+        self._create_keys(names, arrays)
         with self._submit_lock:
             self._submit_sums(names, arrays, priority)
 
     def _submit_sums(self, names, arrays, priority):
-        self._create_keys(names, arrays)
         wire_names, wire, slices = [], [], []
         for name, arr in zip(names, arrays):
             for wire_name, part in self._wire(name, arr):
@@ -404,24 +420,68 @@ class DistSync(Backend):
             copy.copyto(arr)
 
     def _create_keys(self, names, arrays):
-        new_names, new_values = [], []
-        for name, arr in zip(names, arrays):
-            spec = (arr.shape, np.dtype(arr.dtype))
-            known = self._keys.get(name)
-            if known is None:
-                self._keys[name] = spec
-                for wire_name, part in self._wire(name, arr):
-                    new_names.append(wire_name)
-                    new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
-            elif known != spec:
-                raise ValueError(f"key {name!r} was created with shape {known[0]} and dtype "
-                                 f"{known[1]}, now used with shape {spec[0]} and dtype "
-                                 f"{spec[1]}; on {self._type} a key keeps its first shape")
-        if new_names:
-            self._init_keys(new_names, new_values)
+        """Create the keys of ``names`` that are new (a collective of every worker, on
+        the script's thread: ps-lite creates a key with a barrier). Only the calls into
+        the kvstore hold the submission lock: another thread's collective of a key that
+        exists (SyncBatchNorm's, from MXNet's threads) must not wait behind a wait for
+        the peers, who may need that very collective before they get here."""
+        with self._create_lock:
+            new_names, new_values, created = [], [], {}
+            for name, arr in zip(names, arrays):
+                spec = (arr.shape, np.dtype(arr.dtype))
+                known = self._keys.get(name, created.get(name))
+                if known is None:
+                    created[name] = spec
+                    for wire_name, part in self._wire(name, arr):
+                        new_names.append(wire_name)
+                        new_values.append(mx.nd.zeros(part.shape, dtype=arr.dtype))
+                elif known != spec:
+                    raise ValueError(
+                        f"key {name!r} was created with shape {known[0]} and dtype "
+                        f"{known[1]}, now used with shape {spec[0]} and dtype {spec[1]}; "
+                        f"on {self._type} a key keeps its first shape")
+            if new_names:
+                self._agree_on_new_keys(list(created))
+                with self._submit_lock:
+                    self._init_keys(new_names, new_values)
+                self._keys.update(created)
 
     def _init_keys(self, names, values) -> None:
         self._kv.init(names, values)
+
+    def _agree_on_new_keys(self, names) -> None:
+        """Check that every worker creates the same keys now, before they are created.
+
+        MXNet numbers string keys in the order a process creates them, so the ranks'
+        key numbers agree only while they create the same keys in the same order. Ranks
+        that create different keys at once (a sync check on one rank while the other
+        makes its first commit, a sum of rank 0's own...) would give both the same
+        number on the servers, which then sum one rank's tensor into the other's (or
+        abort on a shape mismatch, blaming themselves). Each worker writes a 24-bit
+        hash of its names (exact in the servers' float32) into its own slot; every
+        worker raises the same kind of error when the slots differ. A worker whose
+        peers wait in a collective of a key that exists waits here, and the launcher
+        reports the stall (the key it creates is in its record)."""
+        n = self._kv.num_workers
+        if n < 2:
+            return
+        digest = (zlib.crc32("\n".join(names).encode("utf-8")) & 0xFFFFFF) + 1
+        slots = mx.nd.zeros((n,))
+        slots[self._kv.rank] = digest
+        with self._submit_lock:
+            self._kv.pushpull(_NEW_KEYS, slots, out=slots)
+        mine = slots.asnumpy()
+        others = [r for r, value in enumerate(mine) if value != digest]
+        if others:
+            # the slots are ps-lite's connection-order ranks, not the launcher's
+            raise RuntimeError(
+                f"the ranks call different collectives: rank {self.rank} makes its first "
+                f"collective of {_listed(names)} while {len(others)} other "
+                f"worker{'s' if len(others) > 1 else ''} make{'' if len(others) > 1 else 's'}"
+                " a first one of other keys at the same point. Every rank must call the "
+                "same collectives in the same order (a sum, an evaluation's metric, a "
+                "layer such as SyncBatchNorm or a DG_CHECK_SYNC interval on some ranks "
+                "only breaks that)")
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
