@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import threading
 
 import mxnet as mx
 import numpy as np
@@ -756,6 +757,8 @@ def test_import_registers_horovod_without_shadowing_mxnets_own_kvstores(monkeypa
 class _RecordingStore:
     """MXNet's native kvstore as a ps-lite backend sees it, recording each init call."""
 
+    num_workers = 1     # one worker: no agreement on new keys to make
+
     def __init__(self):
         self.inits = []
 
@@ -774,6 +777,7 @@ def test_new_server_keys_are_created_together_on_dist_sync_and_one_by_one_on_p3(
         flavour, inits):
     backend = flavour.__new__(flavour)       # its keys, without joining a ps-lite job
     backend._kv, backend._keys, backend._num_servers = _RecordingStore(), {}, 1
+    backend._create_lock, backend._submit_lock = threading.Lock(), threading.RLock()
     backend._create_keys(["w0", "w1", "w2"], [mx.nd.zeros((3, 2))] * 3)
     backend._create_keys(["w0", "w1", "w2"], [mx.nd.zeros((3, 2))] * 3)   # created once
     assert backend._kv.inits == inits

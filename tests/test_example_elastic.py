@@ -27,16 +27,21 @@ def _run(tmp_path, backend, kill_rank=None, flags=()):
         cwd=tmp_path, env=process_env(DG_CHECK_SYNC="7"), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.stdout))
-    reader.start()
+    err: list[str] = []
+    # one reader per pipe, and nothing else reads them
+    readers = [threading.Thread(target=lambda: out.extend(proc.stdout)),
+               threading.Thread(target=lambda: err.extend(proc.stderr))]
+    for reader in readers:
+        reader.start()
     try:
         if kill_rank is not None:
             _kill_worker_when_training(proc.pid, kill_rank, out)
-        stderr = proc.communicate(timeout=180)[1]
+        proc.wait(timeout=180)
     finally:
         proc.kill()
-        reader.join()
-    return proc.returncode, "".join(out), stderr
+        for reader in readers:
+            reader.join()
+    return proc.returncode, "".join(out), "".join(err)
 
 
 def _kill_worker_when_training(launcher: int, rank: int, out: list[str]) -> None:
