@@ -73,7 +73,8 @@ class Node:
         self._kept = kept
         # the workers' environment, for the standbys of the next round (standby.py)
         self._base: dict[str, str] | None = None
-        self._warmed = not warm_standbys(config, spec)
+        self._warm = warm_standbys(config, spec)     # asked once: it looks up PATH
+        self._warmed = not self._warm
         self._training_since: float | None = None
 
     @property
@@ -246,7 +247,7 @@ class Node:
             self._spawn(str(rank), "worker", rank, list(self.config.command), env)
 
     def _spawn(self, label, role, rank, argv, env):
-        if role == "worker" and warm_standbys(self.config, self.spec):
+        if role == "worker" and self._warm:
             warm = standby.pool().take(label, rank, argv, env)
             if warm is not None:
                 self.processes.append(warm)
