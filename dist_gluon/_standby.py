@@ -13,6 +13,14 @@ import sys
 ENV_HANDED = "DG_WARM_START"
 
 
+def script_arguments(argv) -> list[str]:
+    """What follows the interpreter in a worker's command line ``python [-u] ...``: the
+    script and its arguments, or ``-m module ...`` (``-u``: the launcher's workers are
+    unbuffered anyway)."""
+    rest = list(argv[1:])
+    return rest[1:] if rest[:1] == ["-u"] else rest
+
+
 def _set_cmdline(argv: list[str]) -> None:
     """Show ``argv`` as this process's command line (ps, pkill -f): written over the
     room the launcher left in the original one (/proc/self/mem, this process's own)."""
@@ -44,9 +52,7 @@ def _run(order: dict) -> None:
     os.close(devnull)
     sys.stdin = open(0, closefd=False)   # noqa: SIM115 (fd 0, the process's own)
     _set_cmdline(argv)
-    rest = argv[1:]
-    if rest[0] == "-u":
-        rest = rest[1:]
+    rest = script_arguments(argv)
     if rest[0] == "-m":
         sys.argv = [rest[1], *rest[2:]]
         sys.path[0] = os.getcwd()

@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 
-from .._standby import ENV_HANDED
+from .._standby import ENV_HANDED, script_arguments
 from .processes import Process, terminate
 
 # the backends' variables and the worker's place: the worker's own, set when it is
@@ -59,9 +59,7 @@ def takes_over(command: list[str] | tuple[str, ...]) -> bool:
     (after at most ``-u``) or on ``-m module``."""
     if len(command) < 2 or not _same_python(command[0]):
         return False
-    rest = list(command[1:])
-    if rest[0] == "-u":
-        rest = rest[1:]
+    rest = script_arguments(command)
     if not rest:
         return False
     if rest[0] == "-m":
