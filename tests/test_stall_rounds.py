@@ -76,7 +76,8 @@ def test_ranks_in_different_collectives_after_a_reformation_are_reported(
     assert "restarting the job on every node (1 of 1) from the workers' last commit in " \
         "memory" in text, report
     started, key = KINDS[kind]
-    injected = next(t for t, line in lines if started in line)
+    injected = next((t for t, line in lines if started in line), None)
+    assert injected is not None, report
     if (kind, backend) == ("sync_check", "dist_sync"):
         errors = [(t, line) for t, line in lines if "the ranks call different collectives"
                   in line and line.startswith("dist_gluon.launch:")]
