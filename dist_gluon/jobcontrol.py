@@ -182,6 +182,12 @@ class Record:
         at = _RING_AT + (n % _RING) * _KEY_BYTES
         return self._map[at:at + _KEY_BYTES].split(b"\0", 1)[0].decode("utf-8", "replace")
 
+    def keys(self, last: int) -> list[str]:
+        """The keys of the last ``last`` collectives still in the ring, oldest first."""
+        count = self.count
+        return [key for key in (self.key(n) for n in range(max(1, count - last + 1),
+                                                            count + 1)) if key is not None]
+
     @property
     def stop_request(self) -> int:
         """The launcher's request to stop at the next step boundary (0: none)."""

@@ -674,10 +674,10 @@ def test_workers_that_keep_their_state_in_memory_are_told_so_never_a_checkpoint(
     assert "checkpoint" not in news + leaving.leaving[2]
 
 
-def _running(rank: int, count: int, key: str) -> dict:
+def _running(rank: int, count: int, key: str, recent: list[str] | None = None) -> dict:
     return {"rank": rank, "host": "h0", "attached": True, "count": count, "phase": 1,
             "departed_at": None, "exception": None, "returncode": None, "tail": [],
-            "left_at": None, "key_next": None, "key_last": key}
+            "left_at": None, "key_next": None, "key_last": key, "keys_recent": recent}
 
 
 class _StallView(_View):
@@ -708,3 +708,27 @@ def test_ranks_with_as_many_collectives_but_different_last_keys_are_a_stall():
     verdict = judge.check(apart, now=120.0)
     assert verdict is not None and not verdict.ok and verdict.status == 124
     assert verdict.report.endswith("stall timeout (20 s).")
+
+
+def test_a_stall_names_the_collectives_a_rank_submitted_that_the_others_did_not():
+    """MXNet's engine may submit a step's SyncBatchNorm backward after the script's next
+    forward: rank 0's last key is then the backward, which rank 1 has too. Among the
+    last keys of each (the same collective numbers), the stall names those one rank has
+    and the other has not: rank 0's extra forward, rank 1's stop flag."""
+    from dist_gluon.launch import supervisor
+    view = _StallView()
+    judge = supervisor.Supervisor(view, stall_warning=1.0, stall_timeout=None)
+    step = ["f", "b", "t1.0", "__dg_stop"]
+    rank0 = step + ["f", "t1.0", "f", "b"]            # the forward, then last step's backward
+    rank1 = step + step
+    apart = [_running(0, 40, "b", rank0), _running(1, 40, "__dg_stop", rank1)]
+    judge.check(apart, now=0.0)
+    judge.check(apart, now=2.0)
+    assert "rank 0 (h0) in key 'f'; rank 1 (h0) in key '__dg_stop'" in view.said[0]
+    # a rank that did not report its keys (its count moved at the last look): last keys
+    view.said.clear()
+    judge = supervisor.Supervisor(view, stall_warning=1.0, stall_timeout=None)
+    apart[1] = _running(1, 40, "__dg_stop")
+    judge.check(apart, now=0.0)
+    judge.check(apart, now=2.0)
+    assert "rank 0 (h0) in key 'b'; rank 1 (h0) in key '__dg_stop'" in view.said[0]

@@ -18,6 +18,10 @@ from .protocol import RoundSpec
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 KEPT_GRACE = 1.0        # seconds from SIGTERM to SIGKILL for what a kept round ends
+# how many of its last keys a worker whose count stands still reports: a stall's
+# collectives are the keys one rank has among them and another has not (supervisor.py);
+# MXNet's engine may submit a step's collectives in another order than the script's
+RECENT_KEYS = 32
 # Gloo's timeout (HOROVOD_GLOO_TIMEOUT_SECONDS) in elastic horovod jobs: how long a
 # collective may wait for a peer. A survivor's horovod thread can be left waiting in a
 # Gloo send to a peer that vanished, which no broken socket wakes (measured: the whole
@@ -76,6 +80,9 @@ class Node:
         self._warm = warm_standbys(config, spec)     # asked once: it looks up PATH
         self._warmed = not self._warm
         self._training_since: float | None = None
+        # each worker's collective count at the last states(): a worker whose count has
+        # not moved since reports its last keys, which name a stall's collectives
+        self._counts_seen: dict[int, int] = {}
 
     @property
     def nproc(self) -> int:
@@ -300,6 +307,8 @@ class Node:
             # into a time on its own clock when the report arrives, so the ranks of
             # hosts whose clocks disagree are still ordered right (supervisor.py).
             left_wall = (record.departed_at if attached else None) or p.ended_at
+            still = self._counts_seen.get(p.rank) == count
+            self._counts_seen[p.rank] = count
             states.append({
                 "rank": p.rank, "host": self.host, "node": self.node_rank,
                 "attached": attached, "count": count, "phase": phase,
@@ -310,6 +319,8 @@ class Node:
                 "tail": list(p.tail) if left or (attached and record.exception) else [],
                 "key_next": record.key(hint + 1) if attached else None,
                 "key_last": record.key(count) if attached else None,
+                "keys_recent": record.keys(RECENT_KEYS)
+                if attached and count and still else None,
                 "acked": attached and record.stop_acknowledged,
                 "keeps": attached and record.keeps,
                 "node_copy": attached and record.node_copy,

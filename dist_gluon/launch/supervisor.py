@@ -24,6 +24,7 @@ reported as consequences.
 """
 from __future__ import annotations
 
+import collections
 import re
 import time
 from typing import NamedTuple
@@ -269,8 +270,9 @@ class Supervisor:
         by_rank = {s["rank"]: s for s in states}
         hosts = ", ".join(by_rank[r]["host"] or "?" for r in sorted(lagging))
         if kind == _APART:
-            where = "; ".join(f"rank {s['rank']} ({s['host'] or '?'}) in key "
-                              f"{s['key_last']!r}" for s in states if s["rank"] in lagging)
+            running = [s for s in states if s["rank"] in lagging]
+            where = "; ".join(f"rank {s['rank']} ({s['host'] or '?'}) in "
+                              + _keys(_unmatched(s, running)) for s in running)
             lines = [f"stall: {_ranks(lagging)} have each submitted {low} collectives and "
                      f"none has submitted another for {waited:.0f} s, but the last ones "
                      f"differ (collective #{low}): {where}. The ranks called different "
@@ -299,6 +301,36 @@ class Supervisor:
 
 
 _BEHIND, _APART = "behind", "apart"
+
+
+def _unmatched(state, running) -> list[str]:
+    """The keys of ``state``'s rank that another running rank has not submitted, newest
+    first: among the last keys each reported (``keys_recent``, the same span of
+    collective numbers, since their counts are equal), those left when the keys common
+    to all are taken out. MXNet's engine can submit a step's collectives out of the
+    script's order (a SyncBatchNorm backward after the next forward), so the last key
+    alone may be one the others have too. Without every rank's keys: the last key."""
+    windows = [s.get("keys_recent") for s in running]
+    if any(not w for w in windows):
+        return [state["key_last"]]
+    common = collections.Counter(windows[0])
+    for window in windows[1:]:
+        common &= collections.Counter(window)
+    left = collections.Counter(state["keys_recent"]) - common
+    found = []
+    for key in reversed(state["keys_recent"]):
+        if left[key] > 0:
+            left[key] -= 1
+            found.append(key)
+    return found or [state["key_last"]]
+
+
+def _keys(keys) -> str:
+    """``key 'a'``, or ``keys 'a', 'b'`` (at most 3 named)."""
+    if len(keys) == 1:
+        return f"key {keys[0]!r}"
+    named = ", ".join(repr(k) for k in keys[:3])
+    return f"keys {named}" + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
 
 
 def _stall(states) -> tuple[str, int, frozenset] | None:
