@@ -658,6 +658,7 @@ class DistributedTrainer(TrainerBase):
         self._update(ignore_stale_grad)
         self._end_step(was_local=False)
         _timeline.end_step(samples)
+        self._step_ended()
 
     def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Update every parameter after ``allreduce_grads()``, with the gradients
@@ -683,6 +684,7 @@ class DistributedTrainer(TrainerBase):
         super().update(batch_size, ignore_stale_grad)
         self._end_step(was_local=False)
         _timeline.end_step(samples)
+        self._step_ended()
 
     def allreduce_grads(self) -> None:
         """Sum the gradients over the workers in place (see :meth:`update`). In a Local
@@ -740,6 +742,12 @@ class DistributedTrainer(TrainerBase):
         finally:
             self._alone = False
         self._end_step(was_local=True)
+
+    def _step_ended(self) -> None:
+        # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
+        # while ranks shadow each other's steps (dg.Join), whose counts differ
+        if self._averager.distributed and _join.current() is None:
+            self._kv.step_ended()
 
     def _end_step(self, was_local: bool) -> None:
         if self._local_sgd is not None and not (self._amp_skipped and not was_local):
