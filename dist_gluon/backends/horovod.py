@@ -163,7 +163,7 @@ class Horovod(Backend):
             _tune_openmpi()
             self._init()
         super().__init__()
-        self._tuner = Tuner(self._restart_with, self.broadcast_object, self.rank,
+        self._tuner = Tuner(self._restart_with, mx.nd.waitall, self.broadcast_object, self.rank,
                             enabled=worker.context().tune and self.num_workers > 1,
                             reason_not=_why_not_tuned())
 
@@ -219,8 +219,7 @@ class Horovod(Backend):
     def _restart_with(self, settings: dict[str, str]) -> None:
         """The tuner's candidate: horovod again, with ``settings`` (HOROVOD_CYCLE_TIME,
         HOROVOD_FUSION_THRESHOLD), which it reads at ``hvd.init()`` only. Every rank
-        calls it at the end of the same step; what is in flight finishes first."""
-        mx.nd.waitall()
+        calls it at the end of the same step, once the engine has done its work."""
         self._start_again(settings)
 
     def step_ended(self) -> None:

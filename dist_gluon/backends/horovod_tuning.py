@@ -18,14 +18,15 @@ launcher's rendezvous store is empty again once every rank has joined). So
    rank 0 times the last of them and sets how many steps each cycle is timed over, so
    that each takes about :data:`SECONDS_PER_CANDIDATE` (at least :data:`MIN_STEPS`, at
    most :data:`MAX_STEPS`); every rank follows rank 0's plan.
-2. The steps are timed under the default cycle (horovod as it started), then horovod
-   starts again with :data:`LONG_CYCLE_MS`, one step is left out (the pipeline refills
-   after the wait) and the steps are timed again. Rank 0 keeps the median step time
-   (between the ends of consecutive steps) of each.
-3. The long cycle is kept when its median is within :data:`TOLERANCE` of the default's
-   or better: as fast, and a waiting rank burns less CPU. Otherwise horovod starts once
+2. The default cycle (horovod as it started) is timed first, then horovod starts again
+   with :data:`LONG_CYCLE_MS` and that is timed. A timing leaves one step out, waits
+   for the engine, runs the steps and waits for the engine again: ``trainer.step``
+   returns while the sums run, so only a window closed by waits holds its steps' whole
+   work. Rank 0's time per step decides.
+3. The long cycle is kept when its time is within :data:`TOLERANCE` of the default's or
+   better: as fast, and a waiting rank burns less CPU. Otherwise horovod starts once
    more with the default cycle.
-4. Rank 0 prints one line: what was chosen and why, with both medians.
+4. Rank 0 prints one line: what was chosen and why, with both times.
 
 Why two candidates, and the fusion threshold left alone: horovod 0.28.1's
 ParameterManager keeps a variable fixed by the environment for the life of the process
@@ -46,7 +47,6 @@ values win), nor over MPI or under horovodrun (horovod starts once per process t
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -67,9 +67,11 @@ class Tuner:
     Parameters
     ----------
     restart : callable
-        ``restart(settings)`` waits for the engine, leaves horovod and joins it again
-        with ``settings`` (variable -> text) in the environment; every rank calls it at
-        the end of the same step.
+        ``restart(settings)`` leaves horovod and joins it again with ``settings``
+        (variable -> text) in the environment; every rank calls it at the end of the
+        same step, with nothing in flight.
+    wait : callable
+        Waits until the engine has done everything pushed so far (``mx.nd.waitall``).
     broadcast : callable
         ``broadcast(obj)`` returns rank 0's ``obj`` on every rank (a collective).
     rank : int
@@ -84,11 +86,12 @@ class Tuner:
         The environment that holds the user's own values, read here, once.
     """
 
-    def __init__(self, restart: Callable[[dict[str, str]], None],
+    def __init__(self, restart: Callable[[dict[str, str]], None], wait: Callable[[], None],
                  broadcast: Callable[[object], object], rank: int,
                  enabled: bool = True, reason_not: str | None = None, environ=os.environ):
         # settings
-        self._restart, self._broadcast, self._rank = restart, broadcast, rank
+        self._restart, self._wait = restart, wait
+        self._broadcast, self._rank = broadcast, rank
         user = {name: environ[name] for name in (CYCLE_ENV, FUSION_ENV) if name in environ}
         if user and reason_not is None:
             reason_not = " and ".join(f"{name}={value}" for name, value in user.items()) \
@@ -99,37 +102,42 @@ class Tuner:
         self._per_candidate = 0         # steps timed per cycle (rank 0's plan)
         self._candidates: list[float] = []   # cycles (ms) still to time
         self._current: float | None = None   # the cycle being timed
-        self._times: list[float] = []   # its step times so far
-        self._skip = 0                  # steps left out before timing
+        self._skip = 0                  # steps left out before its timing starts
+        self._timed = 0                 # its steps timed so far
+        self._started: float | None = None   # when its timing started
         self._last_end: float | None = None
         # results
-        self.medians: dict[float, float] = {}   # cycle (ms) -> median step (s), rank 0's
+        self.step_times: dict[float, float] = {}   # cycle (ms) -> s per step, rank 0's
         self.settings: dict[str, str] = {}      # what horovod runs with, once chosen
-        self.steps: tuple[int, int] = (0, 0)    # the first and last step timed
+        self.steps: tuple[int, int] = (0, 0)    # the first and last step of the tuning
         self.done = False
 
     def step_ended(self) -> None:
         """Called by the trainer at the end of every step, on every rank."""
         if self.done:
             return
-        now = time.monotonic()
         self._steps += 1
         if not self._enabled or self.reason_not is not None:
             self._give_up()
             return
         if self._current is None:
+            now = time.monotonic()
             if self._steps == WARMUP_STEPS:
                 self._plan(now)
             self._last_end = now
             return
         if self._skip:
             self._skip -= 1
-        else:
-            self._times.append(now - self._last_end)
-        self._last_end = now
-        if len(self._times) >= self._per_candidate:
+            if not self._skip:
+                self._wait()
+                self._started = time.monotonic()
+            return
+        self._timed += 1
+        if self._timed >= self._per_candidate:
+            self._wait()
+            self.step_times[self._current] = \
+                (time.monotonic() - self._started) / self._timed
             self._next()
-            self._last_end = time.monotonic()
 
     def _plan(self, now: float) -> None:
         """Rank 0's last warm-up step sets the number of steps per cycle for all."""
@@ -138,21 +146,25 @@ class Tuner:
         self._per_candidate = self._broadcast(max(MIN_STEPS, min(MAX_STEPS, steps)))
         self.steps = (self._steps + 1, 0)
         # horovod runs with its default cycle now: timed first, without a restart
-        self._current, self._candidates = DEFAULT_CYCLE_MS, [LONG_CYCLE_MS]
-        self._times, self._skip = [], 0
+        self._time(DEFAULT_CYCLE_MS)
+        self._candidates = [LONG_CYCLE_MS]
+
+    def _time(self, cycle: float) -> None:
+        """Time ``cycle`` from the end of the next step on: the engine is waited for at
+        both ends, so that a window holds its steps' whole work, whatever the engine
+        had queued before it (trainer.step returns while the sums run)."""
+        self._current, self._skip, self._timed = cycle, 1, 0
 
     def _next(self) -> None:
-        self.medians[self._current] = statistics.median(self._times)
         if self._candidates:
-            self._current = self._candidates.pop(0)
-            self._times, self._skip = [], 1
+            self._time(self._candidates.pop(0))
             self._restart({CYCLE_ENV: f"{self._current:g}"})
             return
         # rank 0's times decide for every rank
-        self.medians = self._broadcast(self.medians)
+        self.step_times = self._broadcast(self.step_times)
         self.steps = (self.steps[0], self._steps)
         self.done = True
-        default, long = self.medians[DEFAULT_CYCLE_MS], self.medians[LONG_CYCLE_MS]
+        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times[LONG_CYCLE_MS]
         if long <= default * (1 + TOLERANCE):
             self.settings = {CYCLE_ENV: f"{LONG_CYCLE_MS:g}"}
         else:
@@ -172,14 +184,14 @@ class Tuner:
     def summary(self) -> str:
         """The line rank 0 prints once the cycle is chosen."""
         cycle = float(self.settings[CYCLE_ENV])
-        default, long = self.medians[DEFAULT_CYCLE_MS], self.medians[LONG_CYCLE_MS]
+        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times[LONG_CYCLE_MS]
         why = (f"the longer cycle is within {TOLERANCE:.0%} of the default's step or "
                "faster, and a waiting rank burns less CPU with it"
                if cycle == LONG_CYCLE_MS else
                f"the longer cycle's step is more than {TOLERANCE:.0%} slower")
         first, last = self.steps
         return (f"dist_gluon: horovod tuned on steps {first}-{last}: {CYCLE_ENV}={cycle:g} "
-                f"(ms), kept for the rest of the run; median step "
+                f"(ms), kept for the rest of the run; step "
                 f"{default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms, {long * 1e3:.1f} ms at "
                 f"{LONG_CYCLE_MS:g} ms: {why}; {FUSION_ENV} not tuned (horovod 0.28.1 "
                 f"cannot restart with it fixed in the process)")
