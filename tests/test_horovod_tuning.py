@@ -13,11 +13,13 @@ from conftest import assert_ok, launch, worker_lines
 from dist_gluon.backends import horovod_tuning
 from dist_gluon.backends.horovod_tuning import CYCLE_ENV, LONG_CYCLE_MS, Tuner
 
-# A tiny model trained for enough steps to tune and then run on; every hvd.init() of the
-# process is counted, so that "kept" means horovod was not started again after the
-# choice. Prints the cycle horovod was last started with, on every rank.
+# A tiny model trained for enough steps to tune and then run on, each step made
+# sys.argv[1] seconds longer (a step of a few milliseconds keeps the default cycle
+# without trying another); every hvd.init() of the process is counted, so that "kept"
+# means horovod was not started again after the choice. Prints the cycle horovod was
+# last started with, on every rank.
 SCRIPT = r"""
-import os, sys
+import os, sys, time
 import horovod.mxnet as hvd
 import mxnet as mx
 from mxnet import autograd, gluon
@@ -39,15 +41,16 @@ x = mx.nd.ones((2, 8)) * (kv.rank + 1)
 
 def steps(count):
     for _ in range(count):
+        time.sleep(float(sys.argv[1]))
         with autograd.record():
             loss = net(x).sum()
         loss.backward()
         trainer.step(2)
     mx.nd.waitall()
 
-steps(40)                           # at most 2 + 1 + 12 + 1 + 12 tuning steps
+steps(int(sys.argv[2]))             # the tuning's steps, and more
 after_tuning = list(starts)
-steps(20)
+steps(10)
 print(f"STARTS {starts} AFTER_TUNING {after_tuning} "
       f"CYCLE {os.environ.get('HOROVOD_CYCLE_TIME')} "
       f"WEIGHTS {kv.allgather_object(float(net.weight.data().sum().asscalar()))}", flush=True)
@@ -70,28 +73,31 @@ def _tuning_lines(proc) -> list[str]:
 
 @pytest.mark.spawns
 def test_the_cycle_is_chosen_on_the_first_steps_printed_once_and_kept(tmp_path):
-    proc = launch(SCRIPT, tmp_path, launcher_args=["--report", "off"])
+    # steps of 0.11 s: long enough to try the long cycle (see the rule's tests below);
+    # which cycle wins is the machine's business
+    proc = launch(SCRIPT, tmp_path, args=["0.11", "20"], launcher_args=["--report", "off"])
     assert_ok(proc)
     lines = _tuning_lines(proc)
     assert len(lines) == 1 and lines[0].startswith("[0] "), proc.stderr[-3000:]
-    chosen = re.search(rf"{CYCLE_ENV}=(\S+) \(ms\), kept for the rest of the run",
-                       lines[0]).group(1)
+    found = re.search(rf"{CYCLE_ENV}=(\S+) \(ms\), kept for the rest of the run; "
+                      r"step [\d.]+ ms at 1 ms, [\d.]+ ms at 20 ms: ", lines[0])
+    assert found, lines[0]
+    chosen = found.group(1)
     assert chosen in ("1", f"{LONG_CYCLE_MS:g}")
-    assert re.search(r"step [\d.]+ ms at 1 ms, [\d.]+ ms at 20 ms: ", lines[0])
     for rank in range(2):
         result = _result(proc, rank)
-        # started with horovod's default, then the long cycle, then back to 1 ms if
-        # that was faster; nothing after the choice
-        assert result["starts"][:2] == [None, f"{LONG_CYCLE_MS:g}"]
+        # horovod's default, then the long cycle, and back to 1 ms if that was slower;
+        # nothing after the choice
+        assert result["after_tuning"] == ([None, "20"] if chosen == "20" else
+                                          [None, "20", "1"])
         assert result["starts"] == result["after_tuning"]
-        assert len(result["starts"]) == (2 if chosen != "1" else 3)
         assert result["cycle"] == chosen
         assert len(set(result["weights"])) == 1     # the ranks trained alike
 
 
 @pytest.mark.spawns
 def test_the_users_cycle_time_wins_and_is_named(tmp_path):
-    proc = launch(SCRIPT, tmp_path, launcher_args=["--report", "off"],
+    proc = launch(SCRIPT, tmp_path, args=["0", "30"], launcher_args=["--report", "off"],
                   env={"HOROVOD_CYCLE_TIME": "3"})
     assert_ok(proc)
     lines = _tuning_lines(proc)
@@ -104,7 +110,8 @@ def test_the_users_cycle_time_wins_and_is_named(tmp_path):
 
 @pytest.mark.spawns
 def test_no_tune_leaves_horovods_default_silently(tmp_path):
-    proc = launch(SCRIPT, tmp_path, launcher_args=["--report", "off", "--no-tune"])
+    proc = launch(SCRIPT, tmp_path, args=["0", "30"],
+                  launcher_args=["--report", "off", "--no-tune"])
     assert_ok(proc)
     assert _tuning_lines(proc) == []
     for rank in range(2):
@@ -141,18 +148,25 @@ def _tune(monkeypatch, default_step: float, long_step: float) -> tuple[Tuner, li
 
 
 def test_the_long_cycle_is_kept_when_as_fast(monkeypatch):
-    tuner, restarts = _tune(monkeypatch, 0.100, 0.101)
+    tuner, restarts = _tune(monkeypatch, 0.300, 0.301)
     assert tuner.done and tuner.settings == {CYCLE_ENV: "20"}
     assert restarts == [{CYCLE_ENV: "20"}]
 
 
 def test_the_default_cycle_comes_back_when_the_long_one_is_slower(monkeypatch):
-    tuner, restarts = _tune(monkeypatch, 0.004, 0.020)
+    tuner, restarts = _tune(monkeypatch, 0.110, 0.130)
     assert tuner.done and tuner.settings == {CYCLE_ENV: "1"}
     assert restarts == [{CYCLE_ENV: "20"}, {CYCLE_ENV: "1"}]
-    assert tuner.step_times == {1.0: pytest.approx(0.004), 20.0: pytest.approx(0.020)}
-    # 0.5 s per cycle at 4 ms a step is more than the most steps timed per cycle
-    assert tuner.steps == (3, 2 + 1 + 12 + 1 + 12)
+    assert tuner.step_times == {1.0: pytest.approx(0.110), 20.0: pytest.approx(0.130)}
+    # 0.5 s per cycle at 0.11 s a step: 5 steps timed per cycle
+    assert tuner.steps == (3, 2 + 1 + 5 + 1 + 5)
+
+
+def test_a_short_step_keeps_the_default_cycle_without_a_restart(monkeypatch):
+    tuner, restarts = _tune(monkeypatch, 0.026, 0.020)     # the MNIST example's step
+    assert tuner.done and tuner.settings == {} and restarts == []
+    assert "shorter than 5 cycles of 20 ms" in tuner.summary()
+    assert tuner.steps == (3, 2 + 1 + 12)
 
 
 def test_nothing_is_restarted_when_the_user_set_a_variable(monkeypatch):

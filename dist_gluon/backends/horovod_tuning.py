@@ -18,11 +18,12 @@ launcher's rendezvous store is empty again once every rank has joined). So
    rank 0 times the last of them and sets how many steps each cycle is timed over, so
    that each takes about :data:`SECONDS_PER_CANDIDATE` (at least :data:`MIN_STEPS`, at
    most :data:`MAX_STEPS`); every rank follows rank 0's plan.
-2. The default cycle (horovod as it started) is timed first, then horovod starts again
-   with :data:`LONG_CYCLE_MS` and that is timed. A timing leaves one step out, waits
-   for the engine, runs the steps and waits for the engine again: ``trainer.step``
-   returns while the sums run, so only a window closed by waits holds its steps' whole
-   work. Rank 0's time per step decides.
+2. The default cycle (horovod as it started) is timed first. If its step is shorter
+   than :data:`SHORT_STEP_CYCLES` long cycles, it is kept (a long cycle cannot pay
+   there). Else horovod starts again with :data:`LONG_CYCLE_MS` and that is timed. A
+   timing leaves one step out, waits for the engine, runs the steps and waits for the
+   engine again: ``trainer.step`` returns while the sums run, so only a window closed
+   by waits holds its steps' whole work. Rank 0's time per step decides.
 3. The long cycle is kept when its time is within :data:`TOLERANCE` of the default's or
    better: as fast, and a waiting rank burns less CPU. Otherwise horovod starts once
    more with the default cycle.
@@ -59,6 +60,11 @@ WARMUP_STEPS = 2
 SECONDS_PER_CANDIDATE = 0.5
 MIN_STEPS, MAX_STEPS = 2, 12
 TOLERANCE = 0.02
+# A step this many long cycles long or shorter cannot gain from the long cycle: it waits
+# about half a cycle more per negotiation (10 ms), at least 10% of it, while horovod's
+# 1-ms negotiation takes 0.07-0.12 s of CPU per second (FINDINGS.md 9c, 9i), so the
+# long cycle is not tried (no restart either)
+SHORT_STEP_CYCLES = 5
 
 
 class Tuner:
@@ -156,18 +162,20 @@ class Tuner:
         self._current, self._skip, self._timed = cycle, 1, 0
 
     def _next(self) -> None:
-        if self._candidates:
-            self._time(self._candidates.pop(0))
-            self._restart({CYCLE_ENV: f"{self._current:g}"})
-            return
         # rank 0's times decide for every rank
         self.step_times = self._broadcast(self.step_times)
+        default = self.step_times[DEFAULT_CYCLE_MS]
+        if self._current == DEFAULT_CYCLE_MS and default >= SHORT_STEP_CYCLES * \
+                LONG_CYCLE_MS / 1e3:
+            self._time(LONG_CYCLE_MS)
+            self._restart({CYCLE_ENV: f"{LONG_CYCLE_MS:g}"})
+            return
         self.steps = (self.steps[0], self._steps)
         self.done = True
-        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times[LONG_CYCLE_MS]
-        if long <= default * (1 + TOLERANCE):
+        long = self.step_times.get(LONG_CYCLE_MS)
+        if long is not None and long <= default * (1 + TOLERANCE):
             self.settings = {CYCLE_ENV: f"{LONG_CYCLE_MS:g}"}
-        else:
+        elif long is not None:
             # the cycle alone: with the fusion threshold also set, horovod 0.28.1 crashes
             # at this third start (see the module's docstring)
             self.settings = {CYCLE_ENV: f"{DEFAULT_CYCLE_MS:g}"}
@@ -183,15 +191,20 @@ class Tuner:
 
     def summary(self) -> str:
         """The line rank 0 prints once the cycle is chosen."""
-        cycle = float(self.settings[CYCLE_ENV])
-        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times[LONG_CYCLE_MS]
-        why = (f"the longer cycle is within {TOLERANCE:.0%} of the default's step or "
-               "faster, and a waiting rank burns less CPU with it"
-               if cycle == LONG_CYCLE_MS else
-               f"the longer cycle's step is more than {TOLERANCE:.0%} slower")
+        cycle = float(self.settings.get(CYCLE_ENV, DEFAULT_CYCLE_MS))
+        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times.get(LONG_CYCLE_MS)
+        if long is None:
+            measured = f"step {default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms"
+            why = (f"shorter than {SHORT_STEP_CYCLES} cycles of {LONG_CYCLE_MS:g} ms, which "
+                   "would delay it more than horovod's negotiation costs it")
+        else:
+            measured = (f"step {default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms, "
+                        f"{long * 1e3:.1f} ms at {LONG_CYCLE_MS:g} ms")
+            why = (f"the longer cycle is within {TOLERANCE:.0%} of the default's step or "
+                   "faster, and a waiting rank burns less CPU with it"
+                   if cycle == LONG_CYCLE_MS else
+                   f"the longer cycle's step is more than {TOLERANCE:.0%} slower")
         first, last = self.steps
         return (f"dist_gluon: horovod tuned on steps {first}-{last}: {CYCLE_ENV}={cycle:g} "
-                f"(ms), kept for the rest of the run; step "
-                f"{default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms, {long * 1e3:.1f} ms at "
-                f"{LONG_CYCLE_MS:g} ms: {why}; {FUSION_ENV} not tuned (horovod 0.28.1 "
-                f"cannot restart with it fixed in the process)")
+                f"(ms), kept for the rest of the run; {measured}: {why}; {FUSION_ENV} not "
+                f"tuned (horovod 0.28.1 cannot restart with it fixed in the process)")
