@@ -66,8 +66,8 @@ class WorkerContext:
     observe : str or None
         What the timeline records: ``'steps'`` or ``'timeline'`` (``DG_OBSERVE``).
     tune : bool
-        Whether horovod's cycle time and fusion threshold are tuned on the job's first
-        steps (``DG_TUNE``, default on; the launcher's ``--no-tune`` sets 0).
+        Whether horovod's cycle time is tuned on the job's first steps (``DG_TUNE``,
+        default on; the launcher's ``--no-tune`` sets 0).
     placed : bool
         The launcher placed this process as a worker (``DG_RANK`` is set; its
         scheduler and servers have none).

@@ -102,7 +102,7 @@ def test_the_users_cycle_time_wins_and_is_named(tmp_path):
     assert_ok(proc)
     lines = _tuning_lines(proc)
     assert len(lines) == 1 and lines[0].startswith("[0] ")
-    assert "not tuned: HOROVOD_CYCLE_TIME=3 set by the user win" in lines[0]
+    assert "not tuned: HOROVOD_CYCLE_TIME=3 set by the user wins" in lines[0]
     for rank in range(2):
         result = _result(proc, rank)
         assert result["starts"] == ["3"] and result["cycle"] == "3"

@@ -562,7 +562,7 @@ class Backend(KVStoreBase):
 
     def step_ended(self) -> None:
         """The trainer ended a step (every rank, in step). horovod tunes its cycle time
-        and fusion threshold on the first ones (horovod_tuning.py); others ignore it."""
+        on the first ones (horovod_tuning.py); the other backends ignore it."""
 
     # ------------------------------------------------------------ re-formation
     def _can_reform(self) -> bool:

@@ -101,7 +101,7 @@ class Tuner:
         user = {name: environ[name] for name in (CYCLE_ENV, FUSION_ENV) if name in environ}
         if user and reason_not is None:
             reason_not = " and ".join(f"{name}={value}" for name, value in user.items()) \
-                + " set by the user win"
+                + " set by the user " + ("win" if len(user) > 1 else "wins")
         self._enabled, self.reason_not = enabled, reason_not
         # internal state
         self._steps = 0                 # steps ended so far

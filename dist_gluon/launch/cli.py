@@ -108,11 +108,11 @@ def _job_arguments(parser) -> None:
                              "DG_WARM_STANDBY=0)")
     parser.add_argument("--no-tune", dest="tune", action="store_false",
                         default=os.environ.get("DG_TUNE", "1") != "0",
-                        help="horovod over Gloo: do not tune horovod's cycle time and "
-                             "fusion threshold on the job's first steps (kept for the "
-                             "rest of the run; values the user sets in HOROVOD_CYCLE_TIME "
-                             "and HOROVOD_FUSION_THRESHOLD win either way): horovod's "
-                             "defaults (also DG_TUNE=0)")
+                        help="horovod over Gloo: do not tune horovod's cycle time on the "
+                             "job's first steps (the choice is kept for the rest of the "
+                             "run; HOROVOD_CYCLE_TIME or HOROVOD_FUSION_THRESHOLD set by "
+                             "the user win either way): horovod's defaults (also "
+                             "DG_TUNE=0)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole job (every node) up to R times after a "
                              "failure, or (--nnodes MIN:MAX) after a failure or a lost "

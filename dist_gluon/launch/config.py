@@ -42,9 +42,9 @@ class LaunchConfig:
         A job that may restart keeps one warm standby process per worker, which a
         restarted worker's script runs in (standby.py); ``--no-warm-standby``: not.
     tune : bool
-        horovod over Gloo: the workers tune horovod's cycle time and fusion threshold
-        on the job's first steps (dist_gluon/backends/horovod_tuning.py); ``--no-tune``
-        (or ``DG_TUNE=0``): horovod's defaults, or the user's variables.
+        horovod over Gloo: the workers tune horovod's cycle time on the job's first
+        steps (dist_gluon/backends/horovod_tuning.py); ``--no-tune`` (or
+        ``DG_TUNE=0``): horovod's default, or the user's variables.
     one_machine : bool
         Elastic because a job on one machine (no ``--nnodes``, ``-H`` or
         ``--hostfile``) may restart: as ``--nnodes 1:1``, so that workers under
