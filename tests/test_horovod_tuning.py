@@ -169,10 +169,13 @@ def test_a_short_step_keeps_the_default_cycle_without_a_restart(monkeypatch):
     assert tuner.steps == (3, 2 + 1 + 12)
 
 
-def test_nothing_is_restarted_when_the_user_set_a_variable(monkeypatch):
+@pytest.mark.parametrize("environ, reason", [
+    ({"HOROVOD_FUSION_THRESHOLD": "0"}, "HOROVOD_FUSION_THRESHOLD=0 set by the user wins"),
+    ({"HOROVOD_AUTOTUNE": "1"}, "horovod's own autotuner is on"),
+])
+def test_nothing_is_restarted_when_the_user_chose(environ, reason):
     restarts = []
-    tuner = Tuner(restarts.append, lambda: None, lambda obj: obj, rank=1,
-                  environ={"HOROVOD_FUSION_THRESHOLD": "0"})
+    tuner = Tuner(restarts.append, lambda: None, lambda obj: obj, rank=1, environ=environ)
     for _ in range(30):
         tuner.step_ended()
-    assert tuner.done and restarts == [] and "HOROVOD_FUSION_THRESHOLD=0" in tuner.reason_not
+    assert tuner.done and restarts == [] and reason in tuner.reason_not

@@ -42,7 +42,9 @@ written into the threshold's slot); no difference was measurable (FINDINGS.md 9i
 For the same reason nothing is tuned in an elastic job (``--nnodes MIN:MAX``, or
 ``--max-restarts`` on one machine), whose in-process re-formation starts horovod again,
 nor when the user set ``HOROVOD_CYCLE_TIME`` or ``HOROVOD_FUSION_THRESHOLD`` (their
-values win), nor over MPI or under horovodrun (horovod starts once per process there).
+values win) or turned horovod's own autotuner on (``HOROVOD_AUTOTUNE=1``, which fixes
+both variables in the process as it goes), nor over MPI or under horovodrun (horovod
+starts once per process there).
 ``DG_TUNE=0`` (the launcher's ``--no-tune``) turns tuning off.
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ from collections.abc import Callable
 
 CYCLE_ENV = "HOROVOD_CYCLE_TIME"
 FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"
+AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"
 DEFAULT_CYCLE_MS = 1.0                # horovod 0.28.1's
 LONG_CYCLE_MS = 20.0
 WARMUP_STEPS = 2
@@ -65,6 +68,14 @@ TOLERANCE = 0.02
 # 1-ms negotiation takes 0.07-0.12 s of CPU per second (FINDINGS.md 9c, 9i), so the
 # long cycle is not tried (no restart either)
 SHORT_STEP_CYCLES = 5
+
+
+def _autotuning(environ) -> bool:
+    """horovod's own autotuner is on (it reads HOROVOD_AUTOTUNE as an integer > 0)."""
+    try:
+        return int(environ.get(AUTOTUNE_ENV, "0").strip() or "0") > 0
+    except ValueError:
+        return False
 
 
 class Tuner:
@@ -99,6 +110,10 @@ class Tuner:
         self._restart, self._wait = restart, wait
         self._broadcast, self._rank = broadcast, rank
         user = {name: environ[name] for name in (CYCLE_ENV, FUSION_ENV) if name in environ}
+        if _autotuning(environ) and reason_not is None:
+            # horovod's autotuner changes both in the process, which a restart of ours
+            # would not survive (see above)
+            reason_not = f"horovod's own autotuner is on ({AUTOTUNE_ENV}); it chooses"
         if user and reason_not is None:
             reason_not = " and ".join(f"{name}={value}" for name, value in user.items()) \
                 + " set by the user " + ("win" if len(user) > 1 else "wins")
