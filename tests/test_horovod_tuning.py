@@ -179,3 +179,14 @@ def test_nothing_is_restarted_when_the_user_chose(environ, reason):
     for _ in range(30):
         tuner.step_ended()
     assert tuner.done and restarts == [] and reason in tuner.reason_not
+
+
+def test_no_tune_reaches_every_node_and_reads_dg_tune(monkeypatch):
+    from dist_gluon.launch import cli, ssh
+
+    fan = cli.parse(["-H", "h1:1,h2:1", "--no-tune", "--", "python", "x.py"])
+    assert not fan.tune and "--no-tune" in ssh.node_command(fan, 1, "h1")
+    assert "--no-tune" not in ssh.node_command(
+        cli.parse(["-H", "h1:1,h2:1", "--", "python", "x.py"]), 1, "h1")
+    monkeypatch.setenv("DG_TUNE", "0")
+    assert not cli.parse(["-n", "2", "--", "python", "x.py"]).tune
