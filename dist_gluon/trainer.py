@@ -87,6 +87,12 @@ class TrainerBase(gluon.Trainer):
         # gluon's freshness semantics (dist_gluon.local_sgd)
         self._alone = False
 
+    def _step_ended(self) -> None:
+        # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
+        # while ranks shadow each other's steps (dg.Join), whose counts differ
+        if self._averager.distributed and _join.current() is None:
+            self._kv.step_ended()
+
     @property
     def kv(self):
         """The backend this trainer communicates through."""
@@ -742,12 +748,6 @@ class DistributedTrainer(TrainerBase):
         finally:
             self._alone = False
         self._end_step(was_local=True)
-
-    def _step_ended(self) -> None:
-        # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
-        # while ranks shadow each other's steps (dg.Join), whose counts differ
-        if self._averager.distributed and _join.current() is None:
-            self._kv.step_ended()
 
     def _end_step(self, was_local: bool) -> None:
         if self._local_sgd is not None and not (self._amp_skipped and not was_local):
