@@ -163,7 +163,7 @@ class Horovod(Backend):
             _tune_openmpi()
             self._init()
         super().__init__()
-        self._tuner = Tuner(self._restart_with, mx.nd.waitall, self.broadcast_object, self.rank,
+        self._tuner = Tuner(self._start_again, mx.nd.waitall, self.broadcast_object, self.rank,
                             enabled=worker.context().tune and self.num_workers > 1,
                             reason_not=_why_not_tuned())
 
@@ -206,6 +206,10 @@ class Horovod(Backend):
         self._start_again(environ)
 
     def _start_again(self, environ: dict[str, str]) -> None:
+        """Leave horovod and join it again in this process with ``environ`` added to
+        the environment, which ``hvd.init()`` reads (a re-formation's round; the
+        tuner's HOROVOD_CYCLE_TIME, at the end of the same step on every rank, with
+        nothing in flight)."""
         self._hvd.shutdown()
         os.environ.update(environ)
         self._in_flight.clear()
@@ -215,12 +219,6 @@ class Horovod(Backend):
         # (it finishes what is in flight and waits for the launcher's verdict)
         atexit.unregister(self._atexit)
         atexit.register(self._atexit)
-
-    def _restart_with(self, settings: dict[str, str]) -> None:
-        """The tuner's candidate: horovod again, with ``settings`` (HOROVOD_CYCLE_TIME,
-        HOROVOD_FUSION_THRESHOLD), which it reads at ``hvd.init()`` only. Every rank
-        calls it at the end of the same step, once the engine has done its work."""
-        self._start_again(settings)
 
     def step_ended(self) -> None:
         self._tuner.step_ended()
