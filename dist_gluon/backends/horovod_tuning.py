@@ -11,7 +11,8 @@ Over Gloo, under dist_gluon's launcher, the backend can leave horovod and join i
 in the same process (``hvd.shutdown()``, new variables, ``hvd.init()``: about 0.13 s; the
 launcher's rendezvous store is empty again once every rank has joined). So
 :class:`Tuner` times the job's own steps (those of
-:class:`~dist_gluon.DistributedTrainer`) under horovod's default cycle and under
+:class:`~dist_gluon.DistributedTrainer` and of the peers' trainers in
+``dist_gluon.compat``) under horovod's default cycle and under
 :data:`LONG_CYCLE_MS`, and keeps the better for the rest of the run:
 
 1. The first :data:`WARMUP_STEPS` steps are left alone (graph building, allocation);
