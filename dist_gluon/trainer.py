@@ -87,6 +87,12 @@ class TrainerBase(gluon.Trainer):
         # gluon's freshness semantics (dist_gluon.local_sgd)
         self._alone = False
 
+    def _step_ended(self) -> None:
+        # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
+        # while ranks shadow each other's steps (dg.Join), whose counts differ
+        if self._averager.distributed and _join.current() is None:
+            self._kv.step_ended()
+
     @property
     def kv(self):
         """The backend this trainer communicates through."""
@@ -658,6 +664,7 @@ class DistributedTrainer(TrainerBase):
         self._update(ignore_stale_grad)
         self._end_step(was_local=False)
         _timeline.end_step(samples)
+        self._step_ended()
 
     def update(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Update every parameter after ``allreduce_grads()``, with the gradients
@@ -683,6 +690,7 @@ class DistributedTrainer(TrainerBase):
         super().update(batch_size, ignore_stale_grad)
         self._end_step(was_local=False)
         _timeline.end_step(samples)
+        self._step_ended()
 
     def allreduce_grads(self) -> None:
         """Sum the gradients over the workers in place (see :meth:`update`). In a Local

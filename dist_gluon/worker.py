@@ -28,7 +28,7 @@ _VARIABLES = {
     "reformation": "DG_REFORMATION", "elastic": "DG_ELASTIC", "heal": "DG_ELASTIC_HEAL",
     "backend": "DG_BACKEND", "job_id": "DG_JOB_ID", "state_dir": "DG_STATE_DIR",
     "control_dir": "DG_CONTROL_DIR", "observe_dir": "DG_OBSERVE_DIR",
-    "observe": "DG_OBSERVE",
+    "observe": "DG_OBSERVE", "tune": "DG_TUNE",
 }
 _AT_LEAST_ONE = ("num_workers", "nnodes")
 
@@ -65,6 +65,9 @@ class WorkerContext:
         records and trace (``DG_OBSERVE_DIR``).
     observe : str or None
         What the timeline records: ``'steps'`` or ``'timeline'`` (``DG_OBSERVE``).
+    tune : bool
+        Whether horovod's cycle time is tuned on the job's first steps (``DG_TUNE``,
+        default on; the launcher's ``--no-tune`` sets 0).
     placed : bool
         The launcher placed this process as a worker (``DG_RANK`` is set; its
         scheduler and servers have none).
@@ -85,6 +88,7 @@ class WorkerContext:
     control_dir: str | None = None
     observe_dir: str | None = None
     observe: str | None = None
+    tune: bool = True
     placed: bool = False
 
     @classmethod

@@ -560,6 +560,10 @@ class Backend(KVStoreBase):
         raise NotImplementedError(
             f"the {self.type} backend holds no optimizer state; use trainer.load_states")
 
+    def step_ended(self) -> None:
+        """The trainer ended a step (every rank, in step). horovod tunes its cycle time
+        on the first ones (horovod_tuning.py); the other backends ignore it."""
+
     # ------------------------------------------------------------ re-formation
     def _can_reform(self) -> bool:
         """Whether this process can join the job's next round in place (_reform)."""

@@ -23,6 +23,7 @@ import mxnet as mx
 from .. import jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
+from .horovod_tuning import Tuner
 
 # horovodrun's Gloo mode, OpenMPI's mpirun, srun --mpi=pmix (and MPICH's PMI)
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -72,6 +73,21 @@ def _socket_links() -> dict[int, str]:
         if link.startswith("socket:"):
             links[int(name)] = link
     return links
+
+
+def _why_not_tuned(environ=os.environ) -> str | None:
+    """Why horovod's cycle time cannot be tuned in this process (horovod_tuning.py), or
+    None when it can."""
+    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in environ:
+        return "over MPI horovod starts once per process (MPI_Init); horovod's default"
+    if not worker.context().placed:
+        return ("started without dist_gluon.launch, whose Gloo rendezvous lets horovod "
+                "start again in the process; horovod's default")
+    if worker.context().elastic:
+        return ("an elastic job starts horovod again at each re-formation, which horovod "
+                "0.28.1 cannot combine with a cycle time set in the process; horovod's "
+                "default")
+    return None
 
 
 class RoundEnded(RuntimeError):
@@ -147,6 +163,9 @@ class Horovod(Backend):
             _tune_openmpi()
             self._init()
         super().__init__()
+        self._tuner = Tuner(self._start_again, mx.nd.waitall, self.broadcast_object, self.rank,
+                            enabled=worker.context().tune and self.num_workers > 1,
+                            reason_not=_why_not_tuned())
 
     def _init(self) -> None:
         if worker.context().elastic:
@@ -184,6 +203,13 @@ class Horovod(Backend):
         """Leave this round's horovod and join the next one in the same process:
         ``hvd.shutdown()``, the next round's HOROVOD_* variables (rank, size, Gloo
         rendezvous), ``hvd.init()``, as horovod's elastic mode does for PyTorch."""
+        self._start_again(environ)
+
+    def _start_again(self, environ: dict[str, str]) -> None:
+        """Leave horovod and join it again in this process with ``environ`` added to
+        the environment, which ``hvd.init()`` reads (a re-formation's round; the
+        tuner's HOROVOD_CYCLE_TIME, at the end of the same step on every rank, with
+        nothing in flight)."""
         self._hvd.shutdown()
         os.environ.update(environ)
         self._in_flight.clear()
@@ -193,6 +219,9 @@ class Horovod(Backend):
         # (it finishes what is in flight and waits for the launcher's verdict)
         atexit.unregister(self._atexit)
         atexit.register(self._atexit)
+
+    def step_ended(self) -> None:
+        self._tuner.step_ended()
 
     @property
     def rank(self) -> int:

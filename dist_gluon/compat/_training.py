@@ -103,6 +103,7 @@ class PeerTrainer(TrainerBase):
             _join.trainer_call(self, "step", ignore_stale_grad, batch_size)
         super().step(batch_size, ignore_stale_grad)
         _timeline.end_step(batch_size)
+        self._step_ended()
 
     def allreduce_grads(self):
         """``gluon.Trainer.allreduce_grads``: a step begins (it ends with :meth:`update`)."""
@@ -117,6 +118,7 @@ class PeerTrainer(TrainerBase):
             _join.trainer_call(self, "update", ignore_stale_grad, batch_size)
         super().update(batch_size, ignore_stale_grad)
         _timeline.end_step(batch_size)
+        self._step_ended()
 
     def _sum_grads(self, scale: float = 1.0) -> None:
         """Multiply every gradient by ``scale``, then sum it over the workers in place

@@ -55,6 +55,8 @@ def _export(config: LaunchConfig) -> None:
     workers, the node launchers over ssh and mpirun's ranks (DG_* is passed on)."""
     if config.stacks_signal is not None:
         os.environ["DG_STACKS_SIGNAL"] = config.stacks_signal
+    if not config.tune:
+        os.environ["DG_TUNE"] = "0"
     if config.compat is not None:
         # node.py puts the stand-in packages on the workers' PYTHONPATH
         os.environ[COMPAT_ENV] = config.compat

@@ -106,6 +106,13 @@ def _job_arguments(parser) -> None:
                              "dist_gluon imported) for a restarted worker's script to run "
                              "in: restarted workers start a new interpreter (also "
                              "DG_WARM_STANDBY=0)")
+    parser.add_argument("--no-tune", dest="tune", action="store_false",
+                        default=os.environ.get("DG_TUNE", "1") != "0",
+                        help="horovod over Gloo: do not tune horovod's cycle time on the "
+                             "job's first steps (the choice is kept for the rest of the "
+                             "run; HOROVOD_CYCLE_TIME or HOROVOD_FUSION_THRESHOLD set by "
+                             "the user win either way): horovod's defaults (also "
+                             "DG_TUNE=0)")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="restart the whole job (every node) up to R times after a "
                              "failure, or (--nnodes MIN:MAX) after a failure or a lost "

@@ -41,6 +41,10 @@ class LaunchConfig:
     warm_standby : bool
         A job that may restart keeps one warm standby process per worker, which a
         restarted worker's script runs in (standby.py); ``--no-warm-standby``: not.
+    tune : bool
+        horovod over Gloo: the workers tune horovod's cycle time on the job's first
+        steps (dist_gluon/backends/horovod_tuning.py); ``--no-tune`` (or
+        ``DG_TUNE=0``): horovod's default, or the user's variables.
     one_machine : bool
         Elastic because a job on one machine (no ``--nnodes``, ``-H`` or
         ``--hostfile``) may restart: as ``--nnodes 1:1``, so that workers under
@@ -70,6 +74,7 @@ class LaunchConfig:
     timeout: float | None = None
     max_restarts: int = 0
     warm_standby: bool = True
+    tune: bool = True
     # watching the workers
     stall_warning: float | None = 60.0
     stall_timeout: float | None = None

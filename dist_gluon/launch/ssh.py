@@ -134,6 +134,8 @@ def node_command(config: LaunchConfig, node_rank: int, master_addr: str) -> str:
                  "--last-call", f"{config.last_call:g}"]
     if not config.warm_standby:
         argv.append("--no-warm-standby")
+    if not config.tune:
+        argv.append("--no-tune")
     for flag, value in (("--timeout", config.timeout), ("--stall-timeout", config.stall_timeout),
                         ("--iface", config.iface), ("--transport", config.transport),
                         # node 0's mpirun starts the other nodes' MPI ranks over ssh

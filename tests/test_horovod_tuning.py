@@ -1,0 +1,192 @@
+"""horovod's cycle time, tuned on a job's first steps (dist_gluon/backends/horovod_tuning.py):
+the choice is made, printed once by rank 0, kept, the user's variables win, and the
+launcher's --no-tune turns it off. The choice itself depends on the machine's timing, so
+the jobs assert that a choice was made and held, never which one; the rule that turns
+step times into a choice is checked with given times."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import assert_ok, launch, worker_lines
+from dist_gluon.backends import horovod_tuning
+from dist_gluon.backends.horovod_tuning import CYCLE_ENV, LONG_CYCLE_MS, Tuner
+
+# A tiny model trained for enough steps to tune and then run on, each step made
+# sys.argv[1] seconds longer (a step of a few milliseconds keeps the default cycle
+# without trying another); every hvd.init() of the process is counted, so that "kept"
+# means horovod was not started again after the choice. Prints the cycle horovod was
+# last started with, on every rank.
+SCRIPT = r"""
+import os, sys, time
+import horovod.mxnet as hvd
+import mxnet as mx
+from mxnet import autograd, gluon
+
+starts = []
+_init = hvd.init
+def counted_init(*args, **kwargs):
+    starts.append(os.environ.get("HOROVOD_CYCLE_TIME"))
+    return _init(*args, **kwargs)
+hvd.init = counted_init
+
+import dist_gluon as dg
+
+kv = dg.create()
+net = gluon.nn.Dense(4, in_units=8)
+net.initialize(mx.init.Constant(0.1))
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01}, kv=kv)
+x = mx.nd.ones((2, 8)) * (kv.rank + 1)
+
+def steps(count):
+    for _ in range(count):
+        time.sleep(float(sys.argv[1]))
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        trainer.step(2)
+    mx.nd.waitall()
+
+steps(int(sys.argv[2]))             # the tuning's steps, and more
+after_tuning = list(starts)
+steps(10)
+print(f"STARTS {starts} AFTER_TUNING {after_tuning} "
+      f"CYCLE {os.environ.get('HOROVOD_CYCLE_TIME')} "
+      f"WEIGHTS {kv.allgather_object(float(net.weight.data().sum().asscalar()))}", flush=True)
+"""
+
+
+def _result(proc, rank: int) -> dict:
+    line = next(line for line in worker_lines(proc.stdout, rank) if line.startswith("STARTS"))
+    found = re.match(r"STARTS (\[.*?\]) AFTER_TUNING (\[.*?\]) CYCLE (\S+) WEIGHTS (\[.*\])",
+                     line)
+    starts, after, cycle, weights = (eval(found.group(i)) if i != 3 else found.group(i)
+                                     for i in range(1, 5))
+    return {"starts": starts, "after_tuning": after, "cycle": cycle, "weights": weights}
+
+
+def _tuning_lines(proc) -> list[str]:
+    return [line for line in proc.stderr.splitlines()
+            if "dist_gluon: horovod" in line and "tuned" in line]
+
+
+@pytest.mark.spawns
+def test_the_cycle_is_chosen_on_the_first_steps_printed_once_and_kept(tmp_path):
+    # steps of 0.11 s: long enough to try the long cycle (see the rule's tests below);
+    # which cycle wins is the machine's business
+    proc = launch(SCRIPT, tmp_path, args=["0.11", "20"], launcher_args=["--report", "off"])
+    assert_ok(proc)
+    lines = _tuning_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("[0] "), proc.stderr[-3000:]
+    found = re.search(rf"{CYCLE_ENV}=(\S+) \(ms\), kept for the rest of the run; "
+                      r"step [\d.]+ ms at 1 ms, [\d.]+ ms at 20 ms: ", lines[0])
+    assert found, lines[0]
+    chosen = found.group(1)
+    assert chosen in ("1", f"{LONG_CYCLE_MS:g}")
+    for rank in range(2):
+        result = _result(proc, rank)
+        # horovod's default, then the long cycle, and back to 1 ms if that was slower;
+        # nothing after the choice
+        assert result["after_tuning"] == ([None, "20"] if chosen == "20" else
+                                          [None, "20", "1"])
+        assert result["starts"] == result["after_tuning"]
+        assert result["cycle"] == chosen
+        assert len(set(result["weights"])) == 1     # the ranks trained alike
+
+
+@pytest.mark.spawns
+def test_the_users_cycle_time_wins_and_is_named(tmp_path):
+    proc = launch(SCRIPT, tmp_path, args=["0", "30"], launcher_args=["--report", "off"],
+                  env={"HOROVOD_CYCLE_TIME": "3"})
+    assert_ok(proc)
+    lines = _tuning_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("[0] ")
+    assert "not tuned: HOROVOD_CYCLE_TIME=3 set by the user wins" in lines[0]
+    for rank in range(2):
+        result = _result(proc, rank)
+        assert result["starts"] == ["3"] and result["cycle"] == "3"
+
+
+@pytest.mark.spawns
+def test_no_tune_leaves_horovods_default_silently(tmp_path):
+    proc = launch(SCRIPT, tmp_path, args=["0", "30"],
+                  launcher_args=["--report", "off", "--no-tune"])
+    assert_ok(proc)
+    assert _tuning_lines(proc) == []
+    for rank in range(2):
+        result = _result(proc, rank)
+        assert result["starts"] == [None] and result["cycle"] == "None"
+
+
+# ------------------------------------------------------------------ the rule, given times
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _tune(monkeypatch, default_step: float, long_step: float) -> tuple[Tuner, list]:
+    """Run a Tuner on rank 0 of a job whose steps take the given seconds under each
+    cycle; returns it and the settings it restarted horovod with."""
+    clock = _Clock()
+    monkeypatch.setattr(horovod_tuning.time, "monotonic", clock)
+    restarts = []
+    cycle = {"ms": 1.0}
+
+    def restart(settings):
+        restarts.append(dict(settings))
+        cycle["ms"] = float(settings[CYCLE_ENV])
+
+    tuner = Tuner(restart, lambda: None, lambda obj: obj, rank=0, environ={})
+    for _ in range(60):
+        clock.now += default_step if cycle["ms"] == 1.0 else long_step
+        tuner.step_ended()
+    return tuner, restarts
+
+
+def test_the_long_cycle_is_kept_when_as_fast(monkeypatch):
+    tuner, restarts = _tune(monkeypatch, 0.300, 0.301)
+    assert tuner.done and tuner.settings == {CYCLE_ENV: "20"}
+    assert restarts == [{CYCLE_ENV: "20"}]
+
+
+def test_the_default_cycle_comes_back_when_the_long_one_is_slower(monkeypatch):
+    tuner, restarts = _tune(monkeypatch, 0.110, 0.130)
+    assert tuner.done and tuner.settings == {CYCLE_ENV: "1"}
+    assert restarts == [{CYCLE_ENV: "20"}, {CYCLE_ENV: "1"}]
+    assert tuner.step_times == {1.0: pytest.approx(0.110), 20.0: pytest.approx(0.130)}
+    # 0.5 s per cycle at 0.11 s a step: 5 steps timed per cycle
+    assert tuner.steps == (3, 2 + 1 + 5 + 1 + 5)
+
+
+def test_a_short_step_keeps_the_default_cycle_without_a_restart(monkeypatch):
+    tuner, restarts = _tune(monkeypatch, 0.026, 0.020)     # the MNIST example's step
+    assert tuner.done and tuner.settings == {} and restarts == []
+    assert "shorter than 5 cycles of 20 ms" in tuner.summary()
+    assert tuner.steps == (3, 2 + 1 + 12)
+
+
+@pytest.mark.parametrize("environ, reason", [
+    ({"HOROVOD_FUSION_THRESHOLD": "0"}, "HOROVOD_FUSION_THRESHOLD=0 set by the user wins"),
+    ({"HOROVOD_AUTOTUNE": "1"}, "horovod's own autotuner is on"),
+])
+def test_nothing_is_restarted_when_the_user_chose(environ, reason):
+    restarts = []
+    tuner = Tuner(restarts.append, lambda: None, lambda obj: obj, rank=1, environ=environ)
+    for _ in range(30):
+        tuner.step_ended()
+    assert tuner.done and restarts == [] and reason in tuner.reason_not
+
+
+def test_no_tune_reaches_every_node_and_reads_dg_tune(monkeypatch):
+    from dist_gluon.launch import cli, ssh
+
+    fan = cli.parse(["-H", "h1:1,h2:1", "--no-tune", "--", "python", "x.py"])
+    assert not fan.tune and "--no-tune" in ssh.node_command(fan, 1, "h1")
+    assert "--no-tune" not in ssh.node_command(
+        cli.parse(["-H", "h1:1,h2:1", "--", "python", "x.py"]), 1, "h1")
+    monkeypatch.setenv("DG_TUNE", "0")
+    assert not cli.parse(["-n", "2", "--", "python", "x.py"]).tune
