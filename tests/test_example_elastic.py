@@ -37,6 +37,18 @@ def _run(tmp_path, backend, kill_rank=None, flags=()):
         if kill_rank is not None:
             _kill_worker_when_training(proc.pid, kill_rank, out)
         proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        # the launcher's own report of the hang (the stall detector's) is in its stderr
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        finally:
+            proc.kill()
+            for reader in readers:
+                reader.join()
+        raise AssertionError("the job did not end in 180 s\n--- stdout\n"
+                             + "".join(out)[-3000:] + "\n--- stderr\n"
+                             + "".join(err)[-8000:]) from None
     finally:
         proc.kill()
         for reader in readers:

@@ -56,7 +56,9 @@ def rank0_lines(proc, distributed: bool = True) -> list[str]:
 
 
 def summary(lines: list[str]) -> dict[str, str]:
-    """The key=value fields of the summary line (the last line)."""
+    """The key=value fields of the summary line (the last line, but for MXNet's own log
+    lines on stderr, which the killed-worker runs merge into the output)."""
+    lines = [line for line in lines if not re.match(r"\[\d\d:\d\d:\d\d\] \.\./src/", line)]
     assert lines and lines[-1].startswith("summary: "), lines[-10:]
     return dict(field.split("=", 1) for field in lines[-1].split()[1:])
 
