@@ -41,6 +41,13 @@ _EXACT_ON_SERVERS = {np.dtype("float16"), np.dtype("float32")}
 # many elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes
 # a third of the time on loopback. The P3 van slices by itself.
 _SLICE_ELEMENTS = 1 << 18
+# ... but on one host only above this many elements (16 MiB of float32). A slice costs
+# two copies, into a buffer of its own and back (0.3 ms a MiB of the worker's CPU here),
+# and on loopback the overlap gains little below that: one tensor of 9 MiB took 21 ms
+# sliced and 22 ms whole, 16 MiB 37.5 and 39.6 ms, 64 MiB 194 and 265 ms; ResNet-18
+# (11.7M parameters, none above 9 MiB) spent 14 ms of copies a step and its step was
+# 3-5% faster whole (benchmarks/FINDINGS.md 5b). Across hosts the link is the limit.
+_WHOLE_ON_ONE_HOST = 1 << 22
 # A tensor of at least this many elements is cut into at least one slice per server, so
 # that its bytes cross every host's link instead of one server's: a 1 MiB sum over 4
 # hosts at 1 Gbit/s took 48 ms as one key, 22 ms as four (benchmarks/FINDINGS.md).
@@ -260,6 +267,7 @@ class DistSync(Backend):
         self._local_rank = worker.context().local_rank
         self._num_workers = self._kv.num_workers
         self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
+        self._one_host = worker.context().nnodes == 1
         self._keys: dict[str, tuple] = {}
         # one creation of keys at a time, across threads (the workers must create them
         # in one order): _create_keys
@@ -543,10 +551,13 @@ class DistSync(Backend):
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
-        slices of at most ``_SLICE_ELEMENTS`` elements, at least one per server for a
-        tensor of ``_SPREAD_ELEMENTS`` or more."""
+        slices of at most ``_SLICE_ELEMENTS`` elements (on one host only for a tensor of
+        more than ``_WHOLE_ON_ONE_HOST``), at least one per server for a tensor of
+        ``_SPREAD_ELEMENTS`` or more."""
         size = arr.size
         count = -(-size // _SLICE_ELEMENTS)
+        if self._one_host and size <= _WHOLE_ON_ONE_HOST:
+            count = 1
         if size >= _SPREAD_ELEMENTS:
             count = max(count, self._num_servers)
         if self._p3 or count == 1:
