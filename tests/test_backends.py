@@ -58,8 +58,13 @@ SLICED = [("f32", (700, 1000), "float32"), ("f64", (300, 1000), "float64"),
 # Tensors above ps-lite's 1 MiB slice size (dist_sync cuts them into keys of
 # _SLICE_ELEMENTS elements, the P3 van slices them itself) with values that differ per
 # element and per rank; and lists of keys whose outputs alias other keys' arrays. For
-# any number of workers.
+# any number of workers. On one host dist_sync sends tensors of up to 16 MiB whole
+# (_WHOLE_ON_ONE_HOST): these jobs slice them as a job across hosts does.
 SLICED_AND_ALIASED = """
+from dist_gluon.backends import pslite
+pslite._WHOLE_ON_ONE_HOST = 0
+
+
 def sliced_checks(kv):
     rank = kv.rank
     for name, shape, dtype in SLICED:
@@ -777,6 +782,7 @@ def test_new_server_keys_are_created_together_on_dist_sync_and_one_by_one_on_p3(
         flavour, inits):
     backend = flavour.__new__(flavour)       # its keys, without joining a ps-lite job
     backend._kv, backend._keys, backend._num_servers = _RecordingStore(), {}, 1
+    backend._one_host = True
     backend._create_lock, backend._submit_lock = threading.Lock(), threading.RLock()
     backend._create_keys(["w0", "w1", "w2"], [mx.nd.zeros((3, 2))] * 3)
     backend._create_keys(["w0", "w1", "w2"], [mx.nd.zeros((3, 2))] * 3)   # created once

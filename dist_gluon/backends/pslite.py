@@ -41,6 +41,13 @@ _EXACT_ON_SERVERS = {np.dtype("float16"), np.dtype("float32")}
 # many elements (1 MiB of float32), each its own key, they overlap: a 100 MiB sum takes
 # a third of the time on loopback. The P3 van slices by itself.
 _SLICE_ELEMENTS = 1 << 18
+# ... but on one host only above this many elements (16 MiB of float32). A slice costs
+# two copies, into a buffer of its own and back (0.3 ms a MiB of the worker's CPU here),
+# and on loopback the overlap gains little below that: one tensor of 9 MiB took 21 ms
+# sliced and 22 ms whole, 16 MiB 37.5 and 39.6 ms, 64 MiB 194 and 265 ms; ResNet-18
+# (11.7M parameters, none above 9 MiB) spent 14 ms of copies a step and its step was
+# 3-5% faster whole (benchmarks/FINDINGS.md 5b). Across hosts the link is the limit.
+_WHOLE_ON_ONE_HOST = 1 << 22
 # A tensor of at least this many elements is cut into at least one slice per server, so
 # that its bytes cross every host's link instead of one server's: a 1 MiB sum over 4
 # hosts at 1 Gbit/s took 48 ms as one key, 22 ms as four (benchmarks/FINDINGS.md).
@@ -184,6 +191,33 @@ def _rank_problems(values: list[str | None]) -> list[str]:
     return problems
 
 
+class _WirePlan:
+    """How one array is summed on the servers: under which keys, as which arrays (the
+    array itself, or a buffer per slice that its slices are copied into and back from)."""
+
+    __slots__ = ("array", "names", "wire", "slices")
+
+    def __init__(self, array, names: list[str], wire: list, slices: list[tuple]):
+        self.array, self.names, self.wire, self.slices = array, names, wire, slices
+
+    def copy_in(self) -> None:
+        for buffer, part in self.slices:
+            part.copyto(buffer)
+
+    def copy_out(self) -> None:
+        for buffer, part in self.slices:
+            buffer.copyto(part)
+
+    def send(self, kv, priority: int) -> None:
+        """Sum the array over the workers in place (queued on MXNet's engine)."""
+        self.copy_in()
+        if len(self.wire) == 1:
+            kv.pushpull(self.names[0], self.wire[0], out=self.wire[0], priority=priority)
+        else:
+            kv.pushpull(self.names, self.wire, out=self.wire, priority=priority)
+        self.copy_out()
+
+
 class DistSync(Backend):
     """Synchronous data parallelism through MXNet's ps-lite kvstore.
 
@@ -233,11 +267,14 @@ class DistSync(Backend):
         self._local_rank = worker.context().local_rank
         self._num_workers = self._kv.num_workers
         self._num_servers = int(os.environ.get("DMLC_NUM_SERVER", "1"))
+        self._one_host = worker.context().nnodes == 1
         self._keys: dict[str, tuple] = {}
         # one creation of keys at a time, across threads (the workers must create them
         # in one order): _create_keys
         self._create_lock = threading.Lock()
         self._slice_buffers: dict[str, mx.nd.NDArray] = {}
+        # name -> how the last array summed under it travels (_WirePlan)
+        self._plans: dict[str, _WirePlan] = {}
         super().__init__()
         self._rank = self._launcher_rank()
 
@@ -287,6 +324,15 @@ class DistSync(Backend):
         return int(given)
 
     def _allreduce_(self, names, arrays, priority):
+        if len(arrays) == 1:
+            plan = self._plans.get(names[0])
+            if plan is not None and plan.array is arrays[0]:
+                # the same array as last time under this name (DistributedTrainer's
+                # gradients, every step): its key exists, its dtype goes to the servers
+                # and its slices are known, so none of that is worked out again
+                with self._submit_lock:
+                    plan.send(self._kv, priority)
+                return
         exact = [np.dtype(a.dtype) not in _EXACT_ON_SERVERS for a in arrays]
         if any(exact):
             self._exact_sum([n for n, e in zip(names, exact) if e],
@@ -300,8 +346,26 @@ class DistSync(Backend):
             self._submit_sums(names, arrays, priority)
 
     def _submit_sums(self, names, arrays, priority):
-        wire_names, wire, slices = [], [], []
-        for name, arr in zip(names, arrays):
+        plans = [self._plan(name, arr) for name, arr in zip(names, arrays)]
+        if len(plans) == 1:
+            plans[0].send(self._kv, priority)
+            return
+        for plan in plans:
+            plan.copy_in()
+        self._kv.pushpull([n for plan in plans for n in plan.names],
+                          [w for plan in plans for w in plan.wire],
+                          out=[w for plan in plans for w in plan.wire], priority=priority)
+        for plan in plans:
+            plan.copy_out()
+
+    def _plan(self, name, arr) -> _WirePlan:
+        """How ``arr`` travels under ``name``, remembered for the next call with it when
+        ``arr`` is the caller's own array, which pushpull keeps anyway (``_in_flight``):
+        a plan holds its array, and a temporary one that pushpull does not keep (a
+        broadcast's plain copy, an exact sum's pieces) must not outlive its call."""
+        plan = self._plans.get(name)
+        if plan is None or plan.array is not arr:
+            names, wire, slices = [], [], []
             for wire_name, part in self._wire(name, arr):
                 if part is not arr:
                     # Views of one array share its engine variable, so MXNet would run
@@ -309,14 +373,16 @@ class DistSync(Backend):
                     # hosts at 1 Gbit/s: 1.8 s instead of 0.95 s); a buffer of its own
                     # per slice lets them overlap.
                     buffer = self._slice_buffer(wire_name, part)
-                    part.copyto(buffer)
                     slices.append((buffer, part))
                     part = buffer
-                wire_names.append(wire_name)
+                names.append(wire_name)
                 wire.append(part)
-        self._kv.pushpull(wire_names, wire, out=wire, priority=priority)
-        for buffer, part in slices:
-            buffer.copyto(part)
+            plan = _WirePlan(arr, names, wire, slices)
+            if self._in_flight.get(name) is arr:
+                self._plans[name] = plan
+            else:
+                self._plans.pop(name, None)
+        return plan
 
     def _exact_sum(self, names, arrays, priority) -> None:
         """Sum float64 and integer arrays exactly, which the servers cannot (they sum at
@@ -485,10 +551,13 @@ class DistSync(Backend):
 
     def _wire(self, name, arr):
         """The (server key, array) pairs that carry ``arr``: itself, or views of equal
-        slices of at most ``_SLICE_ELEMENTS`` elements, at least one per server for a
-        tensor of ``_SPREAD_ELEMENTS`` or more."""
+        slices of at most ``_SLICE_ELEMENTS`` elements (on one host only for a tensor of
+        more than ``_WHOLE_ON_ONE_HOST``), at least one per server for a tensor of
+        ``_SPREAD_ELEMENTS`` or more."""
         size = arr.size
         count = -(-size // _SLICE_ELEMENTS)
+        if self._one_host and size <= _WHOLE_ON_ONE_HOST:
+            count = 1
         if size >= _SPREAD_ELEMENTS:
             count = max(count, self._num_servers)
         if self._p3 or count == 1:
