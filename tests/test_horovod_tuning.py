@@ -6,10 +6,12 @@ step times into a choice is checked with given times."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import assert_ok, launch, worker_lines
+from conftest import REPO, assert_ok, launch, process_env, worker_lines
 from dist_gluon.backends import horovod_tuning
 from dist_gluon.backends.horovod_tuning import CYCLE_ENV, LONG_CYCLE_MS, Tuner
 
@@ -190,3 +192,25 @@ def test_no_tune_reaches_every_node_and_reads_dg_tune(monkeypatch):
         cli.parse(["-H", "h1:1,h2:1", "--", "python", "x.py"]), 1, "h1")
     monkeypatch.setenv("DG_TUNE", "0")
     assert not cli.parse(["-n", "2", "--", "python", "x.py"]).tune
+
+
+@pytest.mark.spawns
+def test_an_in_memory_elastic_job_with_both_horovod_variables_is_refused_before_a_step(
+        tmp_path):
+    """horovod 0.28.1 segfaults in the hvd.init() of a process it started with both
+    HOROVOD_CYCLE_TIME and HOROVOD_FUSION_THRESHOLD set, so the survivors of a fault
+    would crash at the re-formation (reproduced: rank 0 "Segmentation fault: 11", the
+    job lost). dist_gluon.elastic.run refuses it on entry, naming both and what to do;
+    one of them alone heals (the guide's script in test_example_elastic)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "dist_gluon.launch", "--nnodes", "1:1", "-n", "2",
+         "--backend", "horovod", "--", sys.executable,
+         str(REPO / "examples" / "elastic" / "train_in_memory.py"),
+         "--epochs", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env=process_env(HOROVOD_CYCLE_TIME="2", HOROVOD_FUSION_THRESHOLD="33554432"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "epoch 0:" not in proc.stdout
+    assert "dist_gluon.elastic.run: HOROVOD_CYCLE_TIME and HOROVOD_FUSION_THRESHOLD are " \
+        "both set" in proc.stderr and "Set at most one of them" in proc.stderr, \
+        proc.stderr[-3000:]

@@ -569,6 +569,11 @@ class Backend(KVStoreBase):
         """Whether this process can join the job's next round in place (_reform)."""
         return False
 
+    def _reform_problem(self) -> str | None:
+        """Why this process, though it can re-form in place, would fail to (said when a
+        script enters dist_gluon.elastic.run, before any step), or None."""
+        return None
+
     def _abort(self) -> None:
         """Break the collectives pending in this process (the launcher ended the round);
         see dist_gluon.elastic. Only a backend that can re-form in place does anything."""

@@ -23,7 +23,7 @@ import mxnet as mx
 from .. import jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, report_connect
-from .horovod_tuning import Tuner
+from .horovod_tuning import CYCLE_ENV, FUSION_ENV, Tuner
 
 # horovodrun's Gloo mode, OpenMPI's mpirun, srun --mpi=pmix (and MPICH's PMI)
 _HOROVODRUN_VARIABLES = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")
@@ -158,6 +158,10 @@ class Horovod(Backend):
         # the sockets of this process's Gloo contexts (their /proc link names), which
         # _abort breaks
         self._gloo_sockets: frozenset[str] = frozenset()
+        # horovod 0.28.1 fixes a variable set at its first start for the process's life,
+        # and its next hvd.init() segfaults once both of these are fixed
+        # (benchmarks/FINDINGS.md 9i): an in-place re-formation could not start it again
+        self._fixed_at_start = [name for name in (CYCLE_ENV, FUSION_ENV) if name in os.environ]
         if not self._hvd.is_initialized():
             report_connect(self._type)
             _tune_openmpi()
@@ -179,6 +183,15 @@ class Horovod(Backend):
         # over Gloo, with a rendezvous the launcher renews each round; MPI's world is
         # fixed once the processes start
         return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
+    def _reform_problem(self) -> str | None:
+        if len(self._fixed_at_start) < 2:
+            return None
+        return (f"{' and '.join(self._fixed_at_start)} are both set: horovod 0.28.1 cannot "
+                "start again in a process it started with both (hvd.init() ends with a "
+                "segmentation fault), and dist_gluon.elastic.run re-forms the job inside "
+                "its workers' processes at the first lost or joining node. Set at most one "
+                "of them for this job (benchmarks/FINDINGS.md 9i; docs/elastic.md)")
 
     def _abort(self) -> None:
         """Break every collective pending on this process's Gloo connections: their

@@ -98,6 +98,10 @@ def _session(state: State) -> _Session | None:
     if reporter is None or not worker.context().elastic or not state.kv._can_reform():
         # ps-lite and MPI: a change of the job restarts the workers (from checkpoints)
         return None
+    problem = state.kv._reform_problem()
+    if problem is not None:
+        # refused before the first step: at the first fault it would crash the survivors
+        raise RuntimeError(f"dist_gluon.elastic.run: {problem}")
     return _Session(state, reporter)
 
 
