@@ -75,21 +75,6 @@ def _socket_links() -> dict[int, str]:
     return links
 
 
-def _why_not_tuned(environ=os.environ) -> str | None:
-    """Why horovod's cycle time cannot be tuned in this process (horovod_tuning.py), or
-    None when it can."""
-    if "HOROVOD_GLOO_RENDEZVOUS_ADDR" not in environ:
-        return "over MPI horovod starts once per process (MPI_Init); horovod's default"
-    if not worker.context().placed:
-        return ("started without dist_gluon.launch, whose Gloo rendezvous lets horovod "
-                "start again in the process; horovod's default")
-    if worker.context().elastic:
-        return ("an elastic job starts horovod again at each re-formation, which horovod "
-                "0.28.1 cannot combine with a cycle time set in the process; horovod's "
-                "default")
-    return None
-
-
 class RoundEnded(RuntimeError):
     """The launcher ended this round before every rank reached the rendezvous."""
 
@@ -169,7 +154,7 @@ class Horovod(Backend):
         super().__init__()
         self._tuner = Tuner(self._start_again, mx.nd.waitall, self.broadcast_object, self.rank,
                             enabled=worker.context().tune and self.num_workers > 1,
-                            reason_not=_why_not_tuned())
+                            reason_not=self._why_not_tuned())
 
     def _init(self) -> None:
         if worker.context().elastic:
@@ -183,6 +168,20 @@ class Horovod(Backend):
         # over Gloo, with a rendezvous the launcher renews each round; MPI's world is
         # fixed once the processes start
         return "HOROVOD_GLOO_RENDEZVOUS_ADDR" in os.environ
+
+    def _why_not_tuned(self) -> str | None:
+        """Why horovod's cycle time cannot be tuned in this process (horovod_tuning.py):
+        the tuner starts horovod again in place, as a re-formation does; or None."""
+        if not self._can_reform():
+            return "over MPI horovod starts once per process (MPI_Init); horovod's default"
+        if not worker.context().placed:
+            return ("started without dist_gluon.launch, whose Gloo rendezvous lets horovod "
+                    "start again in the process; horovod's default")
+        if worker.context().elastic:
+            return ("an elastic job starts horovod again at each re-formation, which "
+                    "horovod 0.28.1 cannot combine with a cycle time set in the process; "
+                    "horovod's default")
+        return None
 
     def _reform_problem(self) -> str | None:
         if len(self._fixed_at_start) < 2:
