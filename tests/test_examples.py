@@ -25,6 +25,8 @@ KEPT = "from the workers' last commit in memory (their processes stay"
 
 EXAMPLES = REPO / "examples"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# MXNet's own log lines on stderr ("[16:14:22] ../src/io/iter_image_recordio_2.cc:177: ...")
+MXNET_LOG = re.compile(r"\[\d\d:\d\d:\d\d\] \.\./src/")
 
 
 def run(script: str, *args: str, backend: str | None, cwd, timeout: float = 240):
@@ -58,7 +60,7 @@ def rank0_lines(proc, distributed: bool = True) -> list[str]:
 def summary(lines: list[str]) -> dict[str, str]:
     """The key=value fields of the summary line (the last line, but for MXNet's own log
     lines on stderr, which the killed-worker runs merge into the output)."""
-    lines = [line for line in lines if not re.match(r"\[\d\d:\d\d:\d\d\] \.\./src/", line)]
+    lines = [line for line in lines if not MXNET_LOG.match(line)]
     assert lines and lines[-1].startswith("summary: "), lines[-10:]
     return dict(field.split("=", 1) for field in lines[-1].split()[1:])
 
@@ -168,10 +170,10 @@ def assert_kept_going(output: str) -> list[str]:
     are when the test reads rank 0's line, which on a loaded machine may be steps or an
     epoch later."""
     rank0 = worker_lines(output, 0)
-    # rank 1's stderr is in the output too: MXNet's own log lines ("[16:14:22] ../src/
-    # io/iter_image_recordio_2.cc:177: ...") may be there, nothing else
+    # rank 1's stderr is in the output too: MXNet's own log lines may be there, nothing
+    # else
     assert [line for line in worker_lines(output, 1)
-            if not re.match(r"\[\d\d:\d\d:\d\d\] \.\./src/", line)] == [], output[-3000:]
+            if not MXNET_LOG.match(line)] == [], output[-3000:]
     assert KEPT in output, output[-5000:]
     reformed = next(i for i, line in enumerate(rank0)
                     if line.startswith("re-formed: 2 worker(s) go on"))
