@@ -122,7 +122,6 @@ class Tuner:
         # internal state
         self._steps = 0                 # steps ended so far
         self._per_candidate = 0         # steps timed per cycle (rank 0's plan)
-        self._candidates: list[float] = []   # cycles (ms) still to time
         self._current: float | None = None   # the cycle being timed
         self._skip = 0                  # steps left out before its timing starts
         self._timed = 0                 # its steps timed so far
@@ -169,7 +168,6 @@ class Tuner:
         self.steps = (self._steps + 1, 0)
         # horovod runs with its default cycle now: timed first, without a restart
         self._time(DEFAULT_CYCLE_MS)
-        self._candidates = [LONG_CYCLE_MS]
 
     def _time(self, cycle: float) -> None:
         """Time ``cycle`` from the end of the next step on: the engine is waited for at
