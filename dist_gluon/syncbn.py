@@ -14,7 +14,11 @@ collective is issued from the training script's thread, in the order of the forw
 pass. MXNet runs backward functions in its own custom-operator threads, in the order
 its engine schedules them (independent branches, e.g. a ResNet's shortcut, in either
 order), so backward collectives may be issued in a different order on each rank; every
-key is used by exactly one layer, and the backends match collectives by key.
+key is used by exactly one layer, and the backends match collectives by key. Those
+threads may also run a layer's backward functions of two micro-batches of one step
+(``grad_req='add'``) in either order, so each recorded forward of a layer within a step
+has a backward key (and arrays) of its own: the n-th micro-batch's gradients are summed
+with the other ranks' n-th, whichever runs first.
 """
 from __future__ import annotations
 
@@ -37,6 +41,19 @@ from .backends import Backend, resolve
 # with the batch sizes (1).
 _PRIORITY = 1
 _layer_numbers = itertools.count()
+# Steps the trainers of this process have ended (step_ended): a layer numbers its
+# recorded forwards from 0 in each step, each number with its own backward collective.
+_steps_ended = 0
+# A script that steps no dist_gluon trainer numbers its forwards without end: the
+# numbers wrap at this many (so many micro-batches of one step stay apart).
+MICRO_BATCH_KEYS = 64
+
+
+def step_ended() -> None:
+    """A trainer's step (or update) ended on this rank, as on every rank: the next
+    recorded forward of each layer is a step's first micro-batch."""
+    global _steps_ended
+    _steps_ended += 1
 
 _HYBRIDIZE_HELP = (
     "dist_gluon.SyncBatchNorm cannot run in a hybridized graph when training on {n} "
@@ -163,7 +180,8 @@ class SyncBatchNorm(nn.BatchNorm):
         self._kv: Backend | None = None
         self._name: str | None = None
         self._comms: dict = {}          # context -> _Channel
-        self._meetings: tuple | None = None     # (forward, backward) over the devices
+        # over the devices: (forward _Meeting, {micro-batch: backward _Meeting})
+        self._meetings: tuple | None = None
         self._round: int | None = None  # the job's round the channels were made in
 
     @property
@@ -257,8 +275,9 @@ class SyncBatchNorm(nn.BatchNorm):
                                        running_mean=running_mean, running_var=running_var)
             outputs[5].copyto(running_mean)
             outputs[6].copyto(running_var)
-            channel.grads[:] = 0
-            channel.sum_backward()
+            micro = channel.recorded_forward()
+            channel.grads[micro][:] = 0
+            channel.sum_backward(micro)
 
     def _channel(self, x: mx.nd.NDArray, axis: int) -> _Channel:
         """This layer's communication on ``x``'s device, made at the layer's first
@@ -288,7 +307,7 @@ class SyncBatchNorm(nn.BatchNorm):
                             devices)
             if len(devices) > 1 and self._meetings is None:
                 self._meetings = (_Meeting(self.kv, comm.forward_key, devices, comm.sums),
-                                  _Meeting(self.kv, comm.backward_key, devices, comm.grads))
+                                  {})
             comm.meetings = self._meetings
             self._comms[x.context] = comm
         if comm.meetings is not None:
@@ -328,14 +347,18 @@ class _Channel:
     the servers' sum leaves every row exact (``x + 0``), and every worker forms the
     float64 sums from the rows on its device. The backward collective sums the
     gradients of the global mean and variance in the data's dtype (nothing cancels
-    there)."""
+    there); each micro-batch of a step (the n-th recorded forward since the trainer's
+    last step) has its own key and array, made at its first forward
+    (:meth:`recorded_forward`)."""
 
     def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype, devices: list):
         self.kv = kv
         self.channels = channels
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
-        # (forward, backward) _Meeting of the worker's devices, where it has several
+        # the layer's (forward _Meeting, {micro-batch: backward _Meeting}) of the
+        # worker's devices, where it has several
         self.meetings: tuple | None = None
+        self._devices = devices
         # Used by the forward pass, on the script's thread: the sums, and inputs of the
         # BatchNorm operators (constants). Gathered, every device of every worker has a
         # row of its own.
@@ -354,11 +377,34 @@ class _Channel:
         # Used by the backward functions only. MXNet calls them in its own threads once
         # their inputs are ready, when the script's thread may have queued the next
         # step's forward already: an operator they queue on an array of the forward pass
-        # would wait for that next forward, which waits for this backward.
-        self.grads = mx.nd.zeros((2 * channels,), ctx=ctx, dtype=dtype)
+        # would wait for that next forward, which waits for this backward. One array
+        # per micro-batch of a step: two backward functions may run at once.
+        self.grads: dict[int, mx.nd.NDArray] = {}
+        self._backward_keys: dict[int, str] = {}
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
-        if len(devices) == 1:
-            _pushpull(kv, self.backward_key, self.grads)
+        self._step, self._forwards = None, 0
+
+    def recorded_forward(self) -> int:
+        """On the script's thread, at a recorded training forward: its micro-batch, the
+        number of recorded forwards of the layer on this device since the trainer's last
+        step (the same on every rank and device), whose backward key and array are made
+        here at its first use (ps-lite creates a key with a barrier of all workers,
+        which must not run in MXNet's backward threads)."""
+        if self._step != _steps_ended:
+            self._step, self._forwards = _steps_ended, 0
+        micro = self._forwards % MICRO_BATCH_KEYS
+        self._forwards += 1
+        if micro not in self.grads:
+            grads = self.grads[micro] = mx.nd.zeros((2 * self.channels,),
+                                                    ctx=self.ones.context,
+                                                    dtype=self.ones.dtype)
+            key = self.backward_key if micro == 0 else f"{self.backward_key}.{micro}"
+            self._backward_keys[micro] = key
+            if self.meetings is None:
+                _pushpull(self.kv, key, grads)
+            elif micro not in self.meetings[1]:
+                self.meetings[1][micro] = _Meeting(self.kv, key, self._devices, grads)
+        return micro
 
     def sum_forward(self) -> mx.nd.NDArray:
         """The forward collective on :attr:`sums`: the sum over every device of every
@@ -368,12 +414,14 @@ class _Channel:
             return self.sums
         return self.meetings[0].join(self.sums)
 
-    def sum_backward(self) -> mx.nd.NDArray:
-        """The backward collective on :attr:`grads` (from MXNet's backward threads)."""
+    def sum_backward(self, micro: int) -> mx.nd.NDArray:
+        """The backward collective of micro-batch ``micro`` on its :attr:`grads` (from
+        MXNet's backward threads)."""
+        grads = self.grads[micro]
         if self.meetings is None:
-            _pushpull(self.kv, self.backward_key, self.grads)
-            return self.grads
-        return self.meetings[1].join(self.grads)
+            _pushpull(self.kv, self._backward_keys[micro], grads)
+            return grads
+        return self.meetings[1][micro].join(grads)
 
     def count(self, n: int) -> mx.nd.NDArray:
         """``[n]`` (float64) on the layer's device, made once per batch shape by an
@@ -584,6 +632,8 @@ class _GlobalAffine(_Function):
         self._axis, self._channel, self._graphs = axis, channel, graphs
         self._running, self._update = running, update
         self._count = channel.count(count)
+        # the micro-batch whose backward collective this forward's backward makes
+        self._micro = channel.recorded_forward() if update else None
         self.mean = None
 
     def forward(self, x, gb):
@@ -616,8 +666,8 @@ class _GlobalAffine(_Function):
         x, own_mean, mean, invstd, scale, share = self._saved
         dscale, dshift = _on(dscale, scale.context), _on(dshift, scale.context)
         graphs["mine"](dscale=dscale, dshift=dshift, scale=scale, invstd=invstd,
-                       out=ch.grads)
-        grads = ch.sum_backward()
+                       out=ch.grads[self._micro])
+        grads = ch.sum_backward(self._micro)
         dx_scale, dx_shift, dgb = graphs["back"](
             grads=grads, own_mean=own_mean, mean=mean, share=share, dscale=dscale,
             dshift=dshift, invstd=invstd)

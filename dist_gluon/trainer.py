@@ -11,6 +11,7 @@ from mxnet import gluon
 
 from . import amp, async_updates, sharding
 from . import join as _join
+from . import syncbn as _syncbn
 from . import timeline as _timeline
 from .averaging import _GradientAverager, check_compression, check_predivide, claim_prefix
 from .backends import resolve
@@ -88,6 +89,7 @@ class TrainerBase(gluon.Trainer):
         self._alone = False
 
     def _step_ended(self) -> None:
+        _syncbn.step_ended()
         # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
         # while ranks shadow each other's steps (dg.Join), whose counts differ
         if self._averager.distributed and _join.current() is None:
@@ -748,6 +750,7 @@ class DistributedTrainer(TrainerBase):
         finally:
             self._alone = False
         self._end_step(was_local=True)
+        _syncbn.step_ended()
 
     def _end_step(self, was_local: bool) -> None:
         if self._local_sgd is not None and not (self._amp_skipped and not was_local):
