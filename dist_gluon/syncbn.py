@@ -305,6 +305,8 @@ class SyncBatchNorm(nn.BatchNorm):
                                  f"but its parameters live on {devices}")
             comm = _Channel(self.kv, self._name, x.shape[axis], x.context, x.dtype,
                             devices)
+            if self.kv.num_workers > 1:
+                self.kv._chained("SyncBatchNorm's sums, two per layer and step")
             if len(devices) > 1 and self._meetings is None:
                 self._meetings = (_Meeting(self.kv, comm.forward_key, devices, comm.sums),
                                   {})

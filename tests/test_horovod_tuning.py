@@ -52,10 +52,17 @@ def steps(count):
 
 steps(int(sys.argv[2]))             # the tuning's steps, and more
 after_tuning = list(starts)
+if sys.argv[3:] == ["syncbn"]:      # SyncBatchNorm's chained sums from here on
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(4, in_units=8), dg.SyncBatchNorm(in_channels=4))
+    net.initialize(mx.init.Constant(0.1))
+    trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.01},
+                                    kv=kv)
 steps(10)
+weight = next(iter(net.collect_params().values()))
 print(f"STARTS {starts} AFTER_TUNING {after_tuning} "
       f"CYCLE {os.environ.get('HOROVOD_CYCLE_TIME')} "
-      f"WEIGHTS {kv.allgather_object(float(net.weight.data().sum().asscalar()))}", flush=True)
+      f"WEIGHTS {kv.allgather_object(float(weight.data().sum().asscalar()))}", flush=True)
 """
 
 
@@ -98,6 +105,29 @@ def test_the_cycle_is_chosen_on_the_first_steps_printed_once_and_kept(tmp_path):
 
 
 @pytest.mark.spawns
+def test_syncbatchnorm_from_step_10_brings_the_default_cycle_back(tmp_path):
+    # steps of 0.11 s: the long cycle is timed on steps 10-14 (at 0.3 s per step under
+    # load, it was chosen or rejected at step 8's end); SyncBatchNorm runs from step 10
+    proc = launch(SCRIPT, tmp_path, args=["0.11", "9", "syncbn"],
+                  launcher_args=["--report", "off"])
+    assert_ok(proc)
+    tuned = _tuning_lines(proc)
+    back = [line for line in proc.stderr.splitlines() if "is horovod's default" in line]
+    if tuned and "HOROVOD_CYCLE_TIME=1 (ms)" in tuned[0]:
+        assert back == [], back           # chosen already, and no third start
+    else:
+        assert tuned == [] or "HOROVOD_CYCLE_TIME=20 (ms)" in tuned[0], tuned
+        assert back == ["[0] dist_gluon: horovod's HOROVOD_CYCLE_TIME is horovod's default "
+                        "(1 ms) from step 10 on, started again with it: SyncBatchNorm's "
+                        "sums, two per layer and step, each waiting up to a cycle, so a "
+                        "longer cycle cannot pay"], proc.stderr[-3000:]
+    for rank in range(2):
+        result = _result(proc, rank)
+        assert result["starts"] == [None, "20", "1"] and result["cycle"] == "1"
+        assert len(set(result["weights"])) == 1     # the ranks trained alike
+
+
+@pytest.mark.spawns
 def test_the_users_cycle_time_wins_and_is_named(tmp_path):
     proc = launch(SCRIPT, tmp_path, args=["0", "30"], launcher_args=["--report", "off"],
                   env={"HOROVOD_CYCLE_TIME": "3"})
@@ -130,9 +160,11 @@ class _Clock:
         return self.now
 
 
-def _tune(monkeypatch, default_step: float, long_step: float) -> tuple[Tuner, list]:
+def _tune(monkeypatch, default_step: float, long_step: float,
+          chained_at: int | None = None) -> tuple[Tuner, list]:
     """Run a Tuner on rank 0 of a job whose steps take the given seconds under each
-    cycle; returns it and the settings it restarted horovod with."""
+    cycle (SyncBatchNorm's chained sums from step ``chained_at`` on); returns it and
+    the settings it restarted horovod with."""
     clock = _Clock()
     monkeypatch.setattr(horovod_tuning.time, "monotonic", clock)
     restarts = []
@@ -143,8 +175,10 @@ def _tune(monkeypatch, default_step: float, long_step: float) -> tuple[Tuner, li
         cycle["ms"] = float(settings[CYCLE_ENV])
 
     tuner = Tuner(restart, lambda: None, lambda obj: obj, rank=0, environ={})
-    for _ in range(60):
+    for step in range(1, 61):
         clock.now += default_step if cycle["ms"] == 1.0 else long_step
+        if step == chained_at:
+            tuner.chained("SyncBatchNorm's sums")
         tuner.step_ended()
     return tuner, restarts
 
@@ -169,6 +203,30 @@ def test_a_short_step_keeps_the_default_cycle_without_a_restart(monkeypatch):
     assert tuner.done and tuner.settings == {} and restarts == []
     assert "shorter than 5 cycles of 20 ms" in tuner.summary()
     assert tuner.steps == (3, 2 + 1 + 12)
+
+
+# 0.3 s steps: warm-up steps 1-2, the default cycle timed on steps 4-5, the long one
+# (horovod started again with it at step 5's end) on steps 7-8, chosen at step 8's end
+@pytest.mark.parametrize("chained_at, restarted", [
+    (1, []),                                            # in the warm-up
+    (5, []),                                            # while the default is timed
+    (7, [{CYCLE_ENV: "20"}, {CYCLE_ENV: "1"}]),        # while the long cycle is timed
+    (30, [{CYCLE_ENV: "20"}, {CYCLE_ENV: "1"}]),       # after it was chosen
+])
+def test_syncbatchnorms_chained_sums_keep_the_default_cycle_from_their_first_step(
+        monkeypatch, capsys, chained_at, restarted):
+    tuner, restarts = _tune(monkeypatch, 0.300, 0.300, chained_at=chained_at)
+    assert tuner.done and restarts == restarted
+    assert tuner.settings.get(CYCLE_ENV, "1") == "1"
+    said = capsys.readouterr().err
+    assert f"HOROVOD_CYCLE_TIME is horovod's default (1 ms) from step {chained_at} on" \
+        f"{', started again with it' if restarted else ''}: SyncBatchNorm's sums" in said
+
+
+def test_chained_sums_after_the_default_was_chosen_change_nothing(monkeypatch, capsys):
+    tuner, restarts = _tune(monkeypatch, 0.110, 0.130, chained_at=40)
+    assert restarts == [{CYCLE_ENV: "20"}, {CYCLE_ENV: "1"}]   # the tuning's own, no third
+    assert "from step" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("environ, reason", [

@@ -564,6 +564,11 @@ class Backend(KVStoreBase):
         """The trainer ended a step (every rank, in step). horovod tunes its cycle time
         on the first ones (horovod_tuning.py); the other backends ignore it."""
 
+    def _chained(self, why: str) -> None:
+        """Collectives that each wait for the one before run in every step from this one
+        on (SyncBatchNorm's, ``why`` names them): horovod keeps its default cycle
+        (horovod_tuning.py); the other backends ignore it."""
+
     # ------------------------------------------------------------ re-formation
     def _can_reform(self) -> bool:
         """Whether this process can join the job's next round in place (_reform)."""

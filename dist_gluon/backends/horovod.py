@@ -235,6 +235,9 @@ class Horovod(Backend):
     def step_ended(self) -> None:
         self._tuner.step_ended()
 
+    def _chained(self, why: str) -> None:
+        self._tuner.chained(why)
+
     @property
     def rank(self) -> int:
         return self._hvd.rank()

@@ -29,6 +29,12 @@ launcher's rendezvous store is empty again once every rank has joined). So
    better: as fast, and a waiting rank burns less CPU. Otherwise horovod starts once
    more with the default cycle.
 4. Rank 0 prints one line: what was chosen and why, with both times.
+5. Collectives chained within a step (SyncBatchNorm's sums, two per layer, each waiting
+   for the one before: :meth:`Tuner.chained`) wait up to a cycle each, so the long cycle
+   cannot pay there, whatever steps it was timed on (a job's first steps may be others':
+   a model without the layer, or ``make bench``'s three models taking turns). From
+   the step in which they first run, the default cycle is kept, and horovod starts
+   again with it if the long cycle was being timed or had been chosen.
 
 Why two candidates, and the fusion threshold left alone: horovod 0.28.1's
 ParameterManager keeps a variable fixed by the environment for the life of the process
@@ -132,12 +138,24 @@ class Tuner:
         self.settings: dict[str, str] = {}      # what horovod runs with, once chosen
         self.steps: tuple[int, int] = (0, 0)    # the first and last step of the tuning
         self.done = False
+        self._chained: str | None = None    # why the default cycle must be kept
+        self._chained_seen = False
+
+    def chained(self, why: str) -> None:
+        """Collectives that wait for each other within every step run from this step on
+        (the same step on every rank): ``why`` names them. At this step's end the default
+        cycle is kept for the rest of the run (see the module's docstring)."""
+        if self._chained is None:
+            self._chained = why
 
     def step_ended(self) -> None:
         """Called by the trainer at the end of every step, on every rank."""
+        self._steps += 1
+        if self._chained is not None and not self._chained_seen:
+            self._keep_default()
+            return
         if self.done:
             return
-        self._steps += 1
         if not self._enabled or self.reason_not is not None:
             self._give_up()
             return
@@ -196,6 +214,31 @@ class Tuner:
             self._restart(self.settings)
         if self._rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
+
+    def _keep_default(self) -> None:
+        """Chained collectives run: the default cycle from now on, horovod started again
+        with it if it runs with the long one (at most its second restart, as after a
+        slower long cycle)."""
+        self._chained_seen = True
+        if not self._enabled or self.reason_not is not None:
+            if not self.done:
+                self._give_up()
+            return
+        on_long = (self._current == LONG_CYCLE_MS if not self.done
+                   else self.settings.get(CYCLE_ENV) == f"{LONG_CYCLE_MS:g}")
+        was_done, self.done = self.done, True
+        if was_done and not on_long:
+            return
+        if on_long:
+            self._wait()
+            self.settings = {CYCLE_ENV: f"{DEFAULT_CYCLE_MS:g}"}
+            self._restart(self.settings)
+        if self._rank == 0:
+            print(f"dist_gluon: horovod's {CYCLE_ENV} is horovod's default "
+                  f"({DEFAULT_CYCLE_MS:g} ms) from step {self._steps} on"
+                  + (", started again with it" if on_long else "")
+                  + f": {self._chained}, each waiting up to a cycle, so a longer cycle "
+                  "cannot pay", file=sys.stderr, flush=True)
 
     def _give_up(self) -> None:
         self.done = True
