@@ -46,7 +46,7 @@ _layer_numbers = itertools.count()
 _steps_ended = 0
 # A script that steps no dist_gluon trainer numbers its forwards without end: the
 # numbers wrap at this many (so many micro-batches of one step stay apart).
-MICRO_BATCH_KEYS = 64
+MICRO_BATCH_KEYS = 16
 
 
 def step_ended() -> None:
