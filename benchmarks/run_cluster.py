@@ -88,6 +88,7 @@ import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
 from cluster import report, scale, slow_report  # noqa: E402
 
+from dist_gluon.backends import horovod_tuning  # noqa: E402
 from dist_gluon.launch import statedir  # noqa: E402
 
 PY = sys.executable
@@ -119,14 +120,15 @@ FULL = {
 }
 # Part 3: the wire-bound setting, where compression can pay. Its steps are long and
 # their spread on 2 shared cores wide, so each model runs cfg["compress_rounds"][model]
-# rounds there, whatever its rounds elsewhere. Horovod over Gloo runs twice: with horovod's
-# default cycle (1 ms here), whose negotiation takes CPU from the compute on 2 cores,
-# and with 20 ms (FINDINGS.md 9c); the launcher leaves the cycle to the user.
+# rounds there, whatever its rounds elsewhere. Its report of record shows the shipped
+# defaults (horovod's cycle tuned on the job over Gloo, FINDINGS.md 9i; OpenMPI's
+# waiting rank yielding, 9h); the variants below run only when named (--variant), their
+# rows merged into that report (--merge). A fixed cycle, which the tuner leaves alone:
 COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
 GLOO_SLOW_CYCLE = "horovod (Gloo, HOROVOD_CYCLE_TIME=20)"
-# OpenMPI's waiting rank polls without yielding its core (FINDINGS.md 9c): the MPI rows
-# once more with the polling that yields (what the launcher gives CPU workers or not:
-# the variable is set either way, so the row does not depend on that default)
+# OpenMPI's waiting rank polling without yielding its core (before FINDINGS.md 9h), and
+# yielding (what the launcher gives CPU workers: the variable is set either way, so the
+# row does not depend on that default)
 MPI_NO_YIELD = "horovod (MPI, mpi_yield_when_idle=0)"
 MPI_YIELD = "horovod (MPI, mpi_yield_when_idle=1)"
 COMPRESS_EXTRA_VARIANTS = ((GLOO_SLOW_CYCLE, "horovod", "gloo"),
@@ -139,6 +141,14 @@ VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"},
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
                  "dist_sync": ("dist_gluon,compute", "dg_fp16,compute", "dg_2bit,compute",
                                "dg_powersgd,compute", "gluon_2bit,compute")}
+# Untimed steps of a horovod job's first trainer in part 3, so that the tuning of the
+# cycle time ends in them and every timed step runs with the cycle chosen: its warm-up,
+# then per candidate cycle one step left out and MIN_STEPS timed (part 3's steps are
+# over a second, longer than SECONDS_PER_CANDIDATE), and one more step after its last
+# restart
+TUNE_WARMUP = horovod_tuning.WARMUP_STEPS + 2 * (1 + horovod_tuning.MIN_STEPS) + 1
+# the line rank 0 prints once the cycle is chosen, or why nothing was tuned
+TUNER_LINE = re.compile(r"dist_gluon: horovod(?: tuned on steps|'s cycle time not tuned).*")
 
 # Part 4: the language model, in the same setting.
 LM = {"vocab": 50000, "dim": 256, "batch": 8, "bptt": 20, "warmup": 1, "steps": 3}
@@ -321,7 +331,8 @@ def run_job(cluster, backend: str, transport: str | None, argv: list[str],
     payloads = [json.loads(line[len(RESULT_TAG):]) for line in rank0
                 if line.startswith(RESULT_TAG)]
     if all(code == 0 for code in codes) and payloads:
-        return dict(payloads[-1], job_seconds=seconds)
+        tuner = [m.group(0) for m in map(TUNER_LINE.search, texts[0][1].splitlines()) if m]
+        return dict(payloads[-1], job_seconds=seconds, **({"tuner": tuner[0]} if tuner else {}))
     tails = []
     for node, (code, (_, err)) in enumerate(zip(codes, texts)):
         lines = [line for line in err.strip().splitlines() if line.strip()][-6:]
@@ -424,7 +435,9 @@ def run_comm(cluster, cfg, cases_path: Path, variants, timeout: float, workdir) 
 
 
 def run_train(cluster, cfg, models, variants, timeout: float, workdir,
-              jobs=None, rounds=None) -> dict:
+              jobs=None, rounds=None, tune_warmup=0) -> dict:
+    """Each model's training jobs on every variant; ``tune_warmup``: untimed steps of a
+    horovod job's first trainer (its other trainers get the model's ``warmup``)."""
     jobs = jobs or TRAIN_JOBS
     out = {}
     for model in models:
@@ -436,12 +449,15 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
             if backend not in jobs:
                 continue
             slot = {"times": {}, "errors": {}, "wire_bytes": {}, "codec_seconds": {},
-                    "cpu_seconds": {}, "machine_busy": {}}
+                    "cpu_seconds": {}, "machine_busy": {}, "tuner": {}}
+            first_warmup = tune_warmup if backend == "horovod" else 0
+            if first_warmup:
+                slot["first_warmup"] = first_warmup
             for impls in jobs[backend]:
                 payload = run_job(cluster, backend, transport,
                                   [str(HERE / "cluster" / "train.py"), *args,
-                                   "--impls", impls], timeout, workdir,
-                                  env=VARIANT_ENV.get(label))
+                                   "--impls", impls, "--first-warmup", str(first_warmup)],
+                                  timeout, workdir, env=VARIANT_ENV.get(label))
                 log(f"  training, {model}, {label} [{impls}]: {describe(payload)}")
                 if "error" in payload:
                     slot["errors"][impls] = payload["error"]
@@ -454,6 +470,9 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
                         found[f"compute_{main}_job"] = found.pop("compute")
                     slot[what].update(found)
                 slot["wire_bytes"].update(payload.get("wire_bytes", {}))
+                if "tuner" in payload:
+                    slot["tuner"][impls] = payload["tuner"]
+                    log(f"    {payload['tuner']}")
                 slot["codec_seconds"].update(payload.get("codec_seconds", {}))
                 slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
                                                      "image", "gradient_bytes")})
@@ -1052,7 +1071,7 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
             result["compress"] = run_train(
                 cluster, cfg, COMPRESS["models"], (*variants, *extra_variants), timeout,
                 workdir,
-                jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"])
+                jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"], tune_warmup=TUNE_WARMUP)
         if "lm" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
             result["lm"] = run_lm(cluster, variants, timeout, workdir)
@@ -1275,10 +1294,10 @@ def main(argv=None) -> int:
                 for label, backend, transport in VARIANTS
                 if (transport != "mpi" or no_mpi is None)
                 and (not args.variant or label in args.variant)]
-    # part 3's extra rows: horovod with other settings of its transport
+    # part 3's extra rows, when named: horovod with other settings of its transport
     extra_variants = [v for v in COMPRESS_EXTRA_VARIANTS
                       if transports and (v[2] != "mpi" or no_mpi is None)
-                      and (not args.variant or v[0] in args.variant)]
+                      and v[0] in (args.variant or ())]
     started = time.monotonic()
     results = {"command": " ".join([".venv/bin/python benchmarks/run_cluster.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
