@@ -1051,7 +1051,7 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
     ssh = any(transport == "mpi" for _, _, transport in (*variants, *extra_variants))
     result = {"hosts": setting["hosts"], "rate": setting["rate"],
               "rate_bits": report.rate_bits(setting["rate"]),
-              "load_start": os.getloadavg()}
+              "load_start": os.getloadavg(), "uptime_start": uptime()}
     log(f"setting: {setting['hosts']} hosts at {setting['rate']}")
     with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
             emulated_cluster.EmulatedCluster(num_hosts=setting["hosts"], rate=setting["rate"],
@@ -1075,7 +1075,7 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
         if "lm" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
             result["lm"] = run_lm(cluster, variants, timeout, workdir)
-    result["load_end"] = os.getloadavg()
+    result["load_end"], result["uptime_end"] = os.getloadavg(), uptime()
     return result
 
 
@@ -1110,32 +1110,36 @@ def raw_path(report_path: Path) -> Path:
     return report_path.with_name(report_path.stem.lower() + ".json")
 
 
-def _elastic_run(results: dict) -> dict:
-    """What a report that merges several runs of part 7 says of one of them."""
-    s = results["elastic"]
+def _run_facts(results: dict, part: str) -> dict:
+    """What a report that merges several runs of ``part`` (report.MERGED_PARTS) says of
+    one of them: its command, machine, load and the rows it measured."""
+    own = report.part_of(results, part)
     return {"command": results["command"], "date": results["machine"]["date"],
             "minutes": results.get("minutes"), "cpu": results["machine"].get("cpu"),
             "dist_gluon": results["machine"]["versions"].get("dist_gluon"),
             "others_cpu_share": results.get("others_cpu_share"),
-            "load_start": s.get("load_start"), "load_end": s.get("load_end"),
-            "uptime_start": s.get("uptime_start"), "uptime_end": s.get("uptime_end"),
-            "jobs": list(s["jobs"])}
+            "load_start": own.get("load_start"), "load_end": own.get("load_end"),
+            "uptime_start": own.get("uptime_start"), "uptime_end": own.get("uptime_end"),
+            "jobs": [report.row_name(table, name)
+                     for table, rows in report.row_tables(results, part).items()
+                     for name in rows]}
 
 
-def merge_elastic(results: dict, path: Path) -> dict:
-    """Part 7's rows of ``results`` added to the report at ``path`` (its raw numbers
-    beside it): a row run again replaces the old one, the others stay; the first run's
-    header and settings stay, and ``elastic_runs`` lists every run with its load and
-    which rows it measured (each job's ``run`` is its index there)."""
+def merge_runs(results: dict, part: str, path: Path) -> dict:
+    """``part``'s rows of ``results`` (part 3 or 7) added to the report at ``path`` (its
+    raw numbers beside it): a row run again replaces the old one, the others stay; the
+    first run's header and settings stay, and ``<part>_runs`` lists every run with its
+    load and which rows it measured (each row's ``run`` is its index there)."""
     raw = raw_path(path)
     if not raw.exists():
         return results
     merged = json.loads(raw.read_text())
-    runs = merged.setdefault("elastic_runs", [_elastic_run(merged)])
-    runs.append(_elastic_run(results))
-    jobs = merged["elastic"]["jobs"]
-    for name, job in results["elastic"]["jobs"].items():
-        jobs[name] = dict(job, run=len(runs) - 1)
+    runs = merged.setdefault(f"{part}_runs", [_run_facts(merged, part)])
+    runs.append(_run_facts(results, part))
+    tables = report.row_tables(merged, part)
+    for table, rows in report.row_tables(results, part).items():
+        for name, row in rows.items():
+            tables.setdefault(table, {})[name] = dict(row, run=len(runs) - 1)
     return merged
 
 
@@ -1235,21 +1239,22 @@ def parse_args(argv=None):
                              "process of the host SIGKILLed) or link (its link down); "
                              "default: both")
     parser.add_argument("--merge", action="store_true",
-                        help="part 7 (elastic): add the rows run to the report already "
-                             "there (--out, or RESULTS-cluster-elastic.md) and its raw "
-                             "numbers, replacing the rows run again and keeping the others; "
-                             "its header then names every run merged in, with its load")
+                        help="part 3 (compress) or 7 (elastic): add the rows run (e.g. of "
+                             "a --variant) to the part's report already there (--out, or "
+                             "its RESULTS-cluster-<part>.md) and its raw numbers, replacing "
+                             "the rows run again and keeping the others; its header then "
+                             "names every run merged in, with its load")
     args = parser.parse_args(argv)
     if args.merge:
-        if args.only != ["elastic"]:
-            parser.error("--merge adds rows of part 7 to its report: give --only elastic "
-                         "alone")
-        args.out = args.out or HERE / PART_FILES["elastic"]
+        if args.only not in (["compress"], ["elastic"]) or args.quick:
+            parser.error("--merge adds rows of part 3 or 7 to its report: give --only "
+                         "compress or --only elastic alone, without --quick")
+        args.out = args.out or HERE / PART_FILES[args.only[0]]
     if args.out is None and args.quick:
         args.out = HERE / "RESULTS-cluster-quick.md"
     if args.variant and args.out is None:
-        parser.error("--variant runs some rows of a part only: give --out FILE, so that the "
-                     "part's own report keeps its other rows")
+        parser.error("--variant runs some rows of a part only: give --out FILE, or --merge "
+                     "(part 3), so that the part's own report keeps its other rows")
     labels = {label for label, _, _ in VARIANTS} | {v[0] for v in COMPRESS_EXTRA_VARIANTS}
     unknown = sorted(set(args.variant or ()) - labels)
     if unknown:
@@ -1330,11 +1335,7 @@ def main(argv=None) -> int:
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
             if args.merge:
-                # the report's other rows stay, each run with its own header facts
-                merged = merge_elastic(dict(results, load_end=os.getloadavg()), args.out)
-                write_reports(merged, parts, args.out)
-                log(f"merged part 7's rows into {args.out} (and the raw numbers beside it)")
-                return _failed(results)
+                return _merge(results, "elastic", args.out)
         if "slow" in parts:
             # its own files, whatever else runs: reruns of other parts never overwrite it
             slow_out = HERE / (SLOW_RESULTS if not args.quick else
@@ -1358,9 +1359,21 @@ def main(argv=None) -> int:
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
             write_reports(results, parts, args.out)
+    if args.merge:
+        return _merge(results, "compress", args.out)
     written = write_reports(results, parts, args.out)
     log(f"wrote {', '.join(str(p) for p in written)} (and the raw numbers beside each) in "
         f"{results['minutes']:.1f} minutes")
+    return _failed(results)
+
+
+def _merge(results: dict, part: str, out: Path) -> int:
+    """--merge: ``part``'s rows into its report at ``out``, whose other rows stay, each
+    run with its own header facts."""
+    merged = merge_runs(dict(results, load_end=os.getloadavg()), part, out)
+    write_reports(merged, [part], out)
+    log(f"merged part {report.MERGED_PARTS[part]}'s rows into {out} (and the raw numbers "
+        "beside it)")
     return _failed(results)
 
 
