@@ -18,7 +18,10 @@ scheduler on host 0. In every cluster:
    MXNet's own P3, each with the compute-only step of the same job (cluster/train.py).
 3. Compression: the same models on 2 hosts at 1 Gbit/s with DistributedTrainer's
    compression (none, fp16, 2-bit, PowerSGD rank 4) on horovod and dist_sync, next to
-   MXNet's own 2-bit compression, with the bytes each puts on the wire.
+   MXNet's own 2-bit compression, with the bytes each puts on the wire; the shipped
+   defaults (horovod's cycle time tuned on each job, its tuning in the untimed steps).
+   Other settings of horovod's transport run only when named (--variant); --merge
+   adds their rows to the report already there, each marked with its run.
 4. Language model: an LSTM language model whose embedding has row_sparse gradients
    (cluster/lm.py) on 2 hosts at 1 Gbit/s: DistributedTrainer with sparse against dense
    embedding gradients on horovod, dist_sync and p3, and gluon.Trainer(kvstore=
