@@ -144,12 +144,15 @@ VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"},
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
                  "dist_sync": ("dist_gluon,compute", "dg_fp16,compute", "dg_2bit,compute",
                                "dg_powersgd,compute", "gluon_2bit,compute")}
-# Untimed steps of a horovod job's first trainer in part 3, so that the tuning of the
-# cycle time ends in them and every timed step runs with the cycle chosen: its warm-up,
-# then per candidate cycle one step left out and MIN_STEPS timed (part 3's steps are
-# over a second, longer than SECONDS_PER_CANDIDATE), and one more step after its last
-# restart
-TUNE_WARMUP = horovod_tuning.WARMUP_STEPS + 2 * (1 + horovod_tuning.MIN_STEPS) + 1
+# Untimed steps of a horovod job's first trainer in part 3 (over Gloo: over MPI nothing
+# is tuned), so that the tuning of the cycle time ends in them, on that trainer's steps
+# alone, and every timed step runs with the cycle chosen: its warm-up, then per
+# candidate cycle one step left out and up to MAX_STEPS timed, and one more step after
+# its last restart. Up to MAX_STEPS, not MIN_STEPS, however long a step is: the tuner
+# plans from the gap between two step ends in Python, which in train.py's loop (no wait
+# inside a block) is the time to queue a step, not to run it (a first run with
+# MIN_STEPS's 9 steps: ResNet-50's tuning went on to step 12, into the other trainers')
+TUNE_WARMUP = horovod_tuning.WARMUP_STEPS + 2 * (1 + horovod_tuning.MAX_STEPS) + 1
 # the line rank 0 prints once the cycle is chosen, or why nothing was tuned
 TUNER_LINE = re.compile(r"dist_gluon: horovod(?: tuned on steps|'s cycle time not tuned).*")
 
@@ -453,7 +456,7 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
                 continue
             slot = {"times": {}, "errors": {}, "wire_bytes": {}, "codec_seconds": {},
                     "cpu_seconds": {}, "machine_busy": {}, "tuner": {}}
-            first_warmup = tune_warmup if backend == "horovod" else 0
+            first_warmup = tune_warmup if backend == "horovod" and transport != "mpi" else 0
             if first_warmup:
                 slot["first_warmup"] = first_warmup
             for impls in jobs[backend]:

@@ -360,8 +360,7 @@ def tuner_lines(s: dict, model: str) -> list[str]:
             late = tuned and warmup and int(tuned.group(2)) >= warmup
             lines.append(f"- {variant} [{impls}]: `{said}`"
                          + (f" **The tuning ended at step {tuned.group(2)}, after the "
-                            f"{warmup} untimed steps: the timed rounds ran during it.**"
-                            if late else ""))
+                            f"first trainer's {warmup} untimed steps.**" if late else ""))
     if not lines:
         return []
     return ["horovod's cycle time, tuned on each horovod job's first steps (rank 0's line; "
