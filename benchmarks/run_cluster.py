@@ -1387,8 +1387,9 @@ def _failed(results: dict) -> int:
     """1 (and their names logged) if any job of the run failed, else 0."""
     failed = [f"{s['hosts']}x{s['rate']} collectives {label}" for s in results["settings"]
               for label, job in s.get("comm", {}).items() if "error" in job]
-    failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]
-               for model, per in s.get("train", {}).items()
+    failed += [f"{s['hosts']}x{s['rate']} {part} {model} {label}"
+               for s in results["settings"] for part in ("train", "compress")
+               for model, per in s.get(part, {}).items()
                for label, slot in per.items() if slot["errors"]]
     failed += [f"elastic {name} repetition {i + 1}"
                for name, job in results.get("elastic", {}).get("jobs", {}).items()
