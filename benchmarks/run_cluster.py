@@ -1360,11 +1360,13 @@ def main(argv=None) -> int:
                                                    parts, args.job_timeout,
                                                    extra_variants))
             # a partial report after every setting, in case a later one is interrupted
+            # (not with --merge: it would overwrite the report its rows are to join)
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
-            write_reports(results, parts, args.out)
+            if not args.merge:
+                write_reports(results, parts, args.out)
     if args.merge:
         return _merge(results, "compress", args.out)
     written = write_reports(results, parts, args.out)
