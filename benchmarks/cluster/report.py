@@ -225,8 +225,8 @@ def _merged_runs_of(results: dict, part: str) -> list[str]:
             + ("" if others is None else
                f"processes outside it used {others * 100:.0f}% of the CPU; ")
             + f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end "
-            f"(`uptime` before: `{run.get('uptime_start', '?')}`, after: "
-            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s)"
+            f"(`uptime` before: `{run.get('uptime_start') or '?'}`, after: "
+            f"`{run.get('uptime_end') or '?'}`); {len(run['jobs'])} row(s)"
             + ("" if kept.count(i) == len(run["jobs"]) else
                f", {kept.count(i)} of them shown (the others measured again later)"))
     return lines
