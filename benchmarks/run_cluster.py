@@ -18,7 +18,10 @@ scheduler on host 0. In every cluster:
    MXNet's own P3, each with the compute-only step of the same job (cluster/train.py).
 3. Compression: the same models on 2 hosts at 1 Gbit/s with DistributedTrainer's
    compression (none, fp16, 2-bit, PowerSGD rank 4) on horovod and dist_sync, next to
-   MXNet's own 2-bit compression, with the bytes each puts on the wire.
+   MXNet's own 2-bit compression, with the bytes each puts on the wire; the shipped
+   defaults (horovod's cycle time tuned on each job, its tuning in the untimed steps).
+   Other settings of horovod's transport run only when named (--variant); --merge
+   adds their rows to the report already there, each marked with its run.
 4. Language model: an LSTM language model whose embedding has row_sparse gradients
    (cluster/lm.py) on 2 hosts at 1 Gbit/s: DistributedTrainer with sparse against dense
    embedding gradients on horovod, dist_sync and p3, and gluon.Trainer(kvstore=
@@ -88,6 +91,7 @@ import emulated_cluster  # noqa: E402
 import run as local_bench  # noqa: E402  (benchmarks/run.py: machine facts, cases)
 from cluster import report, scale, slow_report  # noqa: E402
 
+from dist_gluon.backends import horovod_tuning  # noqa: E402
 from dist_gluon.launch import statedir  # noqa: E402
 
 PY = sys.executable
@@ -119,14 +123,15 @@ FULL = {
 }
 # Part 3: the wire-bound setting, where compression can pay. Its steps are long and
 # their spread on 2 shared cores wide, so each model runs cfg["compress_rounds"][model]
-# rounds there, whatever its rounds elsewhere. Horovod over Gloo runs twice: with horovod's
-# default cycle (1 ms here), whose negotiation takes CPU from the compute on 2 cores,
-# and with 20 ms (FINDINGS.md 9c); the launcher leaves the cycle to the user.
+# rounds there, whatever its rounds elsewhere. Its report of record shows the shipped
+# defaults (horovod's cycle tuned on the job over Gloo, FINDINGS.md 9i; OpenMPI's
+# waiting rank yielding, 9h); the variants below run only when named (--variant), their
+# rows merged into that report (--merge). A fixed cycle, which the tuner leaves alone:
 COMPRESS = {"hosts": 2, "rate": "1gbit", "models": ("resnet50", "vgg16")}
 GLOO_SLOW_CYCLE = "horovod (Gloo, HOROVOD_CYCLE_TIME=20)"
-# OpenMPI's waiting rank polls without yielding its core (FINDINGS.md 9c): the MPI rows
-# once more with the polling that yields (what the launcher gives CPU workers or not:
-# the variable is set either way, so the row does not depend on that default)
+# OpenMPI's waiting rank polling without yielding its core (before FINDINGS.md 9h), and
+# yielding (what the launcher gives CPU workers: the variable is set either way, so the
+# row does not depend on that default)
 MPI_NO_YIELD = "horovod (MPI, mpi_yield_when_idle=0)"
 MPI_YIELD = "horovod (MPI, mpi_yield_when_idle=1)"
 COMPRESS_EXTRA_VARIANTS = ((GLOO_SLOW_CYCLE, "horovod", "gloo"),
@@ -139,6 +144,17 @@ VARIANT_ENV = {GLOO_SLOW_CYCLE: {"HOROVOD_CYCLE_TIME": "20"},
 COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
                  "dist_sync": ("dist_gluon,compute", "dg_fp16,compute", "dg_2bit,compute",
                                "dg_powersgd,compute", "gluon_2bit,compute")}
+# Untimed steps of a horovod job's first trainer in part 3 (over Gloo: over MPI nothing
+# is tuned), so that the tuning of the cycle time ends in them, on that trainer's steps
+# alone, and every timed step runs with the cycle chosen: its warm-up, then per
+# candidate cycle one step left out and up to MAX_STEPS timed, and one more step after
+# its last restart. Up to MAX_STEPS, not MIN_STEPS, however long a step is: the tuner
+# plans from the gap between two step ends in Python, which in train.py's loop (no wait
+# inside a block) is the time to queue a step, not to run it (a first run with
+# MIN_STEPS's 9 steps: ResNet-50's tuning went on to step 12, into the other trainers')
+TUNE_WARMUP = horovod_tuning.WARMUP_STEPS + 2 * (1 + horovod_tuning.MAX_STEPS) + 1
+# the line rank 0 prints once the cycle is chosen, or why nothing was tuned
+TUNER_LINE = re.compile(r"dist_gluon: horovod(?: tuned on steps|'s cycle time not tuned).*")
 
 # Part 4: the language model, in the same setting.
 LM = {"vocab": 50000, "dim": 256, "batch": 8, "bptt": 20, "warmup": 1, "steps": 3}
@@ -321,7 +337,8 @@ def run_job(cluster, backend: str, transport: str | None, argv: list[str],
     payloads = [json.loads(line[len(RESULT_TAG):]) for line in rank0
                 if line.startswith(RESULT_TAG)]
     if all(code == 0 for code in codes) and payloads:
-        return dict(payloads[-1], job_seconds=seconds)
+        tuner = [m.group(0) for m in map(TUNER_LINE.search, texts[0][1].splitlines()) if m]
+        return dict(payloads[-1], job_seconds=seconds, **({"tuner": tuner[0]} if tuner else {}))
     tails = []
     for node, (code, (_, err)) in enumerate(zip(codes, texts)):
         lines = [line for line in err.strip().splitlines() if line.strip()][-6:]
@@ -424,7 +441,9 @@ def run_comm(cluster, cfg, cases_path: Path, variants, timeout: float, workdir) 
 
 
 def run_train(cluster, cfg, models, variants, timeout: float, workdir,
-              jobs=None, rounds=None) -> dict:
+              jobs=None, rounds=None, tune_warmup=0) -> dict:
+    """Each model's training jobs on every variant; ``tune_warmup``: untimed steps of a
+    horovod job's first trainer (its other trainers get the model's ``warmup``)."""
     jobs = jobs or TRAIN_JOBS
     out = {}
     for model in models:
@@ -436,12 +455,15 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
             if backend not in jobs:
                 continue
             slot = {"times": {}, "errors": {}, "wire_bytes": {}, "codec_seconds": {},
-                    "cpu_seconds": {}, "machine_busy": {}}
+                    "cpu_seconds": {}, "machine_busy": {}, "tuner": {}}
+            first_warmup = tune_warmup if backend == "horovod" and transport != "mpi" else 0
+            if first_warmup:
+                slot["first_warmup"] = first_warmup
             for impls in jobs[backend]:
                 payload = run_job(cluster, backend, transport,
                                   [str(HERE / "cluster" / "train.py"), *args,
-                                   "--impls", impls], timeout, workdir,
-                                  env=VARIANT_ENV.get(label))
+                                   "--impls", impls, "--first-warmup", str(first_warmup)],
+                                  timeout, workdir, env=VARIANT_ENV.get(label))
                 log(f"  training, {model}, {label} [{impls}]: {describe(payload)}")
                 if "error" in payload:
                     slot["errors"][impls] = payload["error"]
@@ -454,6 +476,9 @@ def run_train(cluster, cfg, models, variants, timeout: float, workdir,
                         found[f"compute_{main}_job"] = found.pop("compute")
                     slot[what].update(found)
                 slot["wire_bytes"].update(payload.get("wire_bytes", {}))
+                if "tuner" in payload:
+                    slot["tuner"][impls] = payload["tuner"]
+                    log(f"    {payload['tuner']}")
                 slot["codec_seconds"].update(payload.get("codec_seconds", {}))
                 slot.update({k: payload[k] for k in ("parameters", "tensors", "batch",
                                                      "image", "gradient_bytes")})
@@ -1032,7 +1057,7 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
     ssh = any(transport == "mpi" for _, _, transport in (*variants, *extra_variants))
     result = {"hosts": setting["hosts"], "rate": setting["rate"],
               "rate_bits": report.rate_bits(setting["rate"]),
-              "load_start": os.getloadavg()}
+              "load_start": os.getloadavg(), "uptime_start": uptime()}
     log(f"setting: {setting['hosts']} hosts at {setting['rate']}")
     with tempfile.TemporaryDirectory(prefix="dg-bench-cluster-") as tmp, \
             emulated_cluster.EmulatedCluster(num_hosts=setting["hosts"], rate=setting["rate"],
@@ -1052,11 +1077,11 @@ def run_setting(setting: dict, cfg: dict, cases_path: Path, variants, parts,
             result["compress"] = run_train(
                 cluster, cfg, COMPRESS["models"], (*variants, *extra_variants), timeout,
                 workdir,
-                jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"])
+                jobs=COMPRESS_JOBS, rounds=cfg["compress_rounds"], tune_warmup=TUNE_WARMUP)
         if "lm" in parts and (setting["hosts"], setting["rate"]) == (
                 COMPRESS["hosts"], COMPRESS["rate"]):
             result["lm"] = run_lm(cluster, variants, timeout, workdir)
-    result["load_end"] = os.getloadavg()
+    result["load_end"], result["uptime_end"] = os.getloadavg(), uptime()
     return result
 
 
@@ -1091,32 +1116,36 @@ def raw_path(report_path: Path) -> Path:
     return report_path.with_name(report_path.stem.lower() + ".json")
 
 
-def _elastic_run(results: dict) -> dict:
-    """What a report that merges several runs of part 7 says of one of them."""
-    s = results["elastic"]
+def _run_facts(results: dict, part: str) -> dict:
+    """What a report that merges several runs of ``part`` (report.MERGED_PARTS) says of
+    one of them: its command, machine, load and the rows it measured."""
+    own = report.part_of(results, part)
     return {"command": results["command"], "date": results["machine"]["date"],
             "minutes": results.get("minutes"), "cpu": results["machine"].get("cpu"),
             "dist_gluon": results["machine"]["versions"].get("dist_gluon"),
             "others_cpu_share": results.get("others_cpu_share"),
-            "load_start": s.get("load_start"), "load_end": s.get("load_end"),
-            "uptime_start": s.get("uptime_start"), "uptime_end": s.get("uptime_end"),
-            "jobs": list(s["jobs"])}
+            "load_start": own.get("load_start"), "load_end": own.get("load_end"),
+            "uptime_start": own.get("uptime_start"), "uptime_end": own.get("uptime_end"),
+            "jobs": [report.row_name(table, name)
+                     for table, rows in report.row_tables(results, part).items()
+                     for name in rows]}
 
 
-def merge_elastic(results: dict, path: Path) -> dict:
-    """Part 7's rows of ``results`` added to the report at ``path`` (its raw numbers
-    beside it): a row run again replaces the old one, the others stay; the first run's
-    header and settings stay, and ``elastic_runs`` lists every run with its load and
-    which rows it measured (each job's ``run`` is its index there)."""
+def merge_runs(results: dict, part: str, path: Path) -> dict:
+    """``part``'s rows of ``results`` (part 3 or 7) added to the report at ``path`` (its
+    raw numbers beside it): a row run again replaces the old one, the others stay; the
+    first run's header and settings stay, and ``<part>_runs`` lists every run with its
+    load and which rows it measured (each row's ``run`` is its index there)."""
     raw = raw_path(path)
     if not raw.exists():
         return results
     merged = json.loads(raw.read_text())
-    runs = merged.setdefault("elastic_runs", [_elastic_run(merged)])
-    runs.append(_elastic_run(results))
-    jobs = merged["elastic"]["jobs"]
-    for name, job in results["elastic"]["jobs"].items():
-        jobs[name] = dict(job, run=len(runs) - 1)
+    runs = merged.setdefault(f"{part}_runs", [_run_facts(merged, part)])
+    runs.append(_run_facts(results, part))
+    tables = report.row_tables(merged, part)
+    for table, rows in report.row_tables(results, part).items():
+        for name, row in rows.items():
+            tables.setdefault(table, {})[name] = dict(row, run=len(runs) - 1)
     return merged
 
 
@@ -1216,21 +1245,22 @@ def parse_args(argv=None):
                              "process of the host SIGKILLed) or link (its link down); "
                              "default: both")
     parser.add_argument("--merge", action="store_true",
-                        help="part 7 (elastic): add the rows run to the report already "
-                             "there (--out, or RESULTS-cluster-elastic.md) and its raw "
-                             "numbers, replacing the rows run again and keeping the others; "
-                             "its header then names every run merged in, with its load")
+                        help="part 3 (compress) or 7 (elastic): add the rows run (e.g. of "
+                             "a --variant) to the part's report already there (--out, or "
+                             "its RESULTS-cluster-<part>.md) and its raw numbers, replacing "
+                             "the rows run again and keeping the others; its header then "
+                             "names every run merged in, with its load")
     args = parser.parse_args(argv)
     if args.merge:
-        if args.only != ["elastic"]:
-            parser.error("--merge adds rows of part 7 to its report: give --only elastic "
-                         "alone")
-        args.out = args.out or HERE / PART_FILES["elastic"]
+        if args.only not in (["compress"], ["elastic"]) or args.quick:
+            parser.error("--merge adds rows of part 3 or 7 to its report: give --only "
+                         "compress or --only elastic alone, without --quick")
+        args.out = args.out or HERE / PART_FILES[args.only[0]]
     if args.out is None and args.quick:
         args.out = HERE / "RESULTS-cluster-quick.md"
     if args.variant and args.out is None:
-        parser.error("--variant runs some rows of a part only: give --out FILE, so that the "
-                     "part's own report keeps its other rows")
+        parser.error("--variant runs some rows of a part only: give --out FILE, or --merge "
+                     "(part 3), so that the part's own report keeps its other rows")
     labels = {label for label, _, _ in VARIANTS} | {v[0] for v in COMPRESS_EXTRA_VARIANTS}
     unknown = sorted(set(args.variant or ()) - labels)
     if unknown:
@@ -1275,10 +1305,10 @@ def main(argv=None) -> int:
                 for label, backend, transport in VARIANTS
                 if (transport != "mpi" or no_mpi is None)
                 and (not args.variant or label in args.variant)]
-    # part 3's extra rows: horovod with other settings of its transport
+    # part 3's extra rows, when named: horovod with other settings of its transport
     extra_variants = [v for v in COMPRESS_EXTRA_VARIANTS
                       if transports and (v[2] != "mpi" or no_mpi is None)
-                      and (not args.variant or v[0] in args.variant)]
+                      and v[0] in (args.variant or ())]
     started = time.monotonic()
     results = {"command": " ".join([".venv/bin/python benchmarks/run_cluster.py",
                                     *(argv if argv is not None else sys.argv[1:])]),
@@ -1311,11 +1341,7 @@ def main(argv=None) -> int:
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
             if args.merge:
-                # the report's other rows stay, each run with its own header facts
-                merged = merge_elastic(dict(results, load_end=os.getloadavg()), args.out)
-                write_reports(merged, parts, args.out)
-                log(f"merged part 7's rows into {args.out} (and the raw numbers beside it)")
-                return _failed(results)
+                return _merge(results, "elastic", args.out)
         if "slow" in parts:
             # its own files, whatever else runs: reruns of other parts never overwrite it
             slow_out = HERE / (SLOW_RESULTS if not args.quick else
@@ -1334,14 +1360,28 @@ def main(argv=None) -> int:
                                                    parts, args.job_timeout,
                                                    extra_variants))
             # a partial report after every setting, in case a later one is interrupted
+            # (not with --merge: it would overwrite the report its rows are to join)
             results["minutes"] = (time.monotonic() - started) / 60
             results["load_end"] = os.getloadavg()
             results["others_cpu_share"] = local_bench.others_share(
                 cpu_start, local_bench.cpu_seconds(), results["machine"]["cores"] or 1)
-            write_reports(results, parts, args.out)
+            if not args.merge:
+                write_reports(results, parts, args.out)
+    if args.merge:
+        return _merge(results, "compress", args.out)
     written = write_reports(results, parts, args.out)
     log(f"wrote {', '.join(str(p) for p in written)} (and the raw numbers beside each) in "
         f"{results['minutes']:.1f} minutes")
+    return _failed(results)
+
+
+def _merge(results: dict, part: str, out: Path) -> int:
+    """--merge: ``part``'s rows into its report at ``out``, whose other rows stay, each
+    run with its own header facts."""
+    merged = merge_runs(dict(results, load_end=os.getloadavg()), part, out)
+    write_reports(merged, [part], out)
+    log(f"merged part {report.MERGED_PARTS[part]}'s rows into {out} (and the raw numbers "
+        "beside it)")
     return _failed(results)
 
 
@@ -1349,8 +1389,9 @@ def _failed(results: dict) -> int:
     """1 (and their names logged) if any job of the run failed, else 0."""
     failed = [f"{s['hosts']}x{s['rate']} collectives {label}" for s in results["settings"]
               for label, job in s.get("comm", {}).items() if "error" in job]
-    failed += [f"{s['hosts']}x{s['rate']} {model} {label}" for s in results["settings"]
-               for model, per in s.get("train", {}).items()
+    failed += [f"{s['hosts']}x{s['rate']} {part} {model} {label}"
+               for s in results["settings"] for part in ("train", "compress")
+               for model, per in s.get(part, {}).items()
                for label, slot in per.items() if slot["errors"]]
     failed += [f"elastic {name} repetition {i + 1}"
                for name, job in results.get("elastic", {}).get("jobs", {}).items()

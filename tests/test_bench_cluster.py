@@ -109,9 +109,9 @@ def test_merged_rows_replace_the_same_rows_and_keep_the_others(tmp_path):
     first = run("first", {"horovod host 2 kill": {"runs": [1]},
                           "p3 host 2 kill memory": {"runs": [2]}}, 5.0)
     run_cluster.raw_path(report).write_text(run_cluster.json.dumps(first))
-    merged = run_cluster.merge_elastic(
+    merged = run_cluster.merge_runs(
         run("second", {"p3 host 2 kill memory": {"runs": [3]},
-                       "p3 host 0 kill memory": {"runs": [4]}}, 9.0), report)
+                       "p3 host 0 kill memory": {"runs": [4]}}, 9.0), "elastic", report)
     assert merged["command"] == "first"
     assert merged["elastic"]["jobs"] == {
         "horovod host 2 kill": {"runs": [1]},
@@ -120,3 +120,50 @@ def test_merged_rows_replace_the_same_rows_and_keep_the_others(tmp_path):
     assert [(r["command"], r["load_start"][0], r["jobs"]) for r in merged["elastic_runs"]] == [
         ("first", 5.0, ["horovod host 2 kill", "p3 host 2 kill memory"]),
         ("second", 9.0, ["p3 host 2 kill memory", "p3 host 0 kill memory"])]
+
+
+def test_a_variant_run_of_part_3_joins_its_report_marked_by_its_run(tmp_path):
+    """--merge --only compress: a --variant run's rows join the report of record, each
+    marked with the run that measured it; a variant run again replaces its old rows, the
+    other rows stay in place, and the header names every run with its commit and load."""
+    def run(command, commit, load, rows):
+        compress = {model: {label: {"times": {"dist_gluon": {"median": step}}}
+                            for label, step in per.items()} for model, per in rows.items()}
+        return {"command": command, "minutes": 2.0, "others_cpu_share": 0.1,
+                "machine": {"date": "today", "cpu": "AMD EPYC",
+                            "versions": {"dist_gluon": commit}},
+                "settings": [{"hosts": 2, "rate": "1gbit", "load_start": [load] * 3,
+                              "load_end": [load + 1] * 3, "uptime_start": f"up {load}",
+                              "compress": compress}]}
+
+    report = tmp_path / "RESULTS-cluster-compression.md"
+    record = run("record", "aaa", 2.0, {"resnet50": {"horovod (Gloo)": 1.0, "dist_sync": 2.0},
+                                        "vgg16": {"horovod (Gloo)": 3.0}})
+    run_cluster.raw_path(report).write_text(run_cluster.json.dumps(record))
+    once = run_cluster.merge_runs(
+        run("variant", "bbb", 4.0, {"resnet50": {"fixed": 5.0}, "vgg16": {"fixed": 6.0}}),
+        "compress", report)
+    run_cluster.raw_path(report).write_text(run_cluster.json.dumps(once))
+    merged = run_cluster.merge_runs(
+        run("again", "ccc", 6.0, {"resnet50": {"fixed": 7.0}}), "compress", report)
+
+    assert merged["command"] == "record"
+    rows = {model: {label: (slot["times"]["dist_gluon"]["median"], slot.get("run", 0))
+                    for label, slot in per.items()}
+            for model, per in merged["settings"][0]["compress"].items()}
+    assert rows == {"resnet50": {"horovod (Gloo)": (1.0, 0), "dist_sync": (2.0, 0),
+                                 "fixed": (7.0, 2)},
+                    "vgg16": {"horovod (Gloo)": (3.0, 0), "fixed": (6.0, 1)}}
+    assert [(r["command"], r["dist_gluon"], r["load_start"][0], r["uptime_start"], r["jobs"])
+            for r in merged["compress_runs"]] == [
+        ("record", "aaa", 2.0, "up 2.0", ["resnet50, horovod (Gloo)", "resnet50, dist_sync",
+                                           "vgg16, horovod (Gloo)"]),
+        ("variant", "bbb", 4.0, "up 4.0", ["resnet50, fixed", "vgg16, fixed"]),
+        ("again", "ccc", 6.0, "up 6.0", ["resnet50, fixed"])]
+    header = "\n".join(run_cluster.report._merged_runs(merged))
+    assert "Part 3 merges several runs" in header
+    assert "`variant` on today in 2.0 minutes, dist_gluon bbb" in header
+    assert "load average (1 min) 4.00 at its start, 5.00 at its end" in header
+    assert "2 row(s), 1 of them shown (the others measured again later)" in header
+    table = run_cluster.report.compress_table(merged["settings"][0], "resnet50", merged=True)
+    assert [line.rsplit("|", 2)[1].strip() for line in table[2:]] == ["1", "1", "3"]

@@ -81,6 +81,36 @@ def setting_name(s: dict) -> str:
     return f"{s['hosts']} hosts, {rate.replace('gbit', ' Gbit/s')}"
 
 
+# --------------------------------------------------------------------------- merged runs
+# The parts whose report can merge the rows of several runs (run_cluster.py --merge), by
+# their number; the runs are listed under "<part>_runs", each row's "run" its index there.
+MERGED_PARTS = {"compress": 3, "elastic": 7}
+
+
+def part_of(results: dict, part: str) -> dict:
+    """The numbers of ``part`` (compress or elastic), with their load: part 7's of the
+    run, part 3's of the one setting it runs in."""
+    if part == "elastic":
+        return results["elastic"]
+    return next(s for s in results["settings"] if part in s)
+
+
+def row_tables(results: dict, part: str) -> dict[str, dict]:
+    """``part``'s rows in place, by table: part 7's jobs by name (one table), part 3's
+    trainer jobs by model, then by variant."""
+    own = part_of(results, part)
+    return {"": own["jobs"]} if part == "elastic" else own[part]
+
+
+def row_name(table: str, name: str) -> str:
+    return f"{table}, {name}" if table else name
+
+
+def _runs_cell(row: dict, merged: bool) -> str:
+    """The *run* column of a report that merges runs: which one measured the row."""
+    return f" {row.get('run', 0) + 1} |" if merged else ""
+
+
 # --------------------------------------------------------------------------- sections
 def header(results: dict) -> list[str]:
     m = results["machine"]
@@ -172,13 +202,19 @@ def header(results: dict) -> list[str]:
 
 
 def _merged_runs(results: dict) -> list[str]:
-    """The header's lines on the runs of part 7 merged into this report (--merge)."""
-    runs = results.get("elastic_runs")
+    """The header's lines on the runs of parts 3 and 7 merged into this report
+    (--merge)."""
+    return [line for part in MERGED_PARTS for line in _merged_runs_of(results, part)]
+
+
+def _merged_runs_of(results: dict, part: str) -> list[str]:
+    runs = results.get(f"{part}_runs")
     if not runs:
         return []
-    lines = ["- Part 7 merges several runs (`--merge`); the first is the one above, and "
-             "each row's *run* says which measured it:"]
-    kept = [job.get("run", 0) for job in results["elastic"]["jobs"].values()]
+    lines = [f"- Part {MERGED_PARTS[part]} merges several runs (`--merge`); the first is "
+             "the one above, and each row's *run* says which measured it:"]
+    kept = [row.get("run", 0) for rows in row_tables(results, part).values()
+            for row in rows.values()]
     for i, run in enumerate(runs):
         others = run.get("others_cpu_share")
         start, end = run["load_start"], run["load_end"]
@@ -189,8 +225,8 @@ def _merged_runs(results: dict) -> list[str]:
             + ("" if others is None else
                f"processes outside it used {others * 100:.0f}% of the CPU; ")
             + f"load average (1 min) {start[0]:.2f} at its start, {end[0]:.2f} at its end "
-            f"(`uptime` before: `{run.get('uptime_start', '?')}`, after: "
-            f"`{run.get('uptime_end', '?')}`); {len(run['jobs'])} row(s)"
+            f"(`uptime` before: `{run.get('uptime_start') or '?'}`, after: "
+            f"`{run.get('uptime_end') or '?'}`); {len(run['jobs'])} row(s)"
             + ("" if kept.count(i) == len(run["jobs"]) else
                f", {kept.count(i)} of them shown (the others measured again later)"))
     return lines
@@ -276,12 +312,13 @@ COMPRESS_ROWS = (("DistributedTrainer", "dist_gluon"), ("compression='fp16'", "d
                  ("gluon.Trainer, MXNet's 2-bit", "gluon_2bit"))
 
 
-def compress_table(s: dict, model: str) -> list[str]:
+def compress_table(s: dict, model: str, merged: bool = False) -> list[str]:
     per = s.get("compress", {}).get(model, {})
     lines = ["| trainer | backend | step ms | compute-only ms | scaling efficiency | "
              "codec ms | worker CPU ms (compute-only) | machine busy | wire MiB per step | "
-             "link bound ms | time / uncompressed |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "link bound ms | time / uncompressed |" + (" run |" if merged else ""),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+             + ("---:|" if merged else "")]
     for variant, slot in per.items():
         plain = _median(slot, "dist_gluon")
         for name, impl in COMPRESS_ROWS:
@@ -301,11 +338,34 @@ def compress_table(s: dict, model: str) -> list[str]:
                          f"{'' if cpu is None else f'{ms(cpu)} ({ms(cpu_compute)})'} | "
                          f"{'' if busy is None else pct(busy)} | "
                          f"{'' if wire is None else f'{wire / MIB:.1f}'} | {ms(bound)} | "
-                         f"{ratio(step, plain)} |")
+                         f"{ratio(step, plain)} |" + _runs_cell(slot, merged))
         for impls, error in slot.get("errors", {}).items():
             lines.append(f"| [{impls}] | {variant} | job failed: {error[:300]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | |" + _runs_cell(slot, merged))
     return lines
+
+
+TUNED_STEPS = re.compile(r"tuned on steps (\d+)-(\d+)")
+
+
+def tuner_lines(s: dict, model: str) -> list[str]:
+    """What horovod's cycle-time tuner (dist_gluon/backends/horovod_tuning.py) said in
+    each horovod job of ``model``, rank 0's line, and whether it ended in the untimed
+    steps of the job's first trainer."""
+    lines = []
+    for variant, slot in s.get("compress", {}).get(model, {}).items():
+        for impls, said in slot.get("tuner", {}).items():
+            tuned = TUNED_STEPS.search(said)
+            warmup = slot.get("first_warmup")
+            late = tuned and warmup and int(tuned.group(2)) >= warmup
+            lines.append(f"- {variant} [{impls}]: `{said}`"
+                         + (f" **The tuning ended at step {tuned.group(2)}, after the "
+                            f"first trainer's {warmup} untimed steps.**" if late else ""))
+    if not lines:
+        return []
+    return ["horovod's cycle time, tuned on each horovod job's first steps (rank 0's line; "
+            "the job's first trainer ran the tuning's steps untimed, so every timed step ran "
+            "with the cycle chosen):", "", *lines, ""]
 
 
 def lm_table(s: dict) -> list[str]:
@@ -384,6 +444,8 @@ def targets(results: dict) -> list[str]:
                             f"{setting_name(s)} | {pct(eff)} | "
                             f"{verdict(None if eff is None else eff >= 0.9)} |")
     for s in slow:
+        if "train" not in s:
+            continue
         for model, floor in (("vgg16", 1.25), ("resnet50", 1.1)):
             per = s.get("train", {}).get(model, {})
             for impl, who in (("dist_gluon", "DistributedTrainer"), ("gluon", "MXNet")):
@@ -393,6 +455,7 @@ def targets(results: dict) -> list[str]:
                             f"{setting_name(s)} | "
                             f"{'–' if speedup is None else f'{speedup:.2f}x'} | "
                             f"{verdict(None if speedup is None else speedup >= floor)} |")
+    rows += compress_targets(results)
     for s in results["settings"]:
         for model, per in s.get("train", {}).items():
             for variant, slot in per.items():
@@ -402,6 +465,37 @@ def targets(results: dict) -> list[str]:
                 rows.append(f"| DistributedTrainer time <= 1.00x {PEER_NAMES[PEERS[variant]]}, "
                             f"{model} on {variant} | {setting_name(s)} | {ratio(dg, peer)} | "
                             f"{verdict(ok)} |")
+    return rows
+
+
+CODECS = (("fp16", "dg_fp16"), ("2bit", "dg_2bit"), ("powersgd", "dg_powersgd"))
+
+
+def compress_targets(results: dict) -> list[str]:
+    """Part 3's targets, per backend variant: DistributedTrainer's every codec scaling
+    >= 75% on VGG-16, and none more than 2% slower than the uncompressed step on
+    ResNet-50 (as shown, to 2 decimals)."""
+    rows = []
+    for s in results["settings"]:
+        for variant, slot in s.get("compress", {}).get("vgg16", {}).items():
+            compute = _median(slot, "compute")
+            found = [(name, compute / step) for name, impl in CODECS
+                     if (step := _median(slot, impl)) and compute]
+            ok = None if len(found) < len(CODECS) else all(e >= 0.75 for _, e in found)
+            rows.append(f"| every codec's VGG-16 scaling efficiency >= 75%, {variant} | "
+                        f"{setting_name(s)} | "
+                        + (", ".join(f"{name} {pct(e)}" for name, e in found) or "–")
+                        + f" | {verdict(ok)} |")
+        for variant, slot in s.get("compress", {}).get("resnet50", {}).items():
+            plain = _median(slot, "dist_gluon")
+            found = [(name, step / plain) for name, impl in CODECS
+                     if (step := _median(slot, impl)) and plain]
+            ok = None if len(found) < len(CODECS) else \
+                all(round(r, 2) <= 1.02 for _, r in found)
+            rows.append(f"| no codec's ResNet-50 step > 1.02x uncompressed, {variant} | "
+                        f"{setting_name(s)} | "
+                        + (", ".join(f"{name} {r:.2f}" for name, r in found) or "–")
+                        + f" | {verdict(ok)} |")
     return rows
 
 
@@ -415,7 +509,7 @@ def write(results: dict, path: Path) -> None:
         text += async_section(results)
     if "elastic" in results:
         text += elastic_section(results)
-    if any("comm" in s or "train" in s for s in results["settings"]):
+    if any(part in s for s in results["settings"] for part in ("comm", "train", "compress")):
         text += ["## 5. Targets (reported, not asserted)", "", *targets(results), "",
                  "What was changed because of these numbers, and why the targets that are "
                  "not met are not: [FINDINGS.md](FINDINGS.md), section \"Emulated "
@@ -510,10 +604,11 @@ def _compress_section(results: dict) -> list[str]:
             "pays only by saving more CPU than it costs. MXNet's 2-bit pushes "
             "1/16 of the float32 bytes and pulls them all (not counted by the "
             "wrapper).", ""]
+    merged = bool(results.get("compress_runs"))
     for s in results["settings"]:
         for model in s.get("compress", {}):
             text += [f"### {model}, {setting_name(s)}", "",
-                     *compress_table(s, model), ""]
+                     *compress_table(s, model, merged), "", *tuner_lines(s, model)]
     return text
 
 
@@ -756,11 +851,6 @@ def _in_order(s: dict) -> dict:
     return dict(sorted(s["jobs"].items(), key=key))
 
 
-def _run_cell(job: dict, merged: bool) -> str:
-    """The *run* column of a report that merges runs: which one measured the row."""
-    return f" {job.get('run', 0) + 1} |" if merged else ""
-
-
 def _job_row(name: str, job: dict, cells: list[str], phases: tuple, failures: list,
              merged: bool, gone: bool) -> str:
     """One job's row of part 7: backend, host lost, ``cells``, fault, the median of each
@@ -777,7 +867,7 @@ def _job_row(name: str, job: dict, cells: list[str], phases: tuple, failures: li
         row.append(_seconds(_gone(r) for r in good))
     row += [_seconds(r.get("cold_start") for r in good),
             f"{len(good)} of {len(job['runs'])}" + (f" ({totals})" if len(good) > 1 else "")]
-    return "| " + " | ".join(row) + " |" + _run_cell(job, merged)
+    return "| " + " | ".join(row) + " |" + _runs_cell(job, merged)
 
 
 def _memory_rows(jobs: dict, failures: list, merged: bool = False) -> list[str]:

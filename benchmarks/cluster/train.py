@@ -218,6 +218,11 @@ def parse_args():
     parser.add_argument("--batch", type=int, default=16, help="batch size per worker")
     parser.add_argument("--image", type=int, default=112, help="input height and width")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per trainer")
+    parser.add_argument("--first-warmup", type=int, default=0,
+                        help="untimed steps of the first trainer, if more than --warmup: "
+                             "horovod's cycle time is tuned on the job's first steps "
+                             "(dist_gluon/backends/horovod_tuning.py), which should end "
+                             "before the timed rounds")
     parser.add_argument("--steps", type=int, default=3, help="steps per timed block")
     parser.add_argument("--rounds", type=int, default=2, help="timed blocks per trainer")
     parser.add_argument("--slow-rank", type=int, default=None,
@@ -260,10 +265,12 @@ def main():
         return ((time.perf_counter() - t0) / count, (time.process_time() - cpu0) / count,
                 busy_share(machine0, machine_ticks()))
 
+    warmups = {impl: args.warmup for impl in args.impls}
+    warmups[args.impls[0]] = max(args.warmup, args.first_warmup)
     for impl in args.impls:
-        block(impl, args.warmup)
+        block(impl, warmups[impl])
         barrier()
-    wire_per_step = {impl: wire.get(impl, 0) / max(args.warmup, 1) for impl in wire if impl}
+    wire_per_step = {impl: wire.get(impl, 0) / max(warmups[impl], 1) for impl in wire if impl}
     # impl -> (seconds, CPU seconds, busy share) of each round's block
     blocks = {impl: [] for impl in args.impls}
     for r in range(args.rounds):
