@@ -382,7 +382,6 @@ class _Channel:
         # would wait for that next forward, which waits for this backward. One array
         # per micro-batch of a step: two backward functions may run at once.
         self.grads: dict[int, mx.nd.NDArray] = {}
-        self._backward_keys: dict[int, str] = {}
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self._step, self._forwards = None, 0
 
@@ -400,13 +399,16 @@ class _Channel:
             grads = self.grads[micro] = mx.nd.zeros((2 * self.channels,),
                                                     ctx=self.ones.context,
                                                     dtype=self.ones.dtype)
-            key = self.backward_key if micro == 0 else f"{self.backward_key}.{micro}"
-            self._backward_keys[micro] = key
             if self.meetings is None:
-                _pushpull(self.kv, key, grads)
+                _pushpull(self.kv, self._backward_key(micro), grads)
             elif micro not in self.meetings[1]:
-                self.meetings[1][micro] = _Meeting(self.kv, key, self._devices, grads)
+                self.meetings[1][micro] = _Meeting(self.kv, self._backward_key(micro),
+                                                   self._devices, grads)
         return micro
+
+    def _backward_key(self, micro: int) -> str:
+        """Micro-batch ``micro``'s backward key: the first keeps the layer's own."""
+        return self.backward_key if micro == 0 else f"{self.backward_key}.{micro}"
 
     def sum_forward(self) -> mx.nd.NDArray:
         """The forward collective on :attr:`sums`: the sum over every device of every
@@ -421,7 +423,7 @@ class _Channel:
         MXNet's backward threads)."""
         grads = self.grads[micro]
         if self.meetings is None:
-            _pushpull(self.kv, self._backward_keys[micro], grads)
+            _pushpull(self.kv, self._backward_key(micro), grads)
             return grads
         return self.meetings[1][micro].join(grads)
 
