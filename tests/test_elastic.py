@@ -96,6 +96,13 @@ class ElasticJob:
         return [json.loads(line) for line in path.read_text().splitlines()] \
             if path.exists() else []
 
+    def start_hosts(self, count: int) -> None:
+        """Start the job's launcher on hosts 0 to ``count - 1`` and wait until its first
+        round trains on all of them."""
+        for host in range(count):
+            self.start(host)
+        self.wait_training(world=count, reformation=0)
+
     def wait_training(self, world: int, reformation: int, steps: int = 3) -> None:
         """Until the round of ``reformation`` trains on ``world`` workers."""
         limit = time.monotonic() + WAIT
@@ -223,9 +230,7 @@ def check_weights(job: ElasticJob) -> list[dict]:
 def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_joiners(
         job_factory):
     job = job_factory("horovod")
-    for host in range(3):
-        job.start(host)
-    job.wait_training(world=3, reformation=0)
+    job.start_hosts(3)
 
     # 1. a preemption notice: node 2's workers checkpoint at the next step, it leaves
     job.procs[2][-1].send_signal(signal.SIGTERM)
@@ -308,9 +313,7 @@ def test_a_ps_lite_job_starts_with_min_nodes_admits_late_ones_survives_a_lost_li
 
 def test_below_min_nodes_the_job_ends_and_every_node_names_the_cause(job_factory):
     job = job_factory("p3")
-    for host in range(3):
-        job.start(host)
-    job.wait_training(world=3, reformation=0)
+    job.start_hosts(3)
     job.procs[2][-1].send_signal(signal.SIGTERM)
     assert job.wait_exit(2) == 0, job.report()
     job.wait_training(world=2, reformation=1)
@@ -358,9 +361,7 @@ def test_sigterm_to_every_process_checkpoints_ends_the_job_and_it_resumes_from_t
         job_factory):
     # what SLURM and cloud preemption do: every process of every node gets SIGTERM
     job = job_factory("horovod")
-    for host in range(3):
-        job.start(host)
-    job.wait_training(world=3, reformation=0)
+    job.start_hosts(3)
     needle = f"DG_TEST_MARKER={job.marker['DG_TEST_MARKER']}".encode()
     for entry in os.scandir("/proc"):
         try:

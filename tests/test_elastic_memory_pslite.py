@@ -265,9 +265,7 @@ def test_a_ps_lite_job_restarts_from_memory_after_a_killed_host_heals_a_joiner_a
     from test_elastic import check_weights
 
     job = memory_jobs(backend)
-    for host in range(3):
-        job.start(host)
-    job.wait_training(world=3, reformation=0)
+    job.start_hosts(3)
     killed_dir = _state_dirs(job, 2)
     assert len(killed_dir) == 1 and oct(os.stat(killed_dir[0]).st_mode & 0o777) == "0o700"
 
@@ -311,9 +309,7 @@ def test_a_ps_lite_job_restarts_from_memory_after_a_preemption_and_the_loss_of_n
     from test_elastic import check_weights
 
     job = memory_jobs(backend)
-    for host in range(3):
-        job.start(host)
-    job.wait_training(world=3, reformation=0)
+    job.start_hosts(3)
 
     # node 2 preempted (SIGTERM to its launcher): the workers end at their next commit
     job.procs[2][-1].send_signal(signal.SIGTERM)
