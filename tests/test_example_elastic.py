@@ -4,7 +4,9 @@ ends with the weights of a run that lost no worker, passing the sync check
 (DG_CHECK_SYNC) after the heal."""
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from conftest import process_env
 EXAMPLE = Path(__file__).parents[1] / "examples" / "elastic" / "train_in_memory.py"
 
 
-def _run(tmp_path, backend, kill_rank=None, flags=()):
+def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dist_gluon.launch", *flags, "-n", "2",
          "--backend", backend, "--max-restarts", "1", "--", sys.executable, str(EXAMPLE),
@@ -36,6 +38,8 @@ def _run(tmp_path, backend, kill_rank=None, flags=()):
     try:
         if kill_rank is not None:
             _kill_worker_when_training(proc.pid, kill_rank, out)
+        if reset_rank is not None:
+            _reset_worker_when_training(proc.pid, reset_rank, out)
         proc.wait(timeout=180)
     except subprocess.TimeoutExpired:
         # the launcher's own report of the hang (the stall detector's) is in its stderr
@@ -60,6 +64,26 @@ def _kill_worker_when_training(launcher: int, rank: int, out: list[str]) -> None
     """SIGKILL the launcher's worker of ``rank`` in the second epoch (as a user would
     from another terminal): once rank 0 has printed the first epoch's line, whenever
     the workers took to start."""
+    os.kill(_worker_in_second_epoch(launcher, rank, out), signal.SIGKILL)
+
+
+def _reset_worker_when_training(launcher: int, rank: int, out: list[str]) -> None:
+    """Reset every TCP connection of the launcher's worker of ``rank`` in the second
+    epoch (``ss -K``, as a network fault would: the process goes on)."""
+    pid = _worker_in_second_epoch(launcher, rank, out)
+    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True,
+                             text=True, check=True).stdout
+    ports = [line.split()[2].rsplit(":", 1)[1] for line in listing.splitlines()
+             if f"pid={pid}," in line]
+    assert ports, f"rank {rank} (pid {pid}) has no TCP connection to reset:\n{listing}"
+    for port in ports:
+        subprocess.run(["ss", "-K", "-tn", "state", "established", f"( sport = :{port} )"],
+                       capture_output=True, check=True)
+
+
+def _worker_in_second_epoch(launcher: int, rank: int, out: list[str]) -> int:
+    """The pid of the launcher's worker of ``rank``, once rank 0 has printed the first
+    epoch's line (whenever the workers took to start) and 0.3 s more."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not any("epoch 0:" in line for line in out):
         time.sleep(0.05)
@@ -73,10 +97,31 @@ def _kill_worker_when_training(launcher: int, rank: int, out: list[str]) -> None
         except OSError:
             continue
         if f"DG_RANK={rank}".encode() in environ:
-            os.kill(int(pid), signal.SIGKILL)
-            return
+            return int(pid)
     raise AssertionError(f"no worker of rank {rank} under launcher {launcher} in the "
                          f"second epoch; its output: {''.join(out)[-2000:]}")
+
+
+def _cannot_reset_connections() -> str | None:
+    """Why this machine cannot reset a TCP connection from outside its processes
+    (``ss -K``: root, and a kernel with INET_DIAG_DESTROY), or None."""
+    if os.geteuid() != 0:
+        return "resetting a worker's connections (ss -K) needs root"
+    if shutil.which("ss") is None:
+        return "resetting a worker's connections needs ss (iproute2; make setup installs it)"
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        with peer:
+            port = client.getsockname()[1]
+            subprocess.run(["ss", "-K", "-tn", "state", "established",
+                            f"( sport = :{port} )"], capture_output=True)
+            client.settimeout(2)
+            try:
+                client.recv(1)
+            except OSError:
+                return None             # aborted: the reset works
+    return "this kernel cannot reset a connection from outside (ss -K: INET_DIAG_DESTROY)"
 
 
 @pytest.mark.parametrize("backend,variants", [
@@ -99,3 +144,25 @@ def test_the_guides_first_script_heals_a_killed_worker_to_the_uninterrupted_weig
         assert "keeps a dist_gluon.elastic.State" not in stderr, report
         healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
         assert healed and healed[1] == whole[1], report
+
+
+def test_a_connection_reset_between_live_workers_re_forms_the_job_around_them(tmp_path):
+    """A network fault, not a lost process: every TCP connection of rank 1 is reset in
+    the second epoch (``ss -K``) while both workers go on running. Their collectives fail
+    and both leave the round; with no process lost, only the launcher can end the round,
+    and it does (it had waited forever): the job re-forms around the same two processes
+    and ends with the weights of a run without the fault, the sync check passing."""
+    reason = _cannot_reset_connections()
+    if reason is not None:
+        pytest.skip(reason)
+    code, stdout, stderr = _run(tmp_path, "horovod")
+    assert code == 0, stderr[-3000:]
+    whole = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    code, stdout, stderr = _run(tmp_path, "horovod", reset_rank=1)
+    report = stdout[-2000:] + stderr[-4000:]
+    assert code == 0, report
+    assert "failed while every worker still ran (no process was lost" in stderr, report
+    assert "last commit in memory (their processes stay" in stderr, report
+    assert "terminated the rest of the job" not in stderr, report
+    healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    assert healed and healed[1] == whole[1], report

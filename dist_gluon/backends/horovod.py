@@ -201,10 +201,22 @@ class Horovod(Backend):
             if link not in self._gloo_sockets:
                 continue
             try:
-                with socket.socket(fileno=os.dup(fd)) as sock:
+                copy = os.dup(fd)
+            except OSError:
+                continue
+            try:
+                # horovod's threads may have closed the descriptor since the listing,
+                # and another connection of this process may have its number now
+                if os.readlink(f"/proc/self/fd/{copy}") != link:
+                    continue
+                with socket.socket(fileno=copy) as sock:
+                    copy = None
                     sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+            finally:
+                if copy is not None:
+                    os.close(copy)
 
     def _leave(self) -> None:
         """Shut horovod down on every rank together: each rank's request reaches the

@@ -75,6 +75,16 @@ def _freshest(serials: list[int | None]) -> int:
     return serials.index(max(known)) if known else 0
 
 
+def _key_difference(mine: list, theirs: list) -> str:
+    """What a rank's kept arrays lack and add beside the root's, for an error."""
+    mine = [list(k) for k in mine]
+    lacks = [k for k in theirs if k not in mine]
+    adds = [k for k in mine if k not in theirs]
+    if not lacks and not adds:
+        return f"the same {len(mine)} arrays in another order"
+    return f"{len(mine)} arrays here, {len(theirs)} there; lacks {lacks[:8]}, adds {adds[:8]}"
+
+
 class State:
     """The state a worker keeps through faults, in horovod elastic's shape.
 
@@ -247,8 +257,9 @@ class State:
             self._take_layout(layout)
             keys, arrays = self._keyed_arrays()
             if [list(k) for k in keys] != layout["keys"]:
-                raise RuntimeError("this rank's model or optimizer differs from rank 0's "
-                                   "after the sync of their layouts")
+                raise RuntimeError(f"this rank's model or optimizer differs from rank "
+                                   f"{root}'s after the sync of their layouts: "
+                                   f"{_key_difference(keys, layout['keys'])}")
             private = self._private_keys()
             shared = [(k, a) for k, a in zip(keys, arrays) if k not in private]
             names = [f"{_KEY}.{'.'.join(map(str, k))}" for k, _ in shared]

@@ -251,8 +251,9 @@ class Master:
                                    terminated, grace, decision.handover or None,
                                    keep or None))
         if decision.report:
-            self.out.say(decision.report + "\nterminated the rest of the job." if terminated
-                         else decision.report)
+            # workers kept for the next round are not terminated (elastic.run's re-formation)
+            self.out.say(decision.report + "\nterminated the rest of the job."
+                         if terminated and not keep else decision.report)
         # a lost node cannot confirm anything: waiting for it held a static job's end
         # for the whole confirmation time
         gone = set(decision.leaving) | (set(end.lost) if end.outcome is Outcome.LOST

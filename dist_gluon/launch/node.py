@@ -326,6 +326,7 @@ class Node:
                 "node_copy": attached and record.node_copy,
                 "holds_state": attached and record.holds_state,
                 "parked": attached and record.parked is not None,
+                "parked_round": record.parked if attached else None,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
             })

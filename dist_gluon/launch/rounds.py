@@ -35,6 +35,9 @@ SERVICE_GRACE = 10.0    # seconds ps-lite's scheduler and servers get after the 
 # seconds a preempted host waits for the other nodes to say they are preempted too
 # (SLURM and cloud preemption signal every node at once) before it hands the job over
 PREEMPT_SETTLE = 1.0
+# seconds the launcher lets the other workers of an elastic round go on after one left
+# it (its collectives failed) while every process still runs, before ending the round
+PARKED_SETTLE = 10.0
 
 
 @dataclass
@@ -170,6 +173,7 @@ class RoundWatch:
         self.supervisor = Supervisor(view, config.stall_warning, config.stall_timeout)
         self.stop: StopRequest | None = None
         self.saves = 0              # checkpoints rank 0 has saved, as its record counts
+        self._parked_since: float | None = None    # a running worker left the round
 
     def watch(self, deadline: float | None) -> RoundEnd:
         config, view = self.config, self.view
@@ -194,6 +198,10 @@ class RoundWatch:
                 # workers that keep their processes agreed to stop at a commit and wait
                 # for the next round (dist_gluon.elastic.run)
                 return RoundEnd(Outcome.STOPPED, lost=self.stop.leaving if self.stop else ())
+            if config.elastic:
+                left = self._left_round(states, now)
+                if left is not None:
+                    return left
             self._note_checkpoint(states)
             self._tell_flag(states)
             running = any(s["returncode"] is None for s in states)
@@ -221,6 +229,34 @@ class RoundWatch:
                 return RoundEnd(Outcome.TIMEOUT, 124, f"timeout after {config.timeout:g} s. "
                                 f"Ranks still running: {', '.join(still) or 'none'}")
             time.sleep(0.05)
+
+    def _left_round(self, states: list[dict], now: float) -> RoundEnd | None:
+        """Workers that keep their processes leave a round when its collectives fail
+        (dist_gluon.elastic.run parks them until the next round). When a worker died
+        the supervisor ends the round; when every worker still runs (a connection
+        between them was reset, say), nothing else would, and the parked workers would
+        wait forever. So the round ends here as a failure, once every running worker
+        has left it, or PARKED_SETTLE seconds after the first did (the launcher's end
+        then breaks the others' collectives), and the job re-forms around the same
+        processes from their last commits."""
+        if not states or any(s["returncode"] is not None for s in states):
+            self._parked_since = None
+            return None
+        number = self.view.node.spec.restart
+        parked = [s for s in states if s.get("parked_round") == number and not s["acked"]]
+        if not parked:
+            self._parked_since = None
+            return None
+        if self._parked_since is None:
+            self._parked_since = now
+        if len(parked) < len(states) and now - self._parked_since < PARKED_SETTLE:
+            return None
+        ranks = ", ".join(str(s["rank"]) for s in parked)
+        return RoundEnd(Outcome.FAILED, 1, (
+            f"the collectives of rank{'s' if len(parked) > 1 else ''} {ranks} failed while "
+            f"every worker still ran (no process was lost: a connection between the "
+            f"workers broke, or a peer's collective library failed); their last lines "
+            f"name the error"))
 
     def _tell_flag(self, states: list[dict]) -> None:
         """A script that holds a dist_gluon.elastic.State in a job that is not elastic
