@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -259,19 +260,25 @@ def test_a_job_outlives_preemption_a_killed_host_and_a_cut_link_and_admits_late_
     assert job.wait_exit(2) == 1, job.report()       # cut off: it lost node 0
     out0 = job.output(0)
     host2 = job.cluster.hosts[2].name
+    # A worker that horovod itself crashes in a new round (a segmentation fault or an
+    # abort inside Gloo, seen about once in 20 runs under load) is replaced like any
+    # failed rank, at the cost of one restart more than the schedule's: the job must go
+    # on all the same, and the restarts named below count it.
+    crashes = len(re.findall(r"rank \d+ \(\S+\) was killed by SIG(?:SEGV|ABRT)", out0))
     for said in ("re-forming with 2 nodes (2 workers) from checkpoint epoch",
                  "(re-formation 1; planned: no restart used)",
                  f"node 2 ({host2}) joined; the job re-forms with 3 nodes",
                  "re-forming with 3 nodes (3 workers) from checkpoint epoch",
                  f"node 2 ({host2}) lost: its launcher's connection closed",
-                 "(re-formation 3; restart 1 of at most 3)",
-                 f"node 2 ({host2}) lost: nothing heard from its launcher for 3 s",
-                 "(re-formation 5; restart 2 of at most 3)"):
+                 f"node 2 ({host2}) lost: nothing heard from its launcher for 3 s"):
         assert said in out0, f"{said!r} not said\n{job.report()}"
+    for formation, restart in ((3, 1), (5, 2)):
+        said = re.search(rf"\(re-formation {formation}; restart (\d) of at most 3\)", out0)
+        assert said and restart <= int(said[1]) <= restart + crashes, job.report()
     # every node that stayed says the same, to the end
-    for said in ("(re-formation 1; planned", "(re-formation 5; restart 2",
-                 "the job finished on 2 nodes (2 workers) after 5 re-formations and 2 "
-                 "restarts of at most 3"):
+    for said in ("(re-formation 1; planned", "(re-formation 5; restart ",
+                 "the job finished on 2 nodes (2 workers) after 5 re-formations and "
+                 f"{2 + crashes} restarts of at most 3"):
         assert said in job.output(0) and said in job.output(1), job.report()
     events = check_weights(job)
     rounds = [(e["world"], e["reformation"], e["restart"], e["nnodes"], e["elastic"])
