@@ -281,6 +281,11 @@ class Record:
                              f"the record's {_ROUND_BYTES}")
         _U32.pack_into(self._map, _STOP_AT, 0)
         _U32.pack_into(self._map, _ACK_AT, 0)
+        if _U32.unpack_from(self._map, _PARKED_AT)[0] == 0:
+            # a worker that did not leave the round before by itself (stopped, or stuck
+            # outside a collective when it ended) counts as parked, after the round
+            # before this one, until it enters this one (Reporter.entered_round)
+            _U32.pack_into(self._map, _PARKED_AT, number)
         self._map[_ROUND_DATA_AT:_ROUND_DATA_AT + len(data)] = data
         _U32.pack_into(self._map, _ROUND_LEN_AT, len(data))
         _U32.pack_into(self._map, _ROUND_AT, number + 1)

@@ -20,14 +20,16 @@ from conftest import process_env
 EXAMPLE = Path(__file__).parents[1] / "examples" / "elastic" / "train_in_memory.py"
 
 
-def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None):
+def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None, stop_rank=None,
+         restarts=1, env=None):
     proc = subprocess.Popen(
         [sys.executable, "-m", "dist_gluon.launch", *flags, "-n", "2",
-         "--backend", backend, "--max-restarts", "1", "--", sys.executable, str(EXAMPLE),
-         "--epochs", "3", "--pace", "0.05"],
+         "--backend", backend, "--max-restarts", str(restarts), "--", sys.executable,
+         str(EXAMPLE), "--epochs", "3", "--pace", "0.05"],
         # the ranks compare their weights every 7 steps: several times after the heal
-        cwd=tmp_path, env=process_env(DG_CHECK_SYNC="7"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        cwd=tmp_path, env=process_env(DG_CHECK_SYNC="7", **(env or {})),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stopped = None
     out: list[str] = []
     err: list[str] = []
     # one reader per pipe, and nothing else reads them
@@ -40,6 +42,9 @@ def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None):
             _kill_worker_when_training(proc.pid, kill_rank, out)
         if reset_rank is not None:
             _reset_worker_when_training(proc.pid, reset_rank, out)
+        if stop_rank is not None:
+            stopped = _worker_in_second_epoch(proc.pid, stop_rank, out)
+            os.kill(stopped, signal.SIGSTOP)
         proc.wait(timeout=180)
     except subprocess.TimeoutExpired:
         # the launcher's own report of the hang (the stall detector's) is in its stderr
@@ -55,6 +60,11 @@ def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None):
                              + "".join(err)[-8000:]) from None
     finally:
         proc.kill()
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGKILL)    # if the launcher did not
+            except ProcessLookupError:
+                pass
         for reader in readers:
             reader.join()
     return proc.returncode, "".join(out), "".join(err)
@@ -164,5 +174,27 @@ def test_a_connection_reset_between_live_workers_re_forms_the_job_around_them(tm
     assert "failed while every worker still ran (no process was lost" in stderr, report
     assert "last commit in memory (their processes stay" in stderr, report
     assert "terminated the rest of the job" not in stderr, report
+    healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    assert healed and healed[1] == whole[1], report
+
+
+def test_a_stopped_worker_is_killed_and_replaced_instead_of_holding_the_job(tmp_path):
+    """A worker that stops running without dying (SIGSTOP in the second epoch: a hung
+    process). Its peer's collectives time out and it leaves the round; the launcher ends
+    the round 10 s later (its peers' collectives would fail by themselves; a stopped
+    worker never leaves). The stopped worker is kept, as a live process, and handed the
+    next round, which it cannot enter: after DG_ENTER_LIMIT seconds its launcher kills
+    it, saying why, and the round after replaces it with a new worker that heals from
+    its peer. The job ends with the weights of a run without the fault."""
+    code, stdout, stderr = _run(tmp_path, "horovod")
+    assert code == 0, stderr[-3000:]
+    whole = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
+    code, stdout, stderr = _run(tmp_path, "horovod", stop_rank=1, restarts=2,
+                                env={"DG_ENTER_LIMIT": "3"})
+    report = stdout[-2000:] + stderr[-4000:]
+    assert code == 0, report
+    assert "a peer stopped running" in stderr, report
+    assert re.search(r"rank 1 \(\S+\) was killed by its launcher: it did not enter "
+                     r"round 1 within 3 s of being handed it", stderr), report
     healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
     assert healed and healed[1] == whole[1], report

@@ -18,6 +18,12 @@ from .protocol import RoundSpec
 
 STACKS_WAIT = 1.0       # seconds a worker gets to dump its stacks
 KEPT_GRACE = 1.0        # seconds from SIGTERM to SIGKILL for what a kept round ends
+# Seconds a worker kept from the round before has to enter the round it was handed
+# (dist_gluon.elastic.run polls for it every 10 ms once its collectives failed). One
+# that does not is alive but does not run (stopped, or stuck outside a collective) and
+# every other worker waits for it at the round's rendezvous: it is killed, and the next
+# round replaces it. DG_ENTER_LIMIT (seconds) overrides it.
+ENTER_LIMIT = 60.0
 # how many of its last keys a worker whose count stands still reports: a stall's
 # collectives are the keys one rank has among them and another has not (supervisor.py);
 # MXNet's engine may submit a step's collectives in another order than the script's
@@ -83,6 +89,10 @@ class Node:
         # each worker's collective count at the last states(): a worker whose count has
         # not moved since reports its last keys, which name a stall's collectives
         self._counts_seen: dict[int, int] = {}
+        # kept workers handed this round and not known to have entered it: when
+        self._handed: dict[int, float] = {}
+        # why this launcher killed a worker (it did not enter its round), by rank
+        self._killed_why: dict[int, str] = {}
 
     @property
     def nproc(self) -> int:
@@ -172,6 +182,7 @@ class Node:
         self._records[rank], self._stacks_files[rank] = record, stacks
         self.processes.append(p)
         record.hand_round(self.spec.restart, env)
+        self._handed[rank] = time.monotonic()
 
     def end_round(self) -> None:
         """End the round for workers that keep their process: they break the round's
@@ -288,10 +299,30 @@ class Node:
     def workers(self) -> list[Process]:
         return [p for p in self.processes if p.role == "worker"]
 
+    def _kill_absent(self) -> None:
+        """Kill the kept workers that have not entered the round they were handed
+        within ENTER_LIMIT seconds (see there)."""
+        limit = float(os.environ.get("DG_ENTER_LIMIT", ENTER_LIMIT))
+        now = time.monotonic()
+        for p in self.workers:
+            handed = self._handed.get(p.rank)
+            if handed is None:
+                continue
+            if p.returncode is not None or self._records[p.rank].parked is None:
+                del self._handed[p.rank]            # it entered the round, or ended
+            elif now - handed >= limit:
+                del self._handed[p.rank]
+                self._killed_why[p.rank] = (
+                    f"it did not enter round {self.spec.restart} within {limit:g} s of "
+                    "being handed it, and every other worker waited for it: its process "
+                    "was alive but did not run (stopped, or stuck outside a collective)")
+                p.signal_group(signal.SIGKILL)
+
     def states(self, hint: int = 0) -> list[dict]:
         """The state of each of this node's workers (see supervisor.py); ``hint`` is the
         lowest collective count in the job, whose next key reports name."""
         self._warm_up()
+        self._kill_absent()
         states = []
         now = time.time()
         beat = time.monotonic()
@@ -327,6 +358,7 @@ class Node:
                 "holds_state": attached and record.holds_state,
                 "parked": attached and record.parked is not None,
                 "parked_round": record.parked if attached else None,
+                "killed_why": self._killed_why.get(p.rank),
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
             })

@@ -255,8 +255,8 @@ class RoundWatch:
         return RoundEnd(Outcome.FAILED, 1, (
             f"the collectives of rank{'s' if len(parked) > 1 else ''} {ranks} failed while "
             f"every worker still ran (no process was lost: a connection between the "
-            f"workers broke, or a peer's collective library failed); their last lines "
-            f"name the error"))
+            f"workers broke, a peer stopped running, or a peer's collective library "
+            f"failed); their last lines name the error"))
 
     def _tell_flag(self, states: list[dict]) -> None:
         """A script that holds a dist_gluon.elastic.State in a job that is not elastic

@@ -72,6 +72,8 @@ def describe_end(s: dict) -> str:
         return f"failed ({s['exception']})"
     if code is None:
         return "left its script (no uncaught exception) and was still shutting down"
+    if s.get("killed_why"):
+        return f"was killed by its launcher: {s['killed_why']}"
     if code < 0:
         return f"was killed by {signal_name(-code)}"
     if not s["attached"]:
