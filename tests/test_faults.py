@@ -7,14 +7,18 @@ that left first with how and why it left, and leave no process behind.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
 import socket
+import subprocess
+import threading
 import time
 
 import pytest
 
 from conftest import DISTRIBUTED_BACKENDS, TRAINING_BACKENDS, launch, worker_lines
-from test_launch import _marker_env, _report, assert_nothing_left
+from test_launch import _launcher_argv, _launcher_env, _marker_env, _report, assert_nothing_left
 
 FAILURE_DEADLINE = 10.0
 
@@ -310,3 +314,94 @@ def test_a_bad_stacks_signal_is_a_usage_error(tmp_path):
                   launcher_args=["--stacks-signal", "SIGKILL"], timeout=60)
     assert proc.returncode == 2
     assert "--stacks-signal: DG_STACKS_SIGNAL='SIGKILL' is not a signal" in proc.stderr
+
+
+STEADY_WORKER = """
+import sys
+import time
+
+import mxnet as mx
+
+import dist_gluon as dg
+
+kv = dg.create()
+value = mx.nd.ones((4,))
+for step in range(int(sys.argv[1])):
+    kv.pushpull("steady", value)
+    value.wait_to_read()
+    if step == 5 and kv.rank == 0:
+        print("TRAINING", flush=True)
+    time.sleep(0.05)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.spawns
+def test_a_stopped_ps_lite_server_is_reported_and_the_job_goes_on_once_it_continues(
+        tmp_path):
+    """The job's ps-lite server stops running without dying (SIGSTOP) while the workers
+    train: every worker then waits in the same pushpull, with equal collective counts
+    and the same last key, so no rank is behind another, and the launcher had said
+    nothing, ever. Now it reports after --stall-warning seconds of no collective on any
+    rank, names the stopped server and shows the ranks' stacks; the job goes on (a
+    warning only), and finishes once the server continues (SIGCONT)."""
+    env = _marker_env()
+    script = tmp_path / "steady.py"
+    script.write_text(STEADY_WORKER)
+    proc = subprocess.Popen(_launcher_argv(script, "dist_sync", launcher_args=[
+        "--stall-warning", "2"], args=["200"]), cwd=tmp_path, env=_launcher_env(env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.extend(proc.stdout)),
+               threading.Thread(target=lambda: err.extend(proc.stderr))]
+    for reader in readers:
+        reader.start()
+    server = None
+    try:
+        deadline = time.monotonic() + 60
+        while not any("TRAINING" in line for line in out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server = _child_with(proc.pid, b"DMLC_ROLE=server")
+        os.kill(server, signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not any("stall: no rank has submitted a collective" in line for line in err) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)                     # the rest of the report
+        os.kill(server, signal.SIGCONT)
+        proc.wait(timeout=60)
+    finally:
+        if server is not None:
+            try:
+                os.kill(server, signal.SIGCONT)     # if the test failed with it stopped
+            except ProcessLookupError:
+                pass
+        proc.kill()
+        for reader in readers:
+            reader.join()
+    report = "".join(out)[-2000:] + "".join(err)[-5000:]
+    assert proc.returncode == 0, report
+    stderr = "".join(err)
+    assert re.search(r"stall: no rank has submitted a collective for \d+ s; every rank's "
+                     r"last was #\d+ \(key 'steady'\)", stderr), report
+    assert re.search(rf"ps-lite server\S* \(pid {server} on \S+\) is stopped \(SIGSTOP",
+                     stderr), report
+    assert "Python stacks of rank 0 (every thread):" in stderr, report
+    assert "stall timeout" not in stderr, report
+    assert worker_lines("".join(out), 0)[-1] == "done", report
+    assert_nothing_left(env["DG_TEST_MARKER"])
+
+
+def _child_with(parent: int, needle: bytes) -> int:
+    """The pid of ``parent``'s child whose environment holds ``needle``."""
+    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True,
+                              text=True).stdout.split()
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no child of {parent} with {needle!r}")

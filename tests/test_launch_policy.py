@@ -684,18 +684,32 @@ class _StallView(_View):
     def stacks(self, ranks):
         return {rank: f"stack of {rank}" for rank in ranks}
 
+    def process_report(self):
+        return ["ps-lite server0 (pid 7 on h0) is stopped (SIGSTOP, or a debugger)"]
+
 
 def test_ranks_with_as_many_collectives_but_different_last_keys_are_a_stall():
     """Two ranks that each submitted 12 collectives, the last ones different (rank 0 in
     a sum of its own, rank 1 in the step's), wait for each other forever: reported at
     --stall-warning with both keys and stacks, ended at --stall-timeout. Ranks whose
-    last keys agree are computing, not stalled."""
+    last keys agree may be computing: after --stall-warning without a collective they
+    are reported (they may as well all wait in one their transport does not complete,
+    behind a stopped ps-lite server), with the job's processes that do not run and the
+    stacks, but never ended."""
     from dist_gluon.launch import supervisor
     view = _StallView()
     judge = supervisor.Supervisor(view, stall_warning=10.0, stall_timeout=20.0)
     agree = [_running(0, 12, "t1.0"), _running(1, 12, "t1.0")]
     assert judge.check(agree, now=0.0) is None
-    assert judge.check(agree, now=100.0) is None and view.said == []
+    assert judge.check(agree, now=9.0) is None and view.said == []
+    assert judge.check(agree, now=100.0) is None        # not ended at --stall-timeout
+    assert len(view.said) == 1
+    said = view.said[0]
+    assert said.startswith("stall: no rank has submitted a collective for 100 s; every "
+                           "rank's last was #12 (key 't1.0').")
+    assert "ps-lite server0 (pid 7 on h0) is stopped" in said
+    assert "stack of 0" in said and "stack of 1" in said
+    view.said.clear()
     apart = [_running(0, 12, "extra"), _running(1, 12, "__dg_stop")]
     assert judge.check(apart, now=100.0) is None
     assert judge.check(apart, now=109.0) is None and view.said == []

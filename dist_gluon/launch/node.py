@@ -364,6 +364,26 @@ class Node:
             })
         return states
 
+    def process_report(self) -> list[str]:
+        """Lines naming this node's live processes that are stopped or in
+        uninterruptible sleep (the kernel's state in /proc), for a stall report."""
+        states = {"T": "stopped (SIGSTOP, or a debugger: `kill -CONT` resumes it)",
+                  "t": "stopped by a debugger",
+                  "D": "in uninterruptible sleep (waiting for a disk or a mount)"}
+        lines = []
+        for p in self.processes:
+            if p.returncode is not None:
+                continue
+            try:
+                with open(f"/proc/{p.popen.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state in states:
+                what = f"rank {p.rank}" if p.role == "worker" else f"ps-lite {p.label}"
+                lines.append(f"{what} (pid {p.popen.pid} on {self.host}) is {states[state]}")
+        return lines
+
     def service_failure(self, workers_running: bool) -> str | None:
         """A report when a scheduler or server failed while workers still needed it."""
         if not workers_running:

@@ -148,6 +148,11 @@ class JobView:
         found.update({r: self._stacks[r] for r in remote if r in self._stacks})
         return found
 
+    def process_report(self) -> list[str]:
+        """Lines naming this node's processes of the job that do not run: stopped
+        (SIGSTOP, a debugger) or in uninterruptible sleep (a stuck disk or mount)."""
+        return self.node.process_report()
+
     def service_failure(self, workers_running: bool) -> str | None:
         report = self.node.service_failure(workers_running)
         if report:

@@ -257,7 +257,8 @@ class Supervisor:
         if stall is None:
             return None
         waited = now - self._stall_since
-        if self.stall_timeout is not None and waited >= self.stall_timeout:
+        if self.stall_timeout is not None and waited >= self.stall_timeout \
+                and stall[0] != _QUIET:
             report = self._stall_report(states, stall, waited)
             return Verdict(False, 124, report + f"\nstall timeout ({self.stall_timeout:g} s).")
         if self.stall_warning is not None and waited >= self.stall_warning \
@@ -270,6 +271,8 @@ class Supervisor:
     def _stall_report(self, states, stall, waited) -> str:
         kind, low, lagging = stall
         by_rank = {s["rank"]: s for s in states}
+        if kind == _QUIET:
+            return self._quiet_report(by_rank, low, lagging, waited)
         hosts = ", ".join(by_rank[r]["host"] or "?" for r in sorted(lagging))
         if kind == _APART:
             running = [s for s in states if s["rank"] in lagging]
@@ -301,8 +304,30 @@ class Supervisor:
                              "dist_gluon's backend, or did not answer)")
         return "\n".join(lines)
 
+    def _quiet_report(self, by_rank, low, ranks, waited) -> str:
+        """Every rank has submitted ``low`` collectives, the same last one, and none
+        another for ``waited`` seconds: they compute (a long evaluation without
+        collectives), or they wait for a collective that does not complete."""
+        key = by_rank[min(ranks)]["key_last"]
+        lines = [f"stall: no rank has submitted a collective for {waited:.0f} s; every "
+                 f"rank's last was #{low} (key {key!r}). Either they all compute (a long "
+                 "evaluation or step without collectives), or they all wait for that "
+                 "collective and their transport does not complete it (ps-lite's servers "
+                 "and scheduler must answer; over horovod, its background threads)."]
+        lines.extend(self.view.process_report())
+        shown = sorted(ranks)[:_QUIET_STACKS]
+        stacks = self.view.stacks(shown)
+        for rank in shown:
+            text = stacks.get(rank)
+            if text:
+                lines.append(f"Python stacks of rank {rank} (every thread):")
+                lines.extend(f"    {line}" for line in text.rstrip().splitlines())
+        return "\n".join(lines)
 
-_BEHIND, _APART = "behind", "apart"
+
+_BEHIND, _APART, _QUIET = "behind", "apart", "quiet"
+# the ranks whose Python stacks a quiet job's report shows (the lowest)
+_QUIET_STACKS = 2
 
 
 def _unmatched(state, running) -> list[str]:
@@ -349,4 +374,9 @@ def _stall(states) -> tuple[str, int, frozenset] | None:
     keys = {s.get("key_last") for s in running}
     if low and len(running) > 1 and len(keys) > 1 and None not in keys:
         return _APART, low, frozenset(s["rank"] for s in running)
+    if low and running:
+        # the ranks agree: they compute, or all wait in collective #low, which their
+        # transport does not complete (a stopped ps-lite server, a stuck link); only
+        # its length tells (_watch_stall), and it is reported, never ended
+        return _QUIET, low, frozenset(s["rank"] for s in running)
     return None
