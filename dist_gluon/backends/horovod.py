@@ -194,9 +194,13 @@ class Horovod(Backend):
 
     def _abort(self) -> None:
         """Break every collective pending on this process's Gloo connections: their
-        sockets are shut down, so horovod's background thread fails at once (and so do
-        the peers reading from them) instead of waiting out Gloo's timeout for a peer
-        that is gone. Called from another thread than the one blocked in the engine."""
+        sockets are shut down for reading, so horovod's background thread fails at once
+        instead of waiting out Gloo's timeout for a peer that is gone (each live peer's
+        launcher breaks its own). Called from another thread than the one blocked in
+        the engine. Reading only: Gloo's I/O thread then sees one error per connection
+        (end of file); shut down for writing too, a write of the same event could fail
+        as well, and Gloo aborts the process at a connection's second error (a
+        GLOO_ENFORCE in its I/O thread: SIGABRT)."""
         for fd, link in _socket_links().items():
             if link not in self._gloo_sockets:
                 continue
@@ -211,7 +215,7 @@ class Horovod(Backend):
                     continue
                 with socket.socket(fileno=copy) as sock:
                     copy = None
-                    sock.shutdown(socket.SHUT_RDWR)
+                    sock.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
             finally:
