@@ -29,7 +29,6 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -167,8 +166,7 @@ std::string missing_peer(Channel* ch, uint64_t id, Key& k) {
   return "";
 }
 
-// Under ch->mu: complete key `id`'s waiting sum if every peer's part is there.
-// Returns the completion to run after unlocking (the engine may run dependants inline).
+// Under ch->mu: whether key k's waiting sum has every peer's part.
 bool ready(Channel* ch, Key& k) {
   if (!k.waiting.active) return false;
   for (int r = 0; r < ch->size; ++r) {
@@ -177,6 +175,7 @@ bool ready(Channel* ch, Key& k) {
   return true;
 }
 
+// Under ch->mu: write the sum of key `id` into the waiting array; "" or the error.
 std::string sum_into(Channel* ch, uint64_t id, Key& k) {
   Waiting& w = k.waiting;
   for (int r = 0; r < ch->size; ++r) {
@@ -253,7 +252,9 @@ bool write_all(int fd, const void* buffer, size_t bytes) {
 }
 
 std::string closed_reason(int err, double timeout) {
-  if (err == 0) return "closed its side channel (it exited or failed)";
+  if (err == 0 || err == ECONNRESET || err == EPIPE) {
+    return "closed its side channel (it exited or failed)";
+  }
   if (err == EAGAIN || err == EWOULDBLOCK) {
     return "sent nothing for " + std::to_string(static_cast<int>(timeout)) +
            " s in the middle of a message";
@@ -311,6 +312,7 @@ void receive_loop(Channel* ch) {
       k.received[r].push_back(std::move(body));
       if (ready(ch, k)) {
         std::string error = sum_into(ch, header.key, k);
+        if (!error.empty() && ch->broken.empty()) ch->broken = error;
         done.push_back(take(k, error));
       }
     }
@@ -327,13 +329,15 @@ void receive_loop(Channel* ch) {
             silent += (silent.empty() ? "" : ", ") + peer_name(ch, r);
           }
         }
-        done.push_back(take(k, "SyncBatchNorm side channel: rank " +
-                                   std::to_string(ch->rank) + " waited " +
-                                   std::to_string(static_cast<int>(ch->timeout)) +
-                                   " s for the part of " + ch->key_name(item.first) +
-                                   " from " + silent +
-                                   " (it stopped, or runs other layers: every rank must "
-                                   "run the same training forward and backward passes)"));
+        std::string error = "SyncBatchNorm side channel: rank " + std::to_string(ch->rank) +
+                            " waited " + std::to_string(static_cast<int>(ch->timeout)) +
+                            " s for the part of " + ch->key_name(item.first) + " from " +
+                            silent + " (it stopped, or runs other layers: every rank must "
+                            "run the same training forward and backward passes)";
+        // a part that comes later would pair with the key's next sum: the ranks are out
+        // of step, and every later sum fails too
+        if (ch->broken.empty()) ch->broken = error;
+        done.push_back(take(k, error));
       }
     }
     run_completions(done);
@@ -435,11 +439,11 @@ void dg_side_run(void* run_context, void* on_complete, void* param) {
         peer_closed(ch, r, "read nothing for " + std::to_string(static_cast<int>(ch->timeout)) +
                                " s", others);
       } else {
-        peer_closed(ch, r, closed_reason(err == EPIPE || err == ECONNRESET ? 0 : err,
-                                         ch->timeout), others);
+        peer_closed(ch, r, closed_reason(err, ch->timeout), others);
       }
-      error = "SyncBatchNorm side channel: could not send " + ch->key_name(task->key) +
-              " to " + peer_name(ch, r) + ": it " + ch->closed[r];
+      error = "SyncBatchNorm side channel: " + peer_name(ch, r) + " " + ch->closed[r] +
+              " (rank " + std::to_string(ch->rank) + " could not send it its part of " +
+              ch->key_name(task->key) + ")";
     }
   }
   run_completions(others);
@@ -458,7 +462,9 @@ void dg_side_run(void* run_context, void* on_complete, void* param) {
       completion = take(k, missing);
       now = true;
     } else if (ready(ch, k)) {
-      completion = take(k, sum_into(ch, task->key, k));
+      std::string failed = sum_into(ch, task->key, k);
+      if (!failed.empty() && ch->broken.empty()) ch->broken = failed;
+      completion = take(k, failed);
       now = true;
     }
   }

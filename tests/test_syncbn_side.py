@@ -1,0 +1,70 @@
+"""SyncBatchNorm's side channel (dist_gluon/sidechannel.py): a peer lost or silent in
+the middle of a step fails the step with an error that names it and the key, in bounded
+time, instead of a hang. Equality with one process over the channel is checked by
+tests/test_syncbn.py (its shared job and the micro-batch test); across emulated hosts by
+tests/test_multinode.py."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from conftest import launch
+
+# Rank 1 leaves (killed) or falls silent (asleep) after its forward pass of step 2, so
+# rank 0's backward sums wait for its part; rank 0 reads a gradient after its backward
+# pass (as gradient clipping does), where the failed sum surfaces.
+LEAVING_WORKER = """
+import os
+import sys
+import time
+
+import mxnet as mx
+import numpy as np
+from mxnet import autograd, gluon
+
+import dist_gluon as dg
+
+how = sys.argv[1]
+kv = dg.create()
+net = gluon.nn.HybridSequential()
+net.add(gluon.nn.Conv2D(4, 3), dg.SyncBatchNorm(), gluon.nn.Activation("relu"),
+        gluon.nn.Dense(3))
+net.initialize()
+trainer = dg.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
+x = mx.nd.array(np.random.RandomState(kv.rank).randn(4, 3, 6, 6))
+for step in range(3):
+    with autograd.record():
+        loss = net(x).sum()
+    if step == 2 and kv.rank == 1:
+        print(f"LEAVING {time.time()!r}", flush=True)
+        if how == "killed":
+            os.kill(os.getpid(), 9)
+        time.sleep(120)
+    loss.backward()
+    net[0].weight.grad().wait_to_read()
+    trainer.step(4)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend, how, error", [
+    ("dist_sync", "killed",
+     r"SyncBatchNorm side channel: rank 1 \(127\.0\.0\.1:\d+\) closed its side channel "
+     r"\(it exited or failed\).* part of syncbn\.\d+\.(forward|backward)"),
+    ("horovod", "silent",
+     r"SyncBatchNorm side channel: rank 0 waited 3 s for the part of "
+     r"syncbn\.\d+\.(forward|backward) from rank 1 \(127\.0\.0\.1:\d+\)"),
+])
+@pytest.mark.spawns
+def test_a_peer_lost_or_silent_in_a_step_fails_it_naming_the_peer_and_key(
+        tmp_path, backend, how, error):
+    proc = launch(LEAVING_WORKER, tmp_path, backend, n=2, args=[how], timeout=120,
+                  env={"DG_SYNCBN_SIDE_TIMEOUT": "3"})
+    ended = time.time()
+    assert proc.returncode != 0
+    assert "[0] done" not in proc.stdout
+    assert re.search(error, proc.stdout + proc.stderr), proc.stderr[-4000:]
+    left = float(re.search(r"\[1\] LEAVING (\S+)", proc.stdout).group(1))
+    assert ended - left < 60, f"{ended - left:.0f} s from the peer's fault to the job's end"
