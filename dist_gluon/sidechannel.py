@@ -86,8 +86,10 @@ class SideChannel:
     """TCP connections from this worker to every other worker of ``kv``'s job, and the
     library's receiver thread. Made by :meth:`connect`."""
 
-    def __init__(self, kv: Backend, handle: int, lib: ctypes.CDLL):
+    def __init__(self, kv: Backend, handle: int, lib: ctypes.CDLL, names: list[str]):
         self.kv, self._handle, self._lib = kv, handle, lib
+        # every rank as its errors name it: "rank r (address:port)"
+        self.names = names
         self._names: set[str] = set()
         self._closed = False
         kv.at_shutdown(self.close)
@@ -141,7 +143,7 @@ class SideChannel:
         if not handle:
             raise SideChannelError("SyncBatchNorm's side channel could not start its "
                                    "receiver (pipe() failed)")
-        return cls(kv, handle, lib)
+        return cls(kv, handle, lib, names)
 
     def name_key(self, name: str) -> None:
         """Give key ``name`` its name in the errors that concern it (on the script's

@@ -84,5 +84,8 @@ if N > 1:
     paths = {"side channel" if c.side is not None else "backend"
              for layer in net if isinstance(layer, dg.SyncBatchNorm)
              for c in layer._comms.values()}
-    print("sums over:", ", ".join(sorted(paths)), flush=True)
+    sides = [c.side for layer in net if isinstance(layer, dg.SyncBatchNorm)
+             for c in layer._comms.values() if c.side is not None]
+    print("sums over:", ", ".join(sorted(paths)),
+          *(["between", ", ".join(sides[0].names)] if sides else []), flush=True)
 print("micro-batches done", flush=True)
