@@ -11,6 +11,36 @@ import time
 import pytest
 
 from conftest import launch
+from dist_gluon import sidechannel, worker
+from dist_gluon.backends import Backend
+
+
+class Pair(Backend):
+    """Rank 0 of 2 workers of a given backend type (no transport: only asked)."""
+
+    rank, num_workers, local_rank = 0, 2, 0
+
+    def __init__(self, type_: str, workers: int = 2):
+        self._type, self.num_workers = type_, workers
+        super().__init__()
+
+
+@pytest.mark.parametrize("type_, workers, elastic, setting, expected", [
+    ("horovod", 2, False, None, True), ("dist_sync", 4, False, "1", True),
+    ("p3", 2, False, None, True),
+    ("horovod", 2, True, None, False),         # re-forms: the workers change
+    ("dist_async", 2, False, None, False),     # refused by SyncBatchNorm anyway
+    ("horovod", 1, False, None, False),        # one process sums nothing
+    ("dist_sync", 2, False, "0", False),       # DG_SYNCBN_SIDE=0
+])
+def test_the_side_channel_serves_fixed_jobs_of_several_workers_on_three_backends(
+        monkeypatch, type_, workers, elastic, setting, expected):
+    monkeypatch.setattr(worker.context(), "elastic", elastic)
+    if setting is None:
+        monkeypatch.delenv("DG_SYNCBN_SIDE", raising=False)
+    else:
+        monkeypatch.setenv("DG_SYNCBN_SIDE", setting)
+    assert sidechannel.enabled(Pair(type_, workers)) is expected
 
 # Rank 1 leaves (killed) or falls silent (asleep) after its forward pass of step 2, so
 # rank 0's backward sums wait for its part; rank 0 reads a gradient after its backward
