@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import ipaddress
 import os
 import secrets
 import socket
@@ -44,6 +45,9 @@ from .backends import Backend
 # raises; DG_SYNCBN_SIDE_TIMEOUT sets it. Peers step together, so a sum waits at most for
 # the slowest rank's step; evaluation or a checkpoint on one rank must stay below it.
 TIMEOUT = 300.0
+# Seconds the set-up waits for a peer's connection: every rank listens before the
+# all-gather of the addresses, so a peer that cannot be reached by then never will be.
+SETUP_TIMEOUT = 60.0
 _BACKENDS = ("horovod", "dist_sync", "p3")
 _DTYPES = {np.dtype("float32"): 0, np.dtype("float64"): 1}
 _CPU_PRIORITIZED = 3        # MXNet's FnProperty::kCPUPrioritized: its own worker threads
@@ -90,7 +94,7 @@ class SideChannel:
         self.kv, self._handle, self._lib = kv, handle, lib
         # every rank as its errors name it: "rank r (address:port)"
         self.names = names
-        self._names: set[str] = set()
+        self._named_keys: set[str] = set()
         self._closed = False
         kv.at_shutdown(self.close)
 
@@ -100,13 +104,22 @@ class SideChannel:
         others reach (``kv.node_address()``), the addresses (and a token per rank, so a
         stray connection is refused) go round with ``kv.allgather_object``, each rank
         dials the ranks below it and accepts the ranks above. None on every rank if a
-        rank cannot load the library."""
+        rank cannot load the library, or knows only a loopback address of its own in a
+        job of several nodes."""
         timeout = float(os.environ.get("DG_SYNCBN_SIDE_TIMEOUT", TIMEOUT))
+        setup = min(timeout, SETUP_TIMEOUT)
         lib = _library()
+        address = kv.node_address()
+        if worker.context().nnodes > 1 and ipaddress.ip_address(address).is_loopback:
+            warnings.warn(f"dist_gluon: SyncBatchNorm's side channel is off: this worker's "
+                          f"address is {address} (a loopback address) in a job of "
+                          f"{worker.context().nnodes} nodes; its sums go through the "
+                          "backend", stacklevel=3)
+            lib = None
         listener = token = None
         if lib is not None:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            listener.bind((kv.node_address(), 0))
+            listener.bind((address, 0))
             listener.listen(kv.num_workers)
             token = secrets.token_hex(16)
         me = (listener.getsockname() if listener else None, token)
@@ -122,8 +135,8 @@ class SideChannel:
         try:
             for peer in range(rank):
                 sockets[peer] = _dial(everyone[peer][0], rank, everyone[peer][1], names[peer],
-                                      timeout)
-            deadline = time.monotonic() + timeout
+                                      setup)
+            deadline = time.monotonic() + setup
             while len(sockets) < size - 1:
                 waiting = [names[r] for r in range(rank + 1, size) if r not in sockets]
                 sockets.update([_accept(listener, token, size, waiting, deadline)])
@@ -148,8 +161,8 @@ class SideChannel:
     def name_key(self, name: str) -> None:
         """Give key ``name`` its name in the errors that concern it (on the script's
         thread, before its first sum)."""
-        if name not in self._names:
-            self._names.add(name)
+        if name not in self._named_keys:
+            self._named_keys.add(name)
             self._lib.dg_side_name_key(self._handle, key_id(name), name.encode())
 
     def sum(self, name: str, array: mx.nd.NDArray) -> None:
