@@ -19,6 +19,11 @@ threads may also run a layer's backward functions of two micro-batches of one st
 (``grad_req='add'``) in either order, so each recorded forward of a layer within a step
 has a backward key (and arrays) of its own: the n-th micro-batch's gradients are summed
 with the other ranks' n-th, whichever runs first.
+
+The sums go over direct connections between the workers (dist_gluon/sidechannel.py:
+neither horovod's cycle nor a queue behind the trainer's gradients) where the job allows
+(not elastic, horovod/dist_sync/p3, one CPU device per worker, ``DG_SYNCBN_SIDE`` not 0),
+else through the backend's ``pushpull``; the same arrays and keys either way.
 """
 from __future__ import annotations
 
@@ -89,8 +94,10 @@ class SyncBatchNorm(nn.BatchNorm):
     ``nn.BatchNorm`` on the concatenated samples, also when the workers' batch sizes
     differ. Each layer costs one collective of ``2 C + 1`` float64 numbers in the
     forward pass (on ps-lite, an all-gather of ``workers x (2 C + 1)`` float32 numbers)
-    and one of ``2 C`` numbers in the backward pass (C channels); the statistics are
-    computed with MXNet operators on the input's device and nothing waits on the host.
+    and one of ``2 C`` numbers in the backward pass (C channels), over direct
+    connections between the workers where the job allows (docs/api.md) and else through
+    the backend; the statistics are computed with MXNet operators on the input's device
+    and nothing waits on the host.
     The running statistics are
     updated from the global mean and biased variance, ``running = momentum * running +
     (1 - momentum) * batch`` as in ``nn.BatchNorm``, identically on every rank, at each
