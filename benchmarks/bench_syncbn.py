@@ -35,6 +35,10 @@ def parse_args():
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per model")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--wait-backward", action="store_true",
+                        help="wait for the backward pass before trainer.step (every model):"
+                             " SyncBatchNorm's backward sums then cannot queue behind the "
+                             "gradients' (a variant, FINDINGS 11c/11d)")
     return parser.parse_args()
 
 
@@ -74,6 +78,8 @@ def main():
             with autograd.record():
                 loss = loss_fn(net(data), label)
             loss.backward()
+            if args.wait_backward:
+                mx.nd.waitall()
             trainer.step(args.batch)
         return clock.seconds
 

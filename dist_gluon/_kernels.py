@@ -27,6 +27,8 @@ import mxnet as mx
 import numpy as np
 
 _SOURCE = Path(__file__).with_name("_kernels.cc")
+# SyncBatchNorm's side channel (sidechannel.py): engine tasks in the same library
+_SIDE_SOURCE = Path(__file__).with_name("_sidesum.cc")
 _OPS = ("dg_twobit_quantize", "dg_twobit_dequantize", "dg_onebit_worker",
         "dg_onebit_server", "dg_float64_split", "dg_float64_combine",
         "dg_powersgd_project", "dg_powersgd_approximate", "dg_fp16_pack", "dg_fp16_unpack")
@@ -80,7 +82,7 @@ def _load() -> bool:
     return all(hasattr(mx.nd, op) for op in _OPS)
 
 
-def _tasks() -> ctypes.CDLL:
+def tasks() -> ctypes.CDLL:
     """The library's engine-task entry points (it is loaded already: the same handle)."""
     global _library
     if _library is None:
@@ -105,7 +107,7 @@ def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> 
     operator also takes one of MXNet's few parallel-random resources, which chains
     every such operator to the one before it (a decode waiting for its sum held back
     the next tensor's encode). Call only where :func:`serves` is true."""
-    lib = _tasks()
+    lib = tasks()
     ctx = inputs[0].context
     outputs = [o if isinstance(o, mx.nd.NDArray)
                else mx.nd.empty(o[0], ctx=ctx, dtype=o[1]) for o in outputs]
@@ -119,7 +121,7 @@ def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> 
     keys = [k.encode() for k in attrs]
     values = [str(int(v) if isinstance(v, bool) else v).encode() for v in attrs.values()]
     dims = [d for a in inputs for d in a.shape]
-    own_in, own_out = [_own_handle(a) for a in inputs], [_own_handle(a) for a in outputs]
+    own_in, own_out = [own_handle(a) for a in inputs], [own_handle(a) for a in outputs]
     task = lib.dg_task_new(
         name.encode(), len(keys), (ctypes.c_char_p * len(keys))(*keys),
         (ctypes.c_char_p * len(values))(*values), len(inputs),
@@ -146,7 +148,7 @@ def push(name: str, inputs: list, outputs: list, priority: int = 0, **attrs) -> 
     return outputs
 
 
-def _own_handle(array: mx.nd.NDArray) -> int:
+def own_handle(array: mx.nd.NDArray) -> int:
     """A handle of the task's own on ``array``'s memory (a view keeps its offset and
     shape), which keeps it alive until the task has run; the task frees it."""
     handle = mx.base.NDArrayHandle()
@@ -163,7 +165,8 @@ def build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    digest = hashlib.sha256(_SOURCE.read_bytes() + lib_api.read_bytes()
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _SIDE_SOURCE.read_bytes()
+                            + lib_api.read_bytes()
                             + " ".join([compiler, *_FLAGS, mx.__version__]).encode()
                             ).hexdigest()[:16]
     cache = Path(os.environ.get("DG_KERNEL_CACHE")
@@ -179,7 +182,8 @@ def build() -> Path:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             target = Path(tmp) / library.name
             done = subprocess.run([compiler, *_FLAGS, f"-I{include}", str(_SOURCE),
-                                   str(lib_api), "-o", str(target)],
+                                   str(_SIDE_SOURCE), str(lib_api), "-lpthread", "-o",
+                                   str(target)],
                                   capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
                 raise RuntimeError(f"{compiler} failed on {_SOURCE.name}: "

@@ -19,6 +19,11 @@ threads may also run a layer's backward functions of two micro-batches of one st
 (``grad_req='add'``) in either order, so each recorded forward of a layer within a step
 has a backward key (and arrays) of its own: the n-th micro-batch's gradients are summed
 with the other ranks' n-th, whichever runs first.
+
+The sums go over direct connections between the workers (dist_gluon/sidechannel.py:
+neither horovod's cycle nor a queue behind the trainer's gradients) where the job allows
+(not elastic, horovod/dist_sync/p3, one CPU device per worker, ``DG_SYNCBN_SIDE`` not 0),
+else through the backend's ``pushpull``; the same arrays and keys either way.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ from mxnet import autograd
 from mxnet.gluon import nn
 
 from . import join as _join
-from . import worker
+from . import sidechannel, worker
 from .backends import Backend, resolve
 
 # Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
@@ -89,8 +94,10 @@ class SyncBatchNorm(nn.BatchNorm):
     ``nn.BatchNorm`` on the concatenated samples, also when the workers' batch sizes
     differ. Each layer costs one collective of ``2 C + 1`` float64 numbers in the
     forward pass (on ps-lite, an all-gather of ``workers x (2 C + 1)`` float32 numbers)
-    and one of ``2 C`` numbers in the backward pass (C channels); the statistics are
-    computed with MXNet operators on the input's device and nothing waits on the host.
+    and one of ``2 C`` numbers in the backward pass (C channels), over direct
+    connections between the workers where the job allows (docs/api.md) and else through
+    the backend; the statistics are computed with MXNet operators on the input's device
+    and nothing waits on the host.
     The running statistics are
     updated from the global mean and biased variance, ``running = momentum * running +
     (1 - momentum) * batch`` as in ``nn.BatchNorm``, identically on every rank, at each
@@ -304,8 +311,8 @@ class SyncBatchNorm(nn.BatchNorm):
                 raise ValueError(f"SyncBatchNorm {self.name!r} got an input on {x.context}, "
                                  f"but its parameters live on {devices}")
             comm = _Channel(self.kv, self._name, x.shape[axis], x.context, x.dtype,
-                            devices)
-            if self.kv.num_workers > 1:
+                            devices, self._side(x, devices))
+            if self.kv.num_workers > 1 and comm.side is None:
                 self.kv._chained("SyncBatchNorm's sums, two per layer and step")
             if len(devices) > 1 and self._meetings is None:
                 self._meetings = (_Meeting(self.kv, comm.forward_key, devices, comm.sums),
@@ -315,6 +322,15 @@ class SyncBatchNorm(nn.BatchNorm):
         if comm.meetings is not None:
             comm.meetings[0].count_forward(x.context, self.name)
         return comm
+
+    def _side(self, x: mx.nd.NDArray, devices: list) -> sidechannel.SideChannel | None:
+        """The side channel this layer's sums take (set up by the first layer that takes
+        it: a collective), or None for the backend's: one device per worker, on the CPU,
+        float32 or float64, where :func:`sidechannel.enabled` (the same on every rank)."""
+        if (len(devices) > 1 or not sidechannel.enabled(self.kv)
+                or not sidechannel.serves(x)):
+            return None
+        return sidechannel.channel(self.kv)
 
 
 _HYBRIDIZE_DEVICES_HELP = (
@@ -353,10 +369,15 @@ class _Channel:
     last step) has its own key and array, made at its first forward
     (:meth:`recorded_forward`)."""
 
-    def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype, devices: list):
+    def __init__(self, kv: Backend, name: str, channels: int, ctx, dtype, devices: list,
+                 side: sidechannel.SideChannel | None = None):
         self.kv = kv
         self.channels = channels
         self.forward_key, self.backward_key = f"{name}.forward", f"{name}.backward"
+        # the sums go over SyncBatchNorm's side channel where it has one, not the backend
+        self.side = side
+        if side is not None:
+            side.name_key(self.forward_key)
         # the layer's (forward _Meeting, {micro-batch: backward _Meeting}) of the
         # worker's devices, where it has several
         self.meetings: tuple | None = None
@@ -399,7 +420,9 @@ class _Channel:
             grads = self.grads[micro] = mx.nd.zeros((2 * self.channels,),
                                                     ctx=self.ones.context,
                                                     dtype=self.ones.dtype)
-            if self.meetings is None:
+            if self.side is not None:
+                self.side.name_key(self._backward_key(micro))
+            elif self.meetings is None:
                 _pushpull(self.kv, self._backward_key(micro), grads)
             elif micro not in self.meetings[1]:
                 self.meetings[1][micro] = _Meeting(self.kv, self._backward_key(micro),
@@ -413,19 +436,25 @@ class _Channel:
     def sum_forward(self) -> mx.nd.NDArray:
         """The forward collective on :attr:`sums`: the sum over every device of every
         worker."""
-        if self.meetings is None:
+        if self.side is not None:
+            self.side.sum(self.forward_key, self.sums)
+        elif self.meetings is None:
             _pushpull(self.kv, self.forward_key, self.sums)
-            return self.sums
-        return self.meetings[0].join(self.sums)
+        else:
+            return self.meetings[0].join(self.sums)
+        return self.sums
 
     def sum_backward(self, micro: int) -> mx.nd.NDArray:
         """The backward collective of micro-batch ``micro`` on its :attr:`grads` (from
         MXNet's backward threads)."""
         grads = self.grads[micro]
-        if self.meetings is None:
+        if self.side is not None:
+            self.side.sum(self._backward_key(micro), grads)
+        elif self.meetings is None:
             _pushpull(self.kv, self._backward_key(micro), grads)
-            return grads
-        return self.meetings[1][micro].join(grads)
+        else:
+            return self.meetings[1][micro].join(grads)
+        return grads
 
     def count(self, n: int) -> mx.nd.NDArray:
         """``[n]`` (float64) on the layer's device, made once per batch shape by an

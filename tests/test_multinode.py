@@ -131,6 +131,29 @@ def test_nodes_train_exactly_like_one_process(cluster, references, tmp_path, bac
             assert _max_error(_params(tmp_path, case, rank), expected) < 1e-5, (case, rank)
 
 
+def test_syncbn_sums_over_the_side_channel_between_the_hosts_like_one_process(cluster,
+                                                                              tmp_path):
+    # 2 hosts x 2 workers on horovod: SyncBatchNorm's side channel connects every pair
+    # of workers at their hosts' addresses (loopback would not reach across), and the
+    # ranks' micro-batches (rank 0 holding one backward, so the keys come out of
+    # order) still train like one process
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert_ok(run([sys.executable, str(WORKERS / "syncbn_microbatches.py"), str(reference),
+                   "1"], reference))
+    result = run_nodes(cluster, [WORKERS / "syncbn_microbatches.py", tmp_path, 1, 0.2],
+                       nproc=2, cwd=tmp_path)
+    assert result.returncodes == [0, 0], result.report()
+    expected = _params(reference, "micro", 0)
+    for rank in range(4):
+        assert _max_error(_params(tmp_path, "micro", rank), expected) < 1e-5, rank
+        line = next(line for line in worker_lines(result.stdout[rank // 2], rank)
+                    if line.startswith("sums over:"))
+        assert line.startswith("sums over: side channel between"), line
+        for host in (0, 1):
+            assert f"({cluster.hosts[host].address}:" in line, line
+
+
 @pytest.mark.parametrize("backend", TRAINING_BACKENDS)
 def test_a_worker_killed_on_node_1_ends_node_0_naming_its_rank_and_host(
         cluster, tmp_path, backend):

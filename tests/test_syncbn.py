@@ -301,6 +301,18 @@ def test_two_workers_with_syncbn_train_like_one_process_with_batchnorm_on_the_wh
 
 
 @pytest.mark.slow
+def test_two_workers_sum_every_layers_statistics_over_the_side_channel(distributed):
+    # one process per worker on horovod or dist_sync, nothing elastic: SyncBatchNorm's
+    # sums leave the backend for the direct connections of dist_gluon/sidechannel.py
+    _, out = distributed
+    for rank in (0, 1):
+        transports = json.loads((out / f"report_rank{rank}.json").read_text())["transports"]
+        assert transports == dict.fromkeys(
+            ["even", "uneven", "converted", "resnet18_float32", "resnet18_float64"],
+            ["side channel"]), transports
+
+
+@pytest.mark.slow
 def test_ranks_with_different_batch_sizes_train_like_one_process_on_the_concatenation(
         distributed, reference):
     _, out = distributed
@@ -352,20 +364,26 @@ def micro_batch_reference(tmp_path_factory):
     return _params(out, "micro")
 
 
-@pytest.mark.parametrize("backend,devices", [("horovod", 1), ("dist_sync", 2), ("p3", 1)])
+# horovod's sums through the backend (DG_SYNCBN_SIDE=0; the shared job above takes the
+# side channel), p3's over the side channel, and a worker's 2 devices through the backend
+@pytest.mark.parametrize("backend,devices,side,transport", [
+    ("horovod", 1, "0", "backend"), ("dist_sync", 2, "1", "backend"),
+    ("p3", 1, "1", "side channel")])
 @pytest.mark.spawns
 def test_micro_batches_backward_out_of_order_on_one_rank_still_pair_by_micro_batch(
-        tmp_path, micro_batch_reference, backend, devices):
+        tmp_path, micro_batch_reference, backend, devices, side, transport):
     # grad_req='add' over 2 micro-batches a step; rank 0 holds the first micro-batch's
     # backward of a layer 0.5 s, so the second's runs first there. With one backward key
     # per layer the two ranks summed each other's other micro-batch (0.71 from one
     # process on every backend; the combination matrix's row 03 failed so, 1 run in 4)
     argv = launcher(backend, WORKERS / "syncbn_microbatches.py", tmp_path, devices, 0.5)
-    assert_ok(subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True,
-                             timeout=240, env=process_env(MXNET_CPU_TEMP_COPY="1024")))
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                          env=process_env(MXNET_CPU_TEMP_COPY="1024", DG_SYNCBN_SIDE=side))
+    assert_ok(proc)
     for rank in (0, 1):
         assert _max_error(_params(tmp_path, "micro", rank), micro_batch_reference) \
             < TOLERANCE, rank
+        assert f"[{rank}] sums over: {transport}" in proc.stdout, proc.stdout[-2000:]
 
 
 @pytest.mark.spawns

@@ -1,7 +1,9 @@
 """Collectives from any thread: SyncBatchNorm's backward submits its sums from MXNet's
 autograd threads while the script's thread submits the gradients, and a script may run
 collectives in threads of its own. Every backend takes them from several threads at
-once, step after step, and every rank ends with the same weights."""
+once, step after step, and every rank ends with the same weights. On ps-lite the
+SyncBatchNorm sums go through the backend (DG_SYNCBN_SIDE=0), on horovod over its side
+channel (dist_gluon/sidechannel.py), beside horovod's own collectives."""
 from __future__ import annotations
 
 import json
@@ -64,11 +66,13 @@ with open(f"rank{rank}.json", "w") as f:
 """
 
 
-@pytest.mark.parametrize("backend_name", ["horovod", "dist_sync", "p3"])
+@pytest.mark.parametrize("backend_name, side", [("horovod", "1"), ("dist_sync", "0"),
+                                                ("p3", "0")])
 @pytest.mark.spawns
 def test_syncbn_trainer_and_a_scripts_thread_submit_together_for_many_steps(
-        tmp_path, backend_name):
-    proc = launch(STRESS, tmp_path, backend_name, n=2, args=[str(STEPS)], timeout=600)
+        tmp_path, backend_name, side):
+    proc = launch(STRESS, tmp_path, backend_name, n=2, args=[str(STEPS)], timeout=600,
+                  env={"DG_SYNCBN_SIDE": side})
     assert_ok(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     expected = [float(2 * step + 1) for step in range(STEPS)]

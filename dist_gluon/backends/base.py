@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import fcntl
 import os
 import pickle
+import socket
+import struct
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import mxnet as mx
@@ -66,6 +70,17 @@ def _exit_now(status: int) -> None:
         except (AttributeError, OSError, ValueError):
             pass
     os._exit(status)
+
+
+def interface_address(iface: str) -> str | None:
+    """The first IPv4 address of network interface ``iface``, or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915,      # SIOCGIFADDR
+                                 struct.pack("256s", iface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
 
 
 def shard_counts(size: int, num_workers: int, first: int = 0) -> list[int]:
@@ -121,6 +136,8 @@ class Backend(KVStoreBase):
         self._submit_lock = threading.RLock()
         self._in_flight: dict[str, mx.nd.NDArray] = {}
         self._reporter = jobcontrol.reporter()
+        # what closes with the transport (SyncBatchNorm's side channel): at_shutdown
+        self._shutdown_hooks: list[Callable[[], None]] = []
         # registered after the transport's own exit handlers (horovod's shutdown), so
         # it runs before them
         atexit.register(self._atexit)
@@ -162,6 +179,24 @@ class Backend(KVStoreBase):
         (``DG_REFORMATION``, in the :class:`~dist_gluon.worker.WorkerContext`).
         ``num_workers`` is the size of the current set."""
         return worker.context().reformation
+
+    def node_address(self) -> str:
+        """The IPv4 address of this worker that the job's other workers reach (where a
+        side channel of the package, such as SyncBatchNorm's, listens): loopback in a
+        one-node job the launcher placed, else the address the transport announces."""
+        if worker.context().placed and worker.context().nnodes == 1:
+            return "127.0.0.1"
+        return self._announced_address() or socket.gethostbyname(socket.gethostname())
+
+    def _announced_address(self) -> str | None:
+        """The address the transport announces to its peers, where the backend knows it
+        (its variables), or None."""
+        return None
+
+    def at_shutdown(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` at exit, once the work in flight has finished, before the
+        transport shuts down (not when the job failed: the process then ends at once)."""
+        self._shutdown_hooks.append(hook)
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} type={self.type!r} rank={self.rank} "
@@ -615,6 +650,8 @@ class Backend(KVStoreBase):
         try:
             mx.nd.waitall()
         finally:
+            for hook in self._shutdown_hooks:
+                hook()
             self._shutdown()
 
     def _abandon(self) -> None:

@@ -22,7 +22,7 @@ import mxnet as mx
 
 from .. import jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
-from .base import Backend, report_connect
+from .base import Backend, interface_address, report_connect
 from .horovod_tuning import CYCLE_ENV, FUSION_ENV, Tuner
 
 # horovodrun's Gloo mode, OpenMPI's mpirun, srun --mpi=pmix (and MPICH's PMI)
@@ -226,6 +226,10 @@ class Horovod(Backend):
         """Shut horovod down on every rank together: each rank's request reaches the
         others through horovod's own negotiation, so no collective is left waiting."""
         self._hvd.shutdown()
+
+    def _announced_address(self) -> str | None:
+        iface = os.environ.get("HOROVOD_GLOO_IFACE")
+        return interface_address(iface) if iface else None
 
     def _reform(self, environ: dict[str, str]) -> None:
         """Leave this round's horovod and join the next one in the same process:

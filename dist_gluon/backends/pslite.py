@@ -584,6 +584,9 @@ class DistSync(Backend):
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._kv))
         super()._abandon()
 
+    def _announced_address(self) -> str | None:
+        return os.environ.get("DMLC_NODE_HOST") or None
+
     def _shutdown(self) -> None:
         # Freeing the kvstore runs ps-lite's exit barrier and stops the servers; do it
         # now, while MXNet is alive, rather than during interpreter teardown.

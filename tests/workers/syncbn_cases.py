@@ -66,6 +66,17 @@ def save(case, net):
     np.savez(os.path.join(out_dir, f"{case}_rank{rank}.npz"), **arrays)
 
 
+# case -> the transports its SyncBatchNorm layers summed over
+transports = {}
+
+
+def _layers(block):
+    if isinstance(block, dg.SyncBatchNorm):
+        yield block
+    for child in block._children.values():
+        yield from _layers(child)
+
+
 def train(case, net, batches, steps=STEPS):
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd", SGD)
     for step in range(steps):
@@ -75,6 +86,8 @@ def train(case, net, batches, steps=STEPS):
         loss.backward()
         trainer.step(x.shape[0])
     save(case, net)
+    transports[case] = sorted({"side channel" if c.side is not None else "backend"
+                               for layer in _layers(net) for c in layer._comms.values()})
 
 
 def report(**values):
@@ -139,5 +152,5 @@ else:
         dg.convert_sync_batchnorm(hybrid)
     except RuntimeError as err:
         errors.append(str(err))
-    report(errors=errors)
+    report(errors=errors, transports=transports)
 print("cases done", flush=True)

@@ -79,4 +79,13 @@ for step in range(STEPS):
     net.collect_params().zero_grad()
 arrays = {str(i): p.data().asnumpy() for i, p in enumerate(net.collect_params().values())}
 np.savez(os.path.join(out_dir, f"micro_rank{rank}.npz"), **arrays)
+if N > 1:
+    # which transport the layers' sums took (SyncBatchNorm's side channel or the backend)
+    paths = {"side channel" if c.side is not None else "backend"
+             for layer in net if isinstance(layer, dg.SyncBatchNorm)
+             for c in layer._comms.values()}
+    sides = [c.side for layer in net if isinstance(layer, dg.SyncBatchNorm)
+             for c in layer._comms.values() if c.side is not None]
+    print("sums over:", ", ".join(sorted(paths)),
+          *(["between", ", ".join(sides[0].names)] if sides else []), flush=True)
 print("micro-batches done", flush=True)

@@ -1,0 +1,497 @@
+// The side channel of SyncBatchNorm's sums (dist_gluon/sidechannel.py): one TCP
+// connection between every pair of a job's workers, over which each worker sends its
+// array of a key to every peer and sums everyone's in rank order, as an asynchronous
+// operation of MXNet's engine.
+//
+// dg_side_open(rank, size, fds, names, timeout) -> channel
+//     takes the connected sockets (fds[r] for peer r, -1 for this rank) and starts the
+//     receiver thread
+// dg_side_run(run_context, on_complete, task)       (MXEnginePushAsyncND's function)
+//     sends the task's array to every peer and waits, off the engine's threads, for
+//     theirs: the receiver thread (or this call, when they came first) writes
+//     a_0 + a_1 + ... + a_{size-1} (in that order, in the array's dtype: the same bits
+//     on every rank) into the array and completes the operation; a closed connection, a
+//     size that differs or a peer silent for `timeout` seconds completes it with an
+//     error that names the peer and the key (the engine raises it where the array is
+//     read)
+// dg_side_close(channel)
+//     fails what still waits, closes the sockets and joins the receiver thread
+//
+// A key's messages from one peer arrive in the order the peer sent them (one TCP
+// stream), and a key's next sum cannot start on a rank before its previous one ended
+// there (the engine orders the writes of one array): each key keeps a queue per peer.
+#include <dmlc/logging.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+// MXNet 1.9's engine::CallbackOnComplete (include/mxnet/engine.h): copied by value, it
+// outlives the call that hands it over
+struct OnComplete {
+  void (*callback)(void*, void*, const dmlc::Error*);
+  void* engine;
+  void* param;
+};
+
+typedef int (*GetData)(void*, void**);
+typedef int (*FreeHandle)(void*);
+
+using Clock = std::chrono::steady_clock;
+
+struct Header {
+  uint64_t key;
+  uint32_t bytes;
+  uint32_t dtype;
+};
+
+struct Waiting {
+  OnComplete done;
+  void* handle;          // the task's own handle on the array (freed at completion)
+  void* data;
+  std::vector<char> own; // this rank's contribution
+  uint32_t dtype;
+  Clock::time_point deadline;
+  bool active = false;
+};
+
+struct Key {
+  std::string name;
+  std::vector<std::deque<std::vector<char>>> received;   // by peer rank
+  Waiting waiting;
+};
+
+struct Channel;
+
+struct Task {
+  Channel* channel;
+  uint64_t key;
+  void* handle;
+  uint32_t dtype;        // 0 float32, 1 float64 (MXNet's codes)
+  int64_t size;
+  GetData get_data;
+  FreeHandle free_handle;
+};
+
+std::string peer_name(const Channel* ch, int rank);
+
+struct Channel {
+  int rank = 0, size = 1;
+  std::vector<int> fds;
+  std::vector<std::string> names;          // "rank r (address)"
+  std::vector<std::string> closed;         // why peer r's connection ended ("" open)
+  std::vector<std::unique_ptr<std::mutex>> send_locks;
+  double timeout = 300;
+  std::mutex mu;
+  std::unordered_map<uint64_t, Key> keys;
+  std::string broken;                      // set once: every later sum fails with it
+  int wake[2] = {-1, -1};
+  bool stopping = false;
+  std::thread receiver;
+
+  Key& key(uint64_t id) {
+    Key& k = keys[id];
+    if (k.received.empty()) k.received.resize(size);
+    return k;
+  }
+
+  std::string key_name(uint64_t id) {
+    auto it = keys.find(id);
+    if (it != keys.end() && !it->second.name.empty()) return it->second.name;
+    char text[32];
+    snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(id));
+    return text;
+  }
+};
+
+std::string peer_name(const Channel* ch, int rank) { return ch->names[rank]; }
+
+void finish(Waiting* w, const std::string& error, FreeHandle free_handle) {
+  OnComplete done = w->done;
+  void* handle = w->handle;
+  w->active = false;
+  w->own.clear();
+  w->own.shrink_to_fit();
+  free_handle(handle);
+  if (error.empty()) {
+    done.callback(done.engine, done.param, nullptr);
+  } else {
+    dmlc::Error err(error);
+    done.callback(done.engine, done.param, &err);
+  }
+}
+
+FreeHandle g_free = nullptr;   // MXNDArrayFree, set by dg_side_open
+
+template <typename T>
+void add_in_order(Channel* ch, Key& k, T* out, const T* own, int64_t n) {
+  // a_0 + a_1 + ... in rank order, whoever this rank is: the same bits everywhere
+  std::vector<T> total(n);
+  for (int r = 0; r < ch->size; ++r) {
+    const T* a = r == ch->rank ? own : reinterpret_cast<const T*>(k.received[r].front().data());
+    if (r == 0) {
+      for (int64_t i = 0; i < n; ++i) total[i] = a[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) total[i] = total[i] + a[i];
+    }
+  }
+  std::memcpy(out, total.data(), n * sizeof(T));
+}
+
+// Under ch->mu: the error that stops key `id`'s sum, or "" if it can go on.
+std::string missing_peer(Channel* ch, uint64_t id, Key& k) {
+  if (!ch->broken.empty()) return ch->broken;
+  for (int r = 0; r < ch->size; ++r) {
+    if (r != ch->rank && k.received[r].empty() && !ch->closed[r].empty()) {
+      return "SyncBatchNorm side channel: " + peer_name(ch, r) + " " + ch->closed[r] +
+             " before sending its part of " + ch->key_name(id) + " (rank " +
+             std::to_string(ch->rank) + " waits for it)";
+    }
+  }
+  return "";
+}
+
+// Under ch->mu: whether key k's waiting sum has every peer's part.
+bool ready(Channel* ch, Key& k) {
+  if (!k.waiting.active) return false;
+  for (int r = 0; r < ch->size; ++r) {
+    if (r != ch->rank && k.received[r].empty()) return false;
+  }
+  return true;
+}
+
+// Under ch->mu: write the sum of key `id` into the waiting array; "" or the error.
+std::string sum_into(Channel* ch, uint64_t id, Key& k) {
+  Waiting& w = k.waiting;
+  for (int r = 0; r < ch->size; ++r) {
+    if (r != ch->rank && k.received[r].front().size() != w.own.size()) {
+      std::string error = "SyncBatchNorm side channel: " + peer_name(ch, r) + " sent " +
+          std::to_string(k.received[r].front().size()) + " bytes for " + ch->key_name(id) +
+          ", rank " + std::to_string(ch->rank) + " has " + std::to_string(w.own.size()) +
+          " (the ranks' layers differ)";
+      return error;
+    }
+  }
+  int64_t bytes = static_cast<int64_t>(w.own.size());
+  if (w.dtype == 0) {
+    add_in_order(ch, k, static_cast<float*>(w.data), reinterpret_cast<float*>(w.own.data()),
+                 bytes / 4);
+  } else {
+    add_in_order(ch, k, static_cast<double*>(w.data), reinterpret_cast<double*>(w.own.data()),
+                 bytes / 8);
+  }
+  for (int r = 0; r < ch->size; ++r) {
+    if (r != ch->rank) k.received[r].pop_front();
+  }
+  return "";
+}
+
+struct Completion {
+  Waiting waiting;
+  std::string error;
+};
+
+// Under ch->mu: take key k's waiting sum out for completion outside the lock.
+Completion take(Key& k, const std::string& error) {
+  Completion c{std::move(k.waiting), error};
+  k.waiting.active = false;
+  k.waiting.own.clear();
+  return c;
+}
+
+void run_completions(std::vector<Completion>& done) {
+  for (Completion& c : done) finish(&c.waiting, c.error, g_free);
+  done.clear();
+}
+
+bool read_all(int fd, void* buffer, size_t bytes) {
+  char* p = static_cast<char*>(buffer);
+  while (bytes > 0) {
+    ssize_t got = recv(fd, p, bytes, 0);
+    if (got == 0) {
+      errno = 0;
+      return false;
+    }
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += got;
+    bytes -= static_cast<size_t>(got);
+  }
+  return true;
+}
+
+bool write_all(int fd, const void* buffer, size_t bytes) {
+  const char* p = static_cast<const char*>(buffer);
+  while (bytes > 0) {
+    ssize_t sent = send(fd, p, bytes, MSG_NOSIGNAL);
+    if (sent < 0) {
+      if (errno == EINTR) continue;
+      return false;
+    }
+    p += sent;
+    bytes -= static_cast<size_t>(sent);
+  }
+  return true;
+}
+
+std::string closed_reason(int err, double timeout) {
+  if (err == 0 || err == ECONNRESET || err == EPIPE) {
+    return "closed its side channel (it exited or failed)";
+  }
+  if (err == EAGAIN || err == EWOULDBLOCK) {
+    return "sent nothing for " + std::to_string(static_cast<int>(timeout)) +
+           " s in the middle of a message";
+  }
+  return std::string("lost its side channel (") + strerror(err) + ")";
+}
+
+// Under ch->mu: peer r's connection ended; fail the sums that wait for it.
+void peer_closed(Channel* ch, int r, const std::string& why, std::vector<Completion>& done) {
+  if (!ch->closed[r].empty()) return;
+  ch->closed[r] = why;
+  for (auto& item : ch->keys) {
+    Key& k = item.second;
+    if (k.waiting.active && k.received[r].empty()) {
+      done.push_back(take(k, missing_peer(ch, item.first, k)));
+    }
+  }
+}
+
+void receive_loop(Channel* ch) {
+  std::vector<pollfd> polled;
+  std::vector<int> ranks;
+  for (int r = 0; r < ch->size; ++r) {
+    if (r == ch->rank) continue;
+    polled.push_back({ch->fds[r], POLLIN, 0});
+    ranks.push_back(r);
+  }
+  polled.push_back({ch->wake[0], POLLIN, 0});
+  std::vector<Completion> done;
+  for (;;) {
+    int ready_count = poll(polled.data(), polled.size(), 200);
+    {
+      std::lock_guard<std::mutex> lock(ch->mu);
+      if (ch->stopping) break;
+    }
+    if (ready_count < 0 && errno != EINTR) break;
+    for (size_t i = 0; i + 1 < polled.size(); ++i) {
+      if (polled[i].fd < 0 || !(polled[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
+      int r = ranks[i];
+      Header header;
+      std::vector<char> body;
+      bool ok = read_all(polled[i].fd, &header, sizeof(header));
+      if (ok) {
+        body.resize(header.bytes);
+        ok = read_all(polled[i].fd, body.data(), header.bytes);
+      }
+      int err = errno;
+      std::lock_guard<std::mutex> lock(ch->mu);
+      if (!ok) {
+        peer_closed(ch, r, closed_reason(err, ch->timeout), done);
+        polled[i].fd = -1;
+        continue;
+      }
+      Key& k = ch->key(header.key);
+      k.received[r].push_back(std::move(body));
+      if (ready(ch, k)) {
+        std::string error = sum_into(ch, header.key, k);
+        if (!error.empty() && ch->broken.empty()) ch->broken = error;
+        done.push_back(take(k, error));
+      }
+    }
+    {
+      // the sums whose peers stayed silent past the timeout
+      std::lock_guard<std::mutex> lock(ch->mu);
+      Clock::time_point now = Clock::now();
+      for (auto& item : ch->keys) {
+        Key& k = item.second;
+        if (!k.waiting.active || now < k.waiting.deadline) continue;
+        std::string silent;
+        for (int r = 0; r < ch->size; ++r) {
+          if (r != ch->rank && k.received[r].empty()) {
+            silent += (silent.empty() ? "" : ", ") + peer_name(ch, r);
+          }
+        }
+        std::string error = "SyncBatchNorm side channel: rank " + std::to_string(ch->rank) +
+                            " waited " + std::to_string(static_cast<int>(ch->timeout)) +
+                            " s for the part of " + ch->key_name(item.first) + " from " +
+                            silent + " (it stopped, or runs other layers: every rank must "
+                            "run the same training forward and backward passes)";
+        // a part that comes later would pair with the key's next sum: the ranks are out
+        // of step, and every later sum fails too
+        if (ch->broken.empty()) ch->broken = error;
+        done.push_back(take(k, error));
+      }
+    }
+    run_completions(done);
+  }
+  run_completions(done);
+}
+
+}  // namespace
+
+extern "C" {
+
+void* dg_side_open(int rank, int size, const int* fds, const char* const* names,
+                   double timeout, void* free_handle) {
+  g_free = reinterpret_cast<FreeHandle>(free_handle);
+  Channel* ch = new Channel;
+  ch->rank = rank;
+  ch->size = size;
+  ch->timeout = timeout;
+  for (int r = 0; r < size; ++r) {
+    ch->fds.push_back(fds[r]);
+    ch->names.push_back(names[r]);
+    ch->closed.push_back("");
+    ch->send_locks.emplace_back(new std::mutex);
+    if (fds[r] >= 0) {
+      // a send blocks only on a full socket buffer (a peer that stopped reading)
+      timeval tv{static_cast<time_t>(timeout), 0};
+      setsockopt(fds[r], SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+      setsockopt(fds[r], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+      int one = 1;
+      setsockopt(fds[r], IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    }
+  }
+  if (pipe(ch->wake) != 0) {
+    delete ch;
+    return nullptr;
+  }
+  ch->receiver = std::thread(receive_loop, ch);
+  return ch;
+}
+
+void dg_side_name_key(void* channel, uint64_t key, const char* name) {
+  Channel* ch = static_cast<Channel*>(channel);
+  std::lock_guard<std::mutex> lock(ch->mu);
+  ch->key(key).name = name;
+}
+
+void* dg_side_task(void* channel, uint64_t key, void* handle, int dtype, int64_t size,
+                   void* get_data, void* free_handle) {
+  return new Task{static_cast<Channel*>(channel), key, handle, static_cast<uint32_t>(dtype),
+                  size, reinterpret_cast<GetData>(get_data),
+                  reinterpret_cast<FreeHandle>(free_handle)};
+}
+
+void dg_side_free_task(void* param) {
+  Task* task = static_cast<Task*>(param);
+  if (task->handle != nullptr) task->free_handle(task->handle);   // never ran
+  delete task;
+}
+
+void dg_side_run(void* run_context, void* on_complete, void* param) {
+  (void)run_context;
+  Task* task = static_cast<Task*>(param);
+  Channel* ch = task->channel;
+  Waiting w;
+  w.done = *static_cast<OnComplete*>(on_complete);
+  w.handle = task->handle;
+  task->handle = nullptr;   // the completion frees it
+  w.dtype = task->dtype;
+  w.data = nullptr;
+  task->get_data(w.handle, &w.data);
+  size_t bytes = static_cast<size_t>(task->size) * (task->dtype == 0 ? 4 : 8);
+  w.own.assign(static_cast<char*>(w.data), static_cast<char*>(w.data) + bytes);
+  w.deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(ch->timeout * 1000));
+  w.active = true;
+
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    error = ch->broken;
+    if (error.empty() && ch->key(task->key).waiting.active) {
+      error = "SyncBatchNorm side channel: " + ch->key_name(task->key) +
+              " started again before its previous sum ended";
+    }
+  }
+  Header header{task->key, static_cast<uint32_t>(bytes), task->dtype};
+  std::vector<Completion> others;   // sums of other keys that waited for a lost peer
+  for (int r = 0; r < ch->size && error.empty(); ++r) {
+    if (r == ch->rank) continue;
+    bool sent;
+    {
+      std::lock_guard<std::mutex> send_lock(*ch->send_locks[r]);
+      sent = write_all(ch->fds[r], &header, sizeof(header)) &&
+             write_all(ch->fds[r], w.own.data(), bytes);
+    }
+    if (!sent) {
+      int err = errno;
+      std::lock_guard<std::mutex> lock(ch->mu);
+      if (err == EAGAIN || err == EWOULDBLOCK) {
+        peer_closed(ch, r, "read nothing for " + std::to_string(static_cast<int>(ch->timeout)) +
+                               " s", others);
+      } else {
+        peer_closed(ch, r, closed_reason(err, ch->timeout), others);
+      }
+      error = "SyncBatchNorm side channel: " + peer_name(ch, r) + " " + ch->closed[r] +
+              " (rank " + std::to_string(ch->rank) + " could not send it its part of " +
+              ch->key_name(task->key) + ")";
+    }
+  }
+  run_completions(others);
+  if (!error.empty()) {
+    finish(&w, error, g_free);
+    return;
+  }
+  Completion completion;
+  bool now = false;
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    Key& k = ch->key(task->key);
+    k.waiting = std::move(w);
+    std::string missing = missing_peer(ch, task->key, k);
+    if (!missing.empty()) {
+      completion = take(k, missing);
+      now = true;
+    } else if (ready(ch, k)) {
+      std::string failed = sum_into(ch, task->key, k);
+      if (!failed.empty() && ch->broken.empty()) ch->broken = failed;
+      completion = take(k, failed);
+      now = true;
+    }
+  }
+  if (now) finish(&completion.waiting, completion.error, g_free);
+}
+
+void dg_side_close(void* channel) {
+  Channel* ch = static_cast<Channel*>(channel);
+  std::vector<Completion> done;
+  {
+    std::lock_guard<std::mutex> lock(ch->mu);
+    ch->stopping = true;
+    ch->broken = "SyncBatchNorm side channel: closed (the process is exiting)";
+    for (auto& item : ch->keys) {
+      if (item.second.waiting.active) done.push_back(take(item.second, ch->broken));
+    }
+  }
+  if (write(ch->wake[1], "x", 1) < 0) {
+    // the receiver wakes within its poll period anyway
+  }
+  if (ch->receiver.joinable()) ch->receiver.join();
+  run_completions(done);
+  for (int fd : ch->fds) {
+    if (fd >= 0) close(fd);
+  }
+  close(ch->wake[0]);
+  close(ch->wake[1]);
+}
+
+}  // extern "C"
