@@ -724,6 +724,23 @@ def test_ranks_with_as_many_collectives_but_different_last_keys_are_a_stall():
     assert verdict.report.endswith("stall timeout (20 s).")
 
 
+def test_a_kept_worker_not_yet_in_its_round_is_no_stall():
+    """A worker kept through a re-formation still shows the round before's collectives
+    until it enters the new one: ranks that wait for it at the rendezvous are not
+    reported as waiting for a collective it has not reached (its launcher kills it if
+    it never enters); once it has entered, the counts are compared again."""
+    from dist_gluon.launch import supervisor
+    view = _StallView()
+    judge = supervisor.Supervisor(view, stall_warning=1.0, stall_timeout=2.0)
+    entering = [_running(0, 1, "connect (horovod)"), _running(1, 222, "__dg_stop")]
+    entering[1]["entering"] = True
+    assert judge.check(entering, now=0.0) is None
+    assert judge.check(entering, now=30.0) is None and view.said == []
+    entering[1]["entering"] = False
+    assert judge.check(entering, now=30.0) is None
+    assert judge.check(entering, now=31.0) is None and len(view.said) == 1
+
+
 def test_a_stall_names_the_collectives_a_rank_submitted_that_the_others_did_not():
     """MXNet's engine may submit a step's SyncBatchNorm backward after the script's next
     forward: rank 0's last key is then the backward, which rank 1 has too. Among the

@@ -359,6 +359,8 @@ class Node:
                 "parked": attached and record.parked is not None,
                 "parked_round": record.parked if attached else None,
                 "killed_why": self._killed_why.get(p.rank),
+                # kept and handed this round, not entered yet (_kill_absent)
+                "entering": p.rank in self._handed,
                 "saved": [record.saves, *record.saved_position]
                 if attached and record.saves else None,
             })

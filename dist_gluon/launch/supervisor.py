@@ -251,7 +251,10 @@ class Supervisor:
         looked for. Per round: the supervisor and the records start with the round."""
         if self.stall_warning is None and self.stall_timeout is None:
             return None
-        stall = _stall(states)
+        # a kept worker that has not entered the round yet still shows the round
+        # before's collectives: the others wait for it at the rendezvous, and its
+        # launcher kills it if it never enters (node.py ENTER_LIMIT)
+        stall = None if any(s.get("entering") for s in states) else _stall(states)
         if stall != self._stall_state:
             self._stall_state, self._stall_since, self._stall_warned = stall, now, False
         if stall is None:
@@ -293,6 +296,8 @@ class Supervisor:
                      f"{'has' if len(lagging) == 1 else 'have'} not reached"
                      + (f" (last submitted: #{low}, key {by_rank[min(lagging)]['key_last']!r})"
                         if low else " (no collective submitted yet)") + "."]
+        # a process that does not run cannot answer for its stacks: say so first
+        lines.extend(self.view.process_report())
         stacks = self.view.stacks(sorted(lagging))
         for rank in sorted(lagging):
             text = stacks.get(rank)
