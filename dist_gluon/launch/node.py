@@ -91,6 +91,7 @@ class Node:
         self._counts_seen: dict[int, int] = {}
         # kept workers handed this round and not known to have entered it: when
         self._handed: dict[int, float] = {}
+        self._enter_limit = float(os.environ.get("DG_ENTER_LIMIT", ENTER_LIMIT))
         # why this launcher killed a worker (it did not enter its round), by rank
         self._killed_why: dict[int, str] = {}
 
@@ -302,8 +303,7 @@ class Node:
     def _kill_absent(self) -> None:
         """Kill the kept workers that have not entered the round they were handed
         within ENTER_LIMIT seconds (see there)."""
-        limit = float(os.environ.get("DG_ENTER_LIMIT", ENTER_LIMIT))
-        now = time.monotonic()
+        limit, now = self._enter_limit, time.monotonic()
         for p in self.workers:
             handed = self._handed.get(p.rank)
             if handed is None:

@@ -274,10 +274,18 @@ class Supervisor:
     def _stall_report(self, states, stall, waited) -> str:
         kind, low, lagging = stall
         by_rank = {s["rank"]: s for s in states}
+        shown = sorted(lagging)
         if kind == _QUIET:
-            return self._quiet_report(by_rank, low, lagging, waited)
-        hosts = ", ".join(by_rank[r]["host"] or "?" for r in sorted(lagging))
-        if kind == _APART:
+            # every rank is alike: the lowest ones' stacks stand for all
+            shown = shown[:_QUIET_STACKS]
+            key = by_rank[min(lagging)]["key_last"]
+            lines = [f"stall: no rank has submitted a collective for {waited:.0f} s; every "
+                     f"rank's last was #{low} (key {key!r}). Either they all compute (a "
+                     "long evaluation or step without collectives), or they all wait for "
+                     "that collective and their transport does not complete it (ps-lite's "
+                     "servers and scheduler must answer; over horovod, its background "
+                     "threads)."]
+        elif kind == _APART:
             running = [s for s in states if s["rank"] in lagging]
             where = "; ".join(f"rank {s['rank']} ({s['host'] or '?'}) in "
                               + _keys(_unmatched(s, running)) for s in running)
@@ -286,6 +294,7 @@ class Supervisor:
                      f"differ (collective #{low}): {where}. The ranks called different "
                      "collectives; each waits for the others to join its own."]
         else:
+            hosts = ", ".join(by_rank[r]["host"] or "?" for r in shown)
             ahead = [s for s in states if s["count"] > low]
             n = low + 1
             key = next((s["key_next"] for s in ahead if s.get("key_next")), None)
@@ -298,8 +307,8 @@ class Supervisor:
                         if low else " (no collective submitted yet)") + "."]
         # a process that does not run cannot answer for its stacks: say so first
         lines.extend(self.view.process_report())
-        stacks = self.view.stacks(sorted(lagging))
-        for rank in sorted(lagging):
+        stacks = self.view.stacks(shown)
+        for rank in shown:
             text = stacks.get(rank)
             if text:
                 lines.append(f"Python stacks of rank {rank} (every thread):")
@@ -307,26 +316,6 @@ class Supervisor:
             else:
                 lines.append(f"no Python stacks from rank {rank} (it has not imported "
                              "dist_gluon's backend, or did not answer)")
-        return "\n".join(lines)
-
-    def _quiet_report(self, by_rank, low, ranks, waited) -> str:
-        """Every rank has submitted ``low`` collectives, the same last one, and none
-        another for ``waited`` seconds: they compute (a long evaluation without
-        collectives), or they wait for a collective that does not complete."""
-        key = by_rank[min(ranks)]["key_last"]
-        lines = [f"stall: no rank has submitted a collective for {waited:.0f} s; every "
-                 f"rank's last was #{low} (key {key!r}). Either they all compute (a long "
-                 "evaluation or step without collectives), or they all wait for that "
-                 "collective and their transport does not complete it (ps-lite's servers "
-                 "and scheduler must answer; over horovod, its background threads)."]
-        lines.extend(self.view.process_report())
-        shown = sorted(ranks)[:_QUIET_STACKS]
-        stacks = self.view.stacks(shown)
-        for rank in shown:
-            text = stacks.get(rank)
-            if text:
-                lines.append(f"Python stacks of rank {rank} (every thread):")
-                lines.extend(f"    {line}" for line in text.rstrip().splitlines())
         return "\n".join(lines)
 
 
