@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import collections
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,70 @@ def launch(script: str, tmp_path: Path, backend: str = "horovod", n: int = 2,
             *launcher_args, "--", sys.executable, str(path), *args]
     return subprocess.run(argv, cwd=tmp_path, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def read_pipes(proc: subprocess.Popen) -> tuple[list[str], list[str], list[threading.Thread]]:
+    """Read ``proc``'s stdout and stderr (text) into two lists of lines as they come, one
+    thread per pipe (nothing else may read them): (stdout lines, stderr lines, the
+    started threads, to join once the process ended)."""
+    out: list[str] = []
+    err: list[str] = []
+    readers = [threading.Thread(target=lambda: out.extend(proc.stdout)),
+               threading.Thread(target=lambda: err.extend(proc.stderr))]
+    for reader in readers:
+        reader.start()
+    return out, err, readers
+
+
+def child_with(parent: int, needle: bytes) -> int | None:
+    """The pid of ``parent``'s child process whose environment holds the variable
+    ``needle`` (e.g. ``b"DG_RANK=1"``), or None."""
+    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True,
+                              text=True).stdout.split()
+    for pid in children:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+def cannot_reset_connections() -> str | None:
+    """Why this machine cannot reset a TCP connection from outside its processes
+    (``ss -K``: root, and a kernel with INET_DIAG_DESTROY), or None."""
+    if os.geteuid() != 0:
+        return "resetting a worker's connections (ss -K) needs root"
+    if shutil.which("ss") is None:
+        return "resetting a worker's connections needs ss (iproute2; make setup installs it)"
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as client:
+        peer, _ = server.accept()
+        with peer:
+            port = client.getsockname()[1]
+            subprocess.run(["ss", "-K", "-tn", "state", "established",
+                            f"( sport = :{port} )"], capture_output=True)
+            client.settimeout(2)
+            try:
+                client.recv(1)
+            except OSError:
+                return None             # aborted: the reset works
+    return "this kernel cannot reset a connection from outside (ss -K: INET_DIAG_DESTROY)"
+
+
+def reset_connections(pid: int, namespace: str | None = None) -> None:
+    """Reset every established TCP connection of process ``pid`` (``ss -K``, as a network
+    fault would: the process goes on), in network namespace ``namespace`` if given."""
+    where = ["ip", "netns", "exec", namespace] if namespace else []
+    listing = subprocess.run([*where, "ss", "-tnpH", "state", "established"],
+                             capture_output=True, text=True, check=True).stdout
+    ports = [line.split()[2].rsplit(":", 1)[1] for line in listing.splitlines()
+             if f"pid={pid}," in line]
+    assert ports, f"pid {pid} has no TCP connection to reset:\n{listing}"
+    for port in ports:
+        subprocess.run([*where, "ss", "-K", "-tn", "state", "established",
+                        f"( sport = :{port} )"], capture_output=True, check=True)
 
 
 def host_env() -> dict[str, str]:

@@ -20,13 +20,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from test_elastic import WAIT, ElasticJob, assert_replayed, check_weights, make_jobs
-from test_example_elastic import _cannot_reset_connections
 
-from conftest import REPO, process_env
+from conftest import REPO, cannot_reset_connections, child_with, process_env, reset_connections
 from test_launch import _marker_env, assert_nothing_left
 
 sys.path.insert(0, str(REPO / "tools"))
@@ -59,20 +57,6 @@ class MemoryJob(ElasticJob):
 
     def starts(self) -> list[dict]:
         return [e for e in self.events() if e["event"] == "start"]
-
-    def worker_pid(self, host: int) -> int:
-        """The pid of the job's worker on ``host`` (its launcher's child)."""
-        launcher = self.procs[host][-1].pid
-        children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
-                                  text=True).stdout.split()
-        for pid in children:
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(item.startswith(b"DG_RANK=") for item in environ):
-                return int(pid)
-        pytest.fail(f"no worker under host {host}'s launcher\n{self.report()}")
 
     def wait_training(self, world: int, reformation: int, steps: int = 3,
                       later: bool = False) -> None:
@@ -298,24 +282,16 @@ def test_connections_reset_between_hosts_re_form_the_job_in_the_same_processes(
     job's schedule. Or Gloo itself aborts the reset worker (its I/O thread signals the
     second error of a connection, a failed GLOO_ENFORCE: SIGABRT, seen in some runs);
     then a new worker replaces it and heals from rank 0, which keeps its process."""
-    reason = _cannot_reset_connections()
+    reason = cannot_reset_connections()
     if reason is not None:
         pytest.skip(reason)
     job = memory_jobs("horovod")
     job.start_hosts(2)
     first = job.starts()[0]["pids"]
-    host = job.cluster.hosts[1]
-    worker = job.worker_pid(1)
-    listing = subprocess.run(["ip", "netns", "exec", host.namespace, "ss", "-tnpH", "state",
-                              "established"], capture_output=True, text=True,
-                             check=True).stdout
-    ports = [line.split()[2].rsplit(":", 1)[1] for line in listing.splitlines()
-             if f"pid={worker}," in line]
-    assert ports, listing
-    for port in ports:
-        subprocess.run(["ip", "netns", "exec", host.namespace, "ss", "-K", "-tn", "state",
-                        "established", f"( sport = :{port} )"], check=True,
-                       capture_output=True)
+    # host 1's worker: rank 1 of the first formation, its launcher's child
+    worker = child_with(job.procs[1][-1].pid, b"DG_RANK=1")
+    assert worker is not None, job.report()
+    reset_connections(worker, job.cluster.hosts[1].namespace)
     limit = time.monotonic() + WAIT
     while not (job.progress().get("restart") == 1
                and job.progress().get("steps", 0) >= CHECKED):

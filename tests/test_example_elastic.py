@@ -4,18 +4,21 @@ ends with the weights of a run that lost no worker, passing the sync check
 (DG_CHECK_SYNC) after the heal."""
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import process_env
+from conftest import (
+    cannot_reset_connections,
+    child_with,
+    process_env,
+    read_pipes,
+    reset_connections,
+)
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "elastic" / "train_in_memory.py"
 
@@ -30,13 +33,7 @@ def _run(tmp_path, backend, kill_rank=None, flags=(), reset_rank=None, stop_rank
         cwd=tmp_path, env=process_env(DG_CHECK_SYNC="7", **(env or {})),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stopped = None
-    out: list[str] = []
-    err: list[str] = []
-    # one reader per pipe, and nothing else reads them
-    readers = [threading.Thread(target=lambda: out.extend(proc.stdout)),
-               threading.Thread(target=lambda: err.extend(proc.stderr))]
-    for reader in readers:
-        reader.start()
+    out, err, readers = read_pipes(proc)
     try:
         if kill_rank is not None:
             _kill_worker_when_training(proc.pid, kill_rank, out)
@@ -80,15 +77,7 @@ def _kill_worker_when_training(launcher: int, rank: int, out: list[str]) -> None
 def _reset_worker_when_training(launcher: int, rank: int, out: list[str]) -> None:
     """Reset every TCP connection of the launcher's worker of ``rank`` in the second
     epoch (``ss -K``, as a network fault would: the process goes on)."""
-    pid = _worker_in_second_epoch(launcher, rank, out)
-    listing = subprocess.run(["ss", "-tnpH", "state", "established"], capture_output=True,
-                             text=True, check=True).stdout
-    ports = [line.split()[2].rsplit(":", 1)[1] for line in listing.splitlines()
-             if f"pid={pid}," in line]
-    assert ports, f"rank {rank} (pid {pid}) has no TCP connection to reset:\n{listing}"
-    for port in ports:
-        subprocess.run(["ss", "-K", "-tn", "state", "established", f"( sport = :{port} )"],
-                       capture_output=True, check=True)
+    reset_connections(_worker_in_second_epoch(launcher, rank, out))
 
 
 def _worker_in_second_epoch(launcher: int, rank: int, out: list[str]) -> int:
@@ -98,40 +87,11 @@ def _worker_in_second_epoch(launcher: int, rank: int, out: list[str]) -> int:
     while time.monotonic() < deadline and not any("epoch 0:" in line for line in out):
         time.sleep(0.05)
     time.sleep(0.3)                     # into the second epoch
-    children = subprocess.run(["pgrep", "-P", str(launcher)], capture_output=True,
-                              text=True).stdout.split()
-    for pid in children:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"DG_RANK={rank}".encode() in environ:
-            return int(pid)
-    raise AssertionError(f"no worker of rank {rank} under launcher {launcher} in the "
-                         f"second epoch; its output: {''.join(out)[-2000:]}")
-
-
-def _cannot_reset_connections() -> str | None:
-    """Why this machine cannot reset a TCP connection from outside its processes
-    (``ss -K``: root, and a kernel with INET_DIAG_DESTROY), or None."""
-    if os.geteuid() != 0:
-        return "resetting a worker's connections (ss -K) needs root"
-    if shutil.which("ss") is None:
-        return "resetting a worker's connections needs ss (iproute2; make setup installs it)"
-    with socket.create_server(("127.0.0.1", 0)) as server, \
-            socket.create_connection(server.getsockname()) as client:
-        peer, _ = server.accept()
-        with peer:
-            port = client.getsockname()[1]
-            subprocess.run(["ss", "-K", "-tn", "state", "established",
-                            f"( sport = :{port} )"], capture_output=True)
-            client.settimeout(2)
-            try:
-                client.recv(1)
-            except OSError:
-                return None             # aborted: the reset works
-    return "this kernel cannot reset a connection from outside (ss -K: INET_DIAG_DESTROY)"
+    pid = child_with(launcher, f"DG_RANK={rank}".encode())
+    if pid is None:
+        raise AssertionError(f"no worker of rank {rank} under launcher {launcher} in the "
+                             f"second epoch; its output: {''.join(out)[-2000:]}")
+    return pid
 
 
 @pytest.mark.parametrize("backend,variants", [
@@ -162,7 +122,7 @@ def test_a_connection_reset_between_live_workers_re_forms_the_job_around_them(tm
     and both leave the round; with no process lost, only the launcher can end the round,
     and it does (it had waited forever): the job re-forms around the same two processes
     and ends with the weights of a run without the fault, the sync check passing."""
-    reason = _cannot_reset_connections()
+    reason = cannot_reset_connections()
     if reason is not None:
         pytest.skip(reason)
     code, stdout, stderr = _run(tmp_path, "horovod")

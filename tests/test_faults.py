@@ -12,12 +12,18 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 import time
 
 import pytest
 
-from conftest import DISTRIBUTED_BACKENDS, TRAINING_BACKENDS, launch, worker_lines
+from conftest import (
+    DISTRIBUTED_BACKENDS,
+    TRAINING_BACKENDS,
+    child_with,
+    launch,
+    read_pipes,
+    worker_lines,
+)
 from test_launch import _launcher_argv, _launcher_env, _marker_env, _report, assert_nothing_left
 
 FAILURE_DEADLINE = 10.0
@@ -351,18 +357,14 @@ def test_a_stopped_ps_lite_server_is_reported_and_the_job_goes_on_once_it_contin
     proc = subprocess.Popen(_launcher_argv(script, "dist_sync", launcher_args=[
         "--stall-warning", "2"], args=["200"]), cwd=tmp_path, env=_launcher_env(env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: list[str] = []
-    err: list[str] = []
-    readers = [threading.Thread(target=lambda: out.extend(proc.stdout)),
-               threading.Thread(target=lambda: err.extend(proc.stderr))]
-    for reader in readers:
-        reader.start()
+    out, err, readers = read_pipes(proc)
     server = None
     try:
         deadline = time.monotonic() + 60
         while not any("TRAINING" in line for line in out) and time.monotonic() < deadline:
             time.sleep(0.05)
-        server = _child_with(proc.pid, b"DMLC_ROLE=server")
+        server = child_with(proc.pid, b"DMLC_ROLE=server")
+        assert server is not None, "".join(err)[-3000:]
         os.kill(server, signal.SIGSTOP)
         deadline = time.monotonic() + 30
         while not any("stall: no rank has submitted a collective" in line for line in err) \
@@ -392,16 +394,3 @@ def test_a_stopped_ps_lite_server_is_reported_and_the_job_goes_on_once_it_contin
     assert worker_lines("".join(out), 0)[-1] == "done", report
     assert_nothing_left(env["DG_TEST_MARKER"])
 
-
-def _child_with(parent: int, needle: bytes) -> int:
-    """The pid of ``parent``'s child whose environment holds ``needle``."""
-    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True,
-                              text=True).stdout.split()
-    for pid in children:
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    return int(pid)
-        except OSError:
-            continue
-    raise AssertionError(f"no child of {parent} with {needle!r}")
