@@ -330,3 +330,21 @@ def test_the_sync_checks_count_is_restored_and_taken_by_a_new_worker():
     new_net, new_trainer = _model()
     dg.elastic.State(net=new_net, trainer=new_trainer)._take_layout(state._layout())
     assert new_trainer._sync_check.steps == 3
+
+
+def test_the_errors_of_a_lost_peer_are_told_from_the_scripts_own():
+    """What a collective raises when a peer or its connection is gone (horovod's shutdown
+    after a Gloo error; a connection reset, closed, or aborted by this host's TCP stack,
+    as ``ss -K`` or a keepalive failure does: ECONNABORTED) ends the round for
+    dist_gluon.elastic.run; any other error is the script's and propagates."""
+    from dist_gluon.elastic.rounds import _LOST_PEER
+    for message in ("MXNetError: Horovod has been shut down. This was caused by ...",
+                    "Read error [127.0.0.1]:2946: Connection reset by peer",
+                    "Connection closed by peer [10.0.0.2]:4021",
+                    "MXNetError: Software caused connection abort",
+                    "[gloo/transport/tcp/pair.cc:598] Connection closed by peer",
+                    "Timed out waiting 30000ms for recv operation to complete"):
+        assert _LOST_PEER.search(message), message
+    for message in ("ValueError: shapes (3,) and (4,) differ",
+                    "RuntimeError: CUDA out of memory"):
+        assert not _LOST_PEER.search(message), message

@@ -37,7 +37,8 @@ from .state import HostsUpdatedInterrupt, State
 
 # what a collective that lost its peers says (horovod's shutdown after a Gloo error)
 _LOST_PEER = re.compile(r"Horovod has been shut down|gloo|Connection reset|Connection "
-                        r"closed|Broken pipe|Timed out waiting", re.IGNORECASE)
+                        r"closed|Connection abort|Broken pipe|Timed out waiting",
+                        re.IGNORECASE)
 _WATCH_EVERY = 0.01     # seconds between two looks of the watching thread at the record
 
 
