@@ -128,7 +128,9 @@ def test_a_connection_reset_between_live_workers_re_forms_the_job_around_them(tm
     code, stdout, stderr = _run(tmp_path, "horovod")
     assert code == 0, stderr[-3000:]
     whole = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
-    code, stdout, stderr = _run(tmp_path, "horovod", reset_rank=1)
+    # a second restart for a worker Gloo aborts after the reset (a second error on one
+    # connection in its I/O thread: SIGABRT, about 1 run in 8 here), replaced as a lost one
+    code, stdout, stderr = _run(tmp_path, "horovod", reset_rank=1, restarts=2)
     report = stdout[-2000:] + stderr[-4000:]
     assert code == 0, report
     assert "failed while every worker still ran (no process was lost" in stderr, report
