@@ -763,3 +763,60 @@ def test_a_stall_names_the_collectives_a_rank_submitted_that_the_others_did_not(
     judge.check(apart, now=0.0)
     judge.check(apart, now=2.0)
     assert "rank 0 (h0) in key 'b'; rank 1 (h0) in key '__dg_stop'" in view.said[0]
+
+
+# ------------------------------------------------- a round whose workers all still run
+def _round_watch(restart: int):
+    from types import SimpleNamespace
+
+    from dist_gluon.launch.rounds import RoundWatch
+
+    watch = RoundWatch.__new__(RoundWatch)      # the method reads the round's number only
+    watch.view = SimpleNamespace(node=SimpleNamespace(spec=SimpleNamespace(restart=restart)))
+    watch._parked_since = None
+    return watch
+
+
+def _worker(rank: int, parked_round=None, acked=False, returncode=None) -> dict:
+    return {"rank": rank, "parked_round": parked_round, "acked": acked,
+            "returncode": returncode}
+
+
+def test_a_round_every_running_worker_left_ends_as_a_failure_at_once():
+    watch = _round_watch(restart=2)
+    end = watch._left_round([_worker(0, parked_round=2), _worker(1, parked_round=2)], 10.0)
+    assert end is not None and end.outcome is Outcome.FAILED and end.status == 1
+    assert "the collectives of ranks 0, 1 failed while every worker still ran" in end.report
+
+
+def test_a_round_one_worker_left_ends_after_the_others_had_time_to_follow():
+    from dist_gluon.launch.rounds import PARKED_SETTLE
+
+    watch = _round_watch(restart=2)
+    states = [_worker(0), _worker(1, parked_round=2)]
+    assert watch._left_round(states, 100.0) is None
+    assert watch._left_round(states, 100.0 + PARKED_SETTLE - 0.1) is None
+    end = watch._left_round(states, 100.0 + PARKED_SETTLE)
+    assert end.outcome is Outcome.FAILED and "the collectives of rank 1 failed" in end.report
+
+
+@pytest.mark.parametrize("states", [
+    [_worker(0), _worker(1)],                                       # all in the round
+    [_worker(0, parked_round=1), _worker(1, parked_round=1)],      # the round before's
+    [_worker(0, parked_round=2, acked=True), _worker(1, parked_round=2, acked=True)],
+    [_worker(0, parked_round=2), _worker(1, returncode=-9)],       # a death: supervisor's
+])
+def test_no_failure_while_a_worker_is_in_the_round_stopped_on_request_or_dead(states):
+    watch = _round_watch(restart=2)
+    assert watch._left_round(states, 0.0) is None
+    assert watch._left_round(states, 1000.0) is None
+
+
+def test_the_settling_time_starts_again_once_no_worker_has_left():
+    from dist_gluon.launch.rounds import PARKED_SETTLE
+
+    watch = _round_watch(restart=2)
+    one_left = [_worker(0), _worker(1, parked_round=2)]
+    assert watch._left_round(one_left, 0.0) is None
+    assert watch._left_round([_worker(0), _worker(1)], 1.0) is None
+    assert watch._left_round(one_left, PARKED_SETTLE + 1.0) is None
