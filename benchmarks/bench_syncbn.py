@@ -25,6 +25,7 @@ from mxnet import autograd, gluon
 import dist_gluon as dg
 
 IMPLS = ("batchnorm_hybrid", "batchnorm", "syncbn")
+WARMUP_ORDER = ("syncbn", "batchnorm", "batchnorm_hybrid")
 OPTIMIZER_PARAMS = {"learning_rate": 0.001, "momentum": 0.9, "wd": 1e-5}
 
 
@@ -83,9 +84,13 @@ def main():
             trainer.step(args.batch)
         return clock.seconds
 
-    for impl in IMPLS:
-        kv.barrier()
-        for _ in range(args.warmup):
+    # The warm-up's steps take turns in one order, SyncBatchNorm's first: horovod's cycle
+    # is tuned on them (the job's first steps, dist_gluon/backends/horovod_tuning.py),
+    # and in one order every cycle's window holds the same models (two in a row; a
+    # model's first steps build its graphs). Each model's first step is untimed by all.
+    for _ in range(args.warmup):
+        for impl in WARMUP_ORDER:
+            kv.barrier()
             one_step(impl)
     times = {impl: [] for impl in IMPLS}
     for r in range(args.rounds):

@@ -68,7 +68,7 @@ FULL = {
     "mlp": {"warmup": 1, "steps": 1, "rounds": 8, "width": 4096, "layers": 6},
     "mnist_epochs": 4, "mnist_reps": 2, "scaling_backends": BACKENDS,
     "mnist_large_batches": (128,),
-    "syncbn": {"warmup": 3, "rounds": 10, "backends": BACKENDS},
+    "syncbn": {"warmup": 4, "rounds": 10, "backends": BACKENDS},
     "codecs": {"quick": False},
     "memory": {"models": ("bert", "resnet50"), "workers": (2, 4),
                "backends": ("horovod", "dist_sync"), "warmup": 2, "steps": 4},

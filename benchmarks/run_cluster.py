@@ -152,7 +152,8 @@ COMPRESS_JOBS = {"horovod": ("dist_gluon,dg_fp16,dg_2bit,dg_powersgd,compute",),
 # plans from the gap between two step ends in Python, which in train.py's loop (no wait
 # inside a block) is the time to queue a step, not to run it (a first run with
 # MIN_STEPS's 9 steps: ResNet-50's tuning went on to step 12, into the other trainers')
-TUNE_WARMUP = horovod_tuning.WARMUP_STEPS + 2 * (1 + horovod_tuning.MAX_STEPS) + 1
+TUNE_WARMUP = (horovod_tuning.WARMUP_STEPS
+               + len(horovod_tuning.CYCLES_MS) * (1 + horovod_tuning.MAX_STEPS) + 1)
 # the line rank 0 prints once the cycle is chosen, or why nothing was tuned
 TUNER_LINE = re.compile(r"dist_gluon: horovod(?: tuned on steps|'s cycle time not tuned).*")
 

@@ -12,39 +12,43 @@ in the same process (``hvd.shutdown()``, new variables, ``hvd.init()``: about 0.
 launcher's rendezvous store is empty again once every rank has joined). So
 :class:`Tuner` times the job's own steps (those of
 :class:`~dist_gluon.DistributedTrainer` and of the peers' trainers in
-``dist_gluon.compat``) under horovod's default cycle and under
-:data:`LONG_CYCLE_MS`, and keeps the better for the rest of the run:
+``dist_gluon.compat``) under each cycle of :data:`CYCLES_MS`, shortest first (horovod's
+default), and keeps one for the rest of the run:
 
 1. The first :data:`WARMUP_STEPS` steps are left alone (graph building, allocation);
    rank 0 times the last of them and sets how many steps each cycle is timed over, so
    that each takes about :data:`SECONDS_PER_CANDIDATE` (at least :data:`MIN_STEPS`, at
    most :data:`MAX_STEPS`); every rank follows rank 0's plan.
 2. The default cycle (horovod as it started) is timed first. If its step is shorter
-   than :data:`SHORT_STEP_CYCLES` long cycles, it is kept (a long cycle cannot pay
-   there). Else horovod starts again with :data:`LONG_CYCLE_MS` and that is timed. A
-   timing leaves one step out, waits for the engine, runs the steps and waits for the
-   engine again: ``trainer.step`` returns while the sums run, so only a window closed
-   by waits holds its steps' whole work. Rank 0's time per step decides.
-3. The long cycle is kept when its time is within :data:`TOLERANCE` of the default's or
-   better: as fast, and a waiting rank burns less CPU. Otherwise horovod starts once
-   more with the default cycle.
-4. Rank 0 prints one line: what was chosen and why, with both times.
-5. Collectives chained within a step (SyncBatchNorm's sums, two per layer, each waiting
-   for the one before: :meth:`Tuner.chained`) wait up to a cycle each, so the long cycle
-   cannot pay there, whatever steps it was timed on (a job's first steps may be others':
-   a model without the layer, or ``make bench``'s three models taking turns). From
-   the step in which they first run, the default cycle is kept, and horovod starts
-   again with it if the long cycle was being timed or had been chosen.
+   than :data:`SHORT_STEP_CYCLES` longest cycles, it is kept (a longer cycle cannot pay
+   there). Else horovod starts again with the next cycle and that is timed, and so on
+   while the cycle just timed is the choice so far (below): a longer cycle that was
+   slower ends the climb. A timing leaves one step out, waits for the engine, runs the
+   steps and waits for the engine again: ``trainer.step`` returns while the sums run,
+   so only a window closed by waits holds its steps' whole work. Rank 0's time per step
+   decides.
+3. The choice is the longest cycle timed whose step is within :data:`TOLERANCE` of the
+   fastest: as fast, and a waiting rank burns less CPU with it. If horovod runs with
+   another one at the end of the climb, it starts once more with the choice.
+4. Rank 0 prints one line: what was chosen and why, with every time.
+5. Collectives chained within a step (SyncBatchNorm's sums through the backend, two per
+   layer, each waiting for the one before: :meth:`Tuner.chained`) wait up to a cycle
+   each, so a longer cycle cannot pay there, whatever steps it was timed on (a job's
+   first steps may be others': a model without the layer, or ``make bench``'s three
+   models taking turns). From the step in which they first run, the default cycle is
+   kept, and horovod starts again with it if it runs with another.
 
-Why two candidates, and the fusion threshold left alone: horovod 0.28.1's
+Why the cycle only, and the fusion threshold left alone: horovod 0.28.1's
 ParameterManager keeps a variable fixed by the environment for the life of the process
 and, at each later ``hvd.init()``, writes the built-in defaults of the fixed ones into
 the slots of the others; once both the cycle time and the fusion threshold are fixed,
 the next ``hvd.init()`` crashes (a segmentation fault: benchmarks/FINDINGS.md 9i). So
-the fusion threshold is never set here, and the cycle time changes at most twice (to
-the long cycle, and back when that was slower). By horovod's code, that way back
-leaves horovod's fusion threshold at 1 MiB instead of 128 MiB (its cycle default
-written into the threshold's slot); no difference was measurable (FINDINGS.md 9i).
+the fusion threshold is never set here; the cycle alone survives every restart (four
+at most here: two up the climb, one back, one for chained sums after it; measured: up
+to seven in a row, FINDINGS.md 9k). By
+horovod's code, the first restart leaves horovod's fusion threshold at 1 MiB instead of
+128 MiB (its cycle default written into the threshold's slot); no difference was
+measurable (FINDINGS.md 9i).
 
 For the same reason nothing is tuned in an elastic job (``--nnodes MIN:MAX``, or
 ``--max-restarts`` on one machine), whose in-process re-formation starts horovod again,
@@ -65,15 +69,20 @@ CYCLE_ENV = "HOROVOD_CYCLE_TIME"
 FUSION_ENV = "HOROVOD_FUSION_THRESHOLD"
 AUTOTUNE_ENV = "HOROVOD_AUTOTUNE"
 DEFAULT_CYCLE_MS = 1.0                # horovod 0.28.1's
-LONG_CYCLE_MS = 20.0
+# the cycles timed, shortest first: 5 ms is the best of the three for steps of many
+# chained small sums beside the gradients' (SyncBatchNorm over its side channel), 20 ms
+# for steps bound by the link or by shared cores (VGG-16 with a codec at 1 Gbit/s)
+# (benchmarks/FINDINGS.md 9i, 11d, 9k)
+CYCLES_MS = (DEFAULT_CYCLE_MS, 5.0, 20.0)
+LONG_CYCLE_MS = CYCLES_MS[-1]
 WARMUP_STEPS = 2
 SECONDS_PER_CANDIDATE = 0.5
 MIN_STEPS, MAX_STEPS = 2, 12
 TOLERANCE = 0.02
-# A step this many long cycles long or shorter cannot gain from the long cycle: it waits
-# about half a cycle more per negotiation (10 ms), at least 10% of it, while horovod's
-# 1-ms negotiation takes 0.07-0.12 s of CPU per second (FINDINGS.md 9c, 9i), so the
-# long cycle is not tried (no restart either)
+# A step this many longest cycles long or shorter cannot gain from a longer cycle: it
+# waits about half a cycle more per negotiation (up to 10 ms), at least 10% of it, while
+# horovod's 1-ms negotiation takes 0.07-0.12 s of CPU per second (FINDINGS.md 9c, 9i),
+# so no other cycle is tried (no restart either): the MNIST example's 25-ms steps
 SHORT_STEP_CYCLES = 5
 
 
@@ -197,46 +206,53 @@ class Tuner:
         # rank 0's times decide for every rank
         self.step_times = self._broadcast(self.step_times)
         default = self.step_times[DEFAULT_CYCLE_MS]
-        if self._current == DEFAULT_CYCLE_MS and default >= SHORT_STEP_CYCLES * \
-                LONG_CYCLE_MS / 1e3:
-            self._time(LONG_CYCLE_MS)
-            self._restart({CYCLE_ENV: f"{LONG_CYCLE_MS:g}"})
+        short = default < SHORT_STEP_CYCLES * LONG_CYCLE_MS / 1e3
+        chosen = self.choice()
+        if not short and chosen == self._current and self._current != CYCLES_MS[-1]:
+            longer = CYCLES_MS[CYCLES_MS.index(self._current) + 1]
+            self._time(longer)
+            self._restart({CYCLE_ENV: f"{longer:g}"})
             return
         self.steps = (self.steps[0], self._steps)
         self.done = True
-        long = self.step_times.get(LONG_CYCLE_MS)
-        if long is not None and long <= default * (1 + TOLERANCE):
-            self.settings = {CYCLE_ENV: f"{LONG_CYCLE_MS:g}"}
-        elif long is not None:
-            # the cycle alone: with the fusion threshold also set, horovod 0.28.1 crashes
-            # at this third start (see the module's docstring)
-            self.settings = {CYCLE_ENV: f"{DEFAULT_CYCLE_MS:g}"}
-            self._restart(self.settings)
+        if len(self.step_times) > 1:
+            self.settings = {CYCLE_ENV: f"{chosen:g}"}
+            if chosen != self._current:
+                # the cycle alone: with the fusion threshold also set, horovod 0.28.1
+                # crashes at a later start (see the module's docstring)
+                self._restart(self.settings)
         if self._rank == 0:
             print(self.summary(), file=sys.stderr, flush=True)
 
+    def choice(self) -> float:
+        """The longest cycle timed so far whose step is within :data:`TOLERANCE` of the
+        fastest one's."""
+        fastest = min(self.step_times.values())
+        return max(cycle for cycle, seconds in self.step_times.items()
+                   if seconds <= fastest * (1 + TOLERANCE))
+
     def _keep_default(self) -> None:
         """Chained collectives run: the default cycle from now on, horovod started again
-        with it if it runs with the long one (at most its second restart, as after a
-        slower long cycle)."""
+        with it if it runs with another one."""
         self._chained_seen = True
         if not self._enabled or self.reason_not is not None:
             if not self.done:
                 self._give_up()
             return
-        on_long = (self._current == LONG_CYCLE_MS if not self.done
-                   else self.settings.get(CYCLE_ENV) == f"{LONG_CYCLE_MS:g}")
+        running = (self._current if not self.done
+                   else float(self.settings.get(CYCLE_ENV, DEFAULT_CYCLE_MS)))
+        on_other = running is not None and running != DEFAULT_CYCLE_MS
         was_done, self.done = self.done, True
-        if was_done and not on_long:
+        if was_done and not on_other:
             return
-        if on_long:
+        if on_other:
             self._wait()
             self.settings = {CYCLE_ENV: f"{DEFAULT_CYCLE_MS:g}"}
             self._restart(self.settings)
         if self._rank == 0:
             print(f"dist_gluon: horovod's {CYCLE_ENV} is horovod's default "
                   f"({DEFAULT_CYCLE_MS:g} ms) from step {self._steps} on"
-                  + (", started again with it" if on_long else "")
+                  + (", started again with it" if on_other else "")
                   + f": {self._chained}, each waiting up to a cycle, so a longer cycle "
                   "cannot pay", file=sys.stderr, flush=True)
 
@@ -249,18 +265,18 @@ class Tuner:
     def summary(self) -> str:
         """The line rank 0 prints once the cycle is chosen."""
         cycle = float(self.settings.get(CYCLE_ENV, DEFAULT_CYCLE_MS))
-        default, long = self.step_times[DEFAULT_CYCLE_MS], self.step_times.get(LONG_CYCLE_MS)
-        if long is None:
-            measured = f"step {default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms"
+        measured = "step " + ", ".join(f"{seconds * 1e3:.1f} ms at {timed:g} ms"
+                                       for timed, seconds in sorted(self.step_times.items()))
+        if len(self.step_times) == 1:
             why = (f"shorter than {SHORT_STEP_CYCLES} cycles of {LONG_CYCLE_MS:g} ms, which "
                    "would delay it more than horovod's negotiation costs it")
+        elif cycle != DEFAULT_CYCLE_MS:
+            why = (f"the longest cycle within {TOLERANCE:.0%} of the fastest step, and a "
+                   "waiting rank burns less CPU with a longer cycle")
+            if max(self.step_times) > cycle:
+                why += "; a longer one was slower"
         else:
-            measured = (f"step {default * 1e3:.1f} ms at {DEFAULT_CYCLE_MS:g} ms, "
-                        f"{long * 1e3:.1f} ms at {LONG_CYCLE_MS:g} ms")
-            why = (f"the longer cycle is within {TOLERANCE:.0%} of the default's step or "
-                   "faster, and a waiting rank burns less CPU with it"
-                   if cycle == LONG_CYCLE_MS else
-                   f"the longer cycle's step is more than {TOLERANCE:.0%} slower")
+            why = f"a longer cycle's step is more than {TOLERANCE:.0%} slower"
         first, last = self.steps
         return (f"dist_gluon: horovod tuned on steps {first}-{last}: {CYCLE_ENV}={cycle:g} "
                 f"(ms), kept for the rest of the run; {measured}: {why}; {FUSION_ENV} not "
