@@ -133,7 +133,10 @@ def test_a_connection_reset_between_live_workers_re_forms_the_job_around_them(tm
     code, stdout, stderr = _run(tmp_path, "horovod", reset_rank=1, restarts=2)
     report = stdout[-2000:] + stderr[-4000:]
     assert code == 0, report
-    assert "failed while every worker still ran (no process was lost" in stderr, report
+    # or Gloo aborted the reset worker in that round already (seen across hosts, 1 run
+    # in 4: test_elastic_memory), and it was replaced as a lost one
+    assert ("failed while every worker still ran (no process was lost" in stderr
+            or re.search(r"rank 1 \(\S+\) was killed by SIGABRT", stderr)), report
     assert "last commit in memory (their processes stay" in stderr, report
     assert "terminated the rest of the job" not in stderr, report
     healed = re.search(r"trained 3 epochs on 2 workers; bias (\S+)", stdout)
