@@ -17,8 +17,10 @@ import socket
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import mxnet as mx
+import numpy as np
 
 from .. import jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
@@ -152,6 +154,9 @@ class Horovod(Backend):
             _tune_openmpi()
             self._init()
         super().__init__()
+        # whether rank 0 has said that Gloo's float16 sums are inexact (or there is
+        # nothing to say: over MPI)
+        self._told_half = False
         self._tuner = Tuner(self._start_again, mx.nd.waitall, self.broadcast_object, self.rank,
                             enabled=worker.context().tune and self.num_workers > 1,
                             reason_not=self._why_not_tuned())
@@ -271,13 +276,42 @@ class Horovod(Backend):
         return self._hvd.local_rank()
 
     def _allreduce_(self, names, arrays, priority):
+        if not self._told_half:
+            self._tell_half_sums(names, arrays)
         with self._submit_lock:
             for name, arr in zip(names, arrays):
                 self._hvd.allreduce_(arr, name=f"dg.ar.{name}", priority=priority,
                                      op=self._hvd.Sum)
 
     def _reducescatter_(self, names, arrays, priority):
+        if not self._told_half:
+            self._tell_half_sums(names, arrays)
         return self._grouped("reducescatter", names, arrays, priority)
+
+    def _tell_half_sums(self, names, arrays) -> None:
+        """At the first float16 sum over Gloo, rank 0 warns that some will be wrong:
+        horovod 0.28.1's float16 sum over Gloo returns one of the two values instead of
+        their sum for some pairs of values (0.000428 + 3844 gives 0.000428, 26480 + 3844
+        gives 26480, 1 + 6e-8 gives 6e-8; 4 of 5,007 gradient values of wide range per
+        step in one test), where the same sums over MPI, in float32 and on ps-lite are
+        right (benchmarks/FINDINGS.md 9l). Once per process; nothing over MPI."""
+        if not self._hvd.gloo_enabled():
+            self._told_half = True
+            return
+        half = next((name for name, arr in zip(names, arrays) if arr.dtype == np.float16),
+                    None)
+        if half is None:
+            return
+        self._told_half = True
+        if self.rank == 0:
+            warnings.warn(
+                f"dist_gluon: float16 sums over horovod's Gloo transport (the first: "
+                f"{half!r}) can be wrong: horovod 0.28.1's Gloo float16 sum returns one "
+                "of the two values instead of their sum for some pairs (0.000428 + 3844 "
+                "gives 0.000428), so those gradient elements lose a worker's part. For "
+                "exact float16 sums use --transport mpi, or dist_sync/p3; on Gloo, "
+                "compression='2bit' or 'powersgd' (integer or float32 sums), or "
+                "float32 gradients (benchmarks/FINDINGS.md 9l)", stacklevel=4)
 
     def _allgather_(self, names, arrays, counts, outs, priority):
         if outs is not None:
