@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +13,7 @@ from dist_gluon.launch import cli, policy, protocol
 from dist_gluon.launch.config import LaunchConfig
 from dist_gluon.launch.policy import Decision, Outcome, RoundEnd, Standing, StopRequest
 from dist_gluon.launch.processes import TERM_GRACE
+from dist_gluon.launch.rounds import PARKED_SETTLE, RoundWatch
 
 NAMES = {0: "node 0 (h0)", 1: "node 1 (h1)", 2: "node 2 (h2)"}
 
@@ -767,10 +769,6 @@ def test_a_stall_names_the_collectives_a_rank_submitted_that_the_others_did_not(
 
 # ------------------------------------------------- a round whose workers all still run
 def _round_watch(restart: int):
-    from types import SimpleNamespace
-
-    from dist_gluon.launch.rounds import RoundWatch
-
     watch = RoundWatch.__new__(RoundWatch)      # the method reads the round's number only
     watch.view = SimpleNamespace(node=SimpleNamespace(spec=SimpleNamespace(restart=restart)))
     watch._parked_since = None
@@ -790,8 +788,6 @@ def test_a_round_every_running_worker_left_ends_as_a_failure_at_once():
 
 
 def test_a_round_one_worker_left_ends_after_the_others_had_time_to_follow():
-    from dist_gluon.launch.rounds import PARKED_SETTLE
-
     watch = _round_watch(restart=2)
     states = [_worker(0), _worker(1, parked_round=2)]
     assert watch._left_round(states, 100.0) is None
@@ -813,8 +809,6 @@ def test_no_failure_while_a_worker_is_in_the_round_stopped_on_request_or_dead(st
 
 
 def test_the_settling_time_starts_again_once_no_worker_has_left():
-    from dist_gluon.launch.rounds import PARKED_SETTLE
-
     watch = _round_watch(restart=2)
     one_left = [_worker(0), _worker(1, parked_round=2)]
     assert watch._left_round(one_left, 0.0) is None

@@ -208,7 +208,7 @@ class Tuner:
         default = self.step_times[DEFAULT_CYCLE_MS]
         short = default < SHORT_STEP_CYCLES * LONG_CYCLE_MS / 1e3
         chosen = self.choice()
-        if not short and chosen == self._current and self._current != CYCLES_MS[-1]:
+        if not short and chosen == self._current and self._current != LONG_CYCLE_MS:
             longer = CYCLES_MS[CYCLES_MS.index(self._current) + 1]
             self._time(longer)
             self._restart({CYCLE_ENV: f"{longer:g}"})
