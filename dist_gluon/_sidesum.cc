@@ -27,6 +27,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -492,6 +493,284 @@ void dg_side_close(void* channel) {
   }
   close(ch->wake[0]);
   close(ch->wake[1]);
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------
+// SyncBatchNorm's backward function, in C++ (dist_gluon/syncbn.py, _GlobalAffine).
+//
+// MXNet runs an autograd Function's backward by calling the function's callback in one
+// of its custom-operator threads. A Python callback costs the layer about a millisecond
+// a step there (the GIL, Python wrappers of the arrays, every operator invoked from
+// Python), on the backward pass's critical path. This callback queues the same
+// operators as the Python one, with the same arrays, through MXNet's C API:
+//
+//   mine  = graph "mine"(dscale, dshift, scale, invstd)      into the layer's grads array
+//   the side channel's sum of grads (dg_side_run, as SideChannel.sum queues it)
+//   dx_scale, dx_shift, dgb = graph "back"(grads, own_mean, mean, share, dscale, dshift,
+//                                          invstd)
+//   dx = BatchNorm(x, dx_scale, dx_shift, own_mean, unit variance, use_global_stats)
+//   x's and [gamma, beta]'s gradients written (or added) from dx and dgb
+//
+// and returns: nothing waits in the callback, the engine orders the operators.
+//
+// dg_syncbn_api(functions, creators)        MXNet's C API functions and operators, once
+// dg_syncbn_state(...) -> state             a recorded forward's saved arrays and keys
+// dg_syncbn_record(state, x, gb, scale, shift)   MXCustomFunctionRecord with the
+//                                           callbacks below (state freed by MXNet)
+// dg_syncbn_error() -> text                 the last failure of a callback, "" if none
+// dg_syncbn_calls() -> n                    callbacks run so far in this process
+
+namespace {
+
+typedef int (*InvokeEx)(void*, int, void**, int*, void***, int, const char**, const char**,
+                        const int**);
+typedef int (*InvokeCached)(void*, int, void**, int*, void***, const int**);
+typedef int (*PushAsync)(void*, void*, void*, void*, void**, int, void**, int, void*, int,
+                         const char*, bool);
+typedef int (*ShallowCopy)(void*, void**);
+typedef const char* (*LastError)();
+typedef int (*RecordFunction)(int, void**, int, void**, void*);
+
+struct Api {
+  InvokeEx invoke = nullptr;
+  InvokeCached invoke_cached = nullptr;
+  PushAsync push_async = nullptr;
+  ShallowCopy shallow_copy = nullptr;
+  FreeHandle free_handle = nullptr;
+  GetData get_data = nullptr;
+  LastError last_error = nullptr;
+  RecordFunction record = nullptr;
+  void* batchnorm = nullptr;   // operator handles (NNGetOpHandle)
+  void* copyto = nullptr;
+  void* add = nullptr;
+};
+
+Api g_api;
+std::atomic<int64_t> g_calls(0);   // backward callbacks run (tests read it)
+std::mutex g_error_mu;
+std::string g_error;
+
+// MXNet 1.9's MXCallbackList (include/mxnet/c_api.h)
+struct CallbackList {
+  int num_callbacks;
+  int (**callbacks)(void);
+  void** contexts;
+};
+
+// the arrays a graph reads, by slot: where the callback finds each
+enum Slot { kDScale, kDShift, kScale, kInvstd, kGrads, kOwnMean, kMean, kShare, kSlots };
+
+struct Saved {
+  Channel* channel;
+  uint64_t key;
+  int dtype;
+  int64_t grads_size;
+  void* saved[kSlots];          // own handles (kDScale and kDShift unused)
+  void* x;
+  void* unit_var;
+  void* mine_op;                // CachedOp handles of the layer's graphs
+  void* back_op;
+  std::vector<int> mine_order;  // the graphs' inputs, as slots
+  std::vector<int> back_order;
+  int context[2];               // mxnet::Context of the layer's device
+  std::string axis;
+  int (*callbacks[2])(void);
+  void* contexts[2];
+  CallbackList list;
+};
+
+void remember_error(const std::string& what) {
+  std::string text = "SyncBatchNorm backward: " + what + ": " +
+                     (g_api.last_error != nullptr ? g_api.last_error() : "");
+  fprintf(stderr, "%s\n", text.c_str());
+  std::lock_guard<std::mutex> lock(g_error_mu);
+  g_error = text;
+}
+
+int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* reqs,
+                      const int is_train, void* state) {
+  (void)is_train;
+  Saved* s = static_cast<Saved*>(state);
+  ++g_calls;
+  std::vector<void*> made;      // handles this call creates, freed at its end
+  bool ok = num_ograds == 2 && num_igrads == 2;
+  void* slots[kSlots];
+  for (int i = 0; i < kSlots; ++i) slots[i] = s->saved[i];
+  if (ok) {
+    slots[kDScale] = ptrs[0];
+    slots[kDShift] = ptrs[1];
+  }
+  std::vector<void*> inputs;
+  // mine, into the grads array
+  if (ok) {
+    for (int slot : s->mine_order) inputs.push_back(slots[slot]);
+    void* grads = s->saved[kGrads];
+    void** outputs = &grads;
+    int count = 1;
+    const int* stypes = nullptr;
+    ok = g_api.invoke_cached(s->mine_op, static_cast<int>(inputs.size()), inputs.data(),
+                             &count, &outputs, &stypes) == 0;
+    if (!ok) remember_error("graph mine");
+  }
+  // its sum over the workers, on the side channel
+  if (ok) {
+    void* own = nullptr;
+    ok = g_api.shallow_copy(s->saved[kGrads], &own) == 0;
+    if (ok) {
+      Task* task = new Task{s->channel, s->key, own, static_cast<uint32_t>(s->dtype),
+                            s->grads_size, g_api.get_data, g_api.free_handle};
+      int prop = 3;   // FnProperty::kCPUPrioritized, as SideChannel.sum
+      void* grads = s->saved[kGrads];
+      ok = g_api.push_async(reinterpret_cast<void*>(&dg_side_run), task,
+                            reinterpret_cast<void*>(&dg_side_free_task), s->context,
+                            nullptr, 0, &grads, 1, &prop, 1, "dg_side_sum", false) == 0;
+    }
+    if (!ok) remember_error("side channel sum");
+  }
+  // back: the scale and shift of dx, and [dgamma, dbeta]
+  void* dx_scale = nullptr;
+  void* dx_shift = nullptr;
+  void* dgb = nullptr;
+  if (ok) {
+    inputs.clear();
+    for (int slot : s->back_order) inputs.push_back(slots[slot]);
+    void** outputs = nullptr;
+    int count = 0;
+    const int* stypes = nullptr;
+    ok = g_api.invoke_cached(s->back_op, static_cast<int>(inputs.size()), inputs.data(),
+                             &count, &outputs, &stypes) == 0 && count == 3;
+    if (ok) {
+      dx_scale = outputs[0];
+      dx_shift = outputs[1];
+      dgb = outputs[2];
+      made.insert(made.end(), {dx_scale, dx_shift, dgb});
+    } else {
+      remember_error("graph back");
+    }
+  }
+  // dx, by the BatchNorm operator, into an array of its own: written straight into the
+  // array the custom-function thread hands over, MKLDNN leaves it in its blocked layout
+  // where autograd's own array (the same memory) is read as plain (measured: wrong)
+  void* dx = nullptr;
+  if (ok) {
+    void* bn_inputs[5] = {s->x, dx_scale, dx_shift, s->saved[kOwnMean], s->unit_var};
+    const char* keys[4] = {"axis", "eps", "fix_gamma", "use_global_stats"};
+    const char* values[4] = {s->axis.c_str(), "1e-12", "False", "True"};
+    void** outputs = nullptr;
+    int count = 0;
+    const int* stypes = nullptr;
+    ok = g_api.invoke(g_api.batchnorm, 5, bn_inputs, &count, &outputs, 4, keys, values,
+                      &stypes) == 0 && count >= 1;
+    if (ok) {
+      dx = outputs[0];
+      for (int i = 0; i < count; ++i) made.push_back(outputs[i]);
+    } else {
+      remember_error("BatchNorm");
+    }
+  }
+  // the input gradients: written, or added where autograd asks (grad_req 'add')
+  void* values[2] = {dx, dgb};
+  for (int i = 0; i < 2 && ok; ++i) {
+    void* grad = ptrs[num_ograds + i];
+    void** outputs = &grad;
+    int count = 1;
+    const int* stypes = nullptr;
+    if (reqs[i] == 1 || reqs[i] == 2) {        // write, inplace
+      ok = g_api.invoke(g_api.copyto, 1, &values[i], &count, &outputs, 0, nullptr, nullptr,
+                        &stypes) == 0;
+    } else if (reqs[i] == 3) {                 // add
+      void* both[2] = {grad, values[i]};
+      ok = g_api.invoke(g_api.add, 2, both, &count, &outputs, 0, nullptr, nullptr,
+                        &stypes) == 0;
+    }
+    if (!ok) remember_error("writing the input gradients");
+  }
+  for (void* handle : made) g_api.free_handle(handle);
+  for (int i = 0; i < num_ograds + num_igrads; ++i) g_api.free_handle(ptrs[i]);
+  return ok ? 1 : 0;
+}
+
+int delete_callback(void* state) {
+  Saved* s = static_cast<Saved*>(state);
+  for (int i = 0; i < kSlots; ++i) {
+    if (s->saved[i] != nullptr) g_api.free_handle(s->saved[i]);
+  }
+  g_api.free_handle(s->x);
+  g_api.free_handle(s->unit_var);
+  delete s;
+  return 1;
+}
+
+}  // namespace
+
+extern "C" {
+
+void dg_syncbn_api(void* const* functions, void* const* creators) {
+  g_api.invoke = reinterpret_cast<InvokeEx>(functions[0]);
+  g_api.invoke_cached = reinterpret_cast<InvokeCached>(functions[1]);
+  g_api.push_async = reinterpret_cast<PushAsync>(functions[2]);
+  g_api.shallow_copy = reinterpret_cast<ShallowCopy>(functions[3]);
+  g_api.free_handle = reinterpret_cast<FreeHandle>(functions[4]);
+  g_api.get_data = reinterpret_cast<GetData>(functions[5]);
+  g_api.last_error = reinterpret_cast<LastError>(functions[6]);
+  g_api.record = reinterpret_cast<RecordFunction>(functions[7]);
+  g_api.batchnorm = creators[0];
+  g_api.copyto = creators[1];
+  g_api.add = creators[2];
+}
+
+// `saved`: own handles of the slots kScale..kShare (freed with the state), `x` and
+// `unit_var` likewise; the orders list each graph's inputs as slots.
+void* dg_syncbn_state(void* channel, uint64_t key, int dtype, int64_t grads_size,
+                      void* const* saved, void* x, void* unit_var, void* mine_op,
+                      const int* mine_order, int mine_inputs, void* back_op,
+                      const int* back_order, int back_inputs, int dev_type, int dev_id,
+                      int axis) {
+  Saved* s = new Saved;
+  s->channel = static_cast<Channel*>(channel);
+  s->key = key;
+  s->dtype = dtype;
+  s->grads_size = grads_size;
+  s->saved[kDScale] = s->saved[kDShift] = nullptr;
+  for (int i = kScale; i < kSlots; ++i) s->saved[i] = saved[i - kScale];
+  s->x = x;
+  s->unit_var = unit_var;
+  s->mine_op = mine_op;
+  s->back_op = back_op;
+  s->mine_order.assign(mine_order, mine_order + mine_inputs);
+  s->back_order.assign(back_order, back_order + back_inputs);
+  s->context[0] = dev_type;
+  s->context[1] = dev_id;
+  s->axis = std::to_string(axis);
+  s->callbacks[0] = reinterpret_cast<int (*)(void)>(&backward_callback);
+  s->callbacks[1] = reinterpret_cast<int (*)(void)>(&delete_callback);
+  s->contexts[0] = s->contexts[1] = s;
+  s->list.num_callbacks = 2;
+  s->list.callbacks = s->callbacks;
+  s->list.contexts = s->contexts;
+  return s;
+}
+
+// Record the function (x, gb) -> (scale, shift) for autograd, with `state`'s callbacks;
+// 0 on success. MXNet frees the state (the delete callback) with the recorded graph.
+int dg_syncbn_record(void* state, void* x, void* gb, void* scale, void* shift) {
+  Saved* s = static_cast<Saved*>(state);
+  void* inputs[2] = {x, gb};
+  void* outputs[2] = {scale, shift};
+  int failed = g_api.record(2, inputs, 2, outputs, &s->list);
+  if (failed != 0) delete_callback(s);
+  return failed;
+}
+
+int64_t dg_syncbn_calls() { return g_calls.load(); }
+
+const char* dg_syncbn_error() {
+  static thread_local std::string copy;
+  std::lock_guard<std::mutex> lock(g_error_mu);
+  copy = g_error;
+  return copy.c_str();
 }
 
 }  // extern "C"

@@ -38,8 +38,8 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import nn
 
+from . import _kernels, sidechannel, worker
 from . import join as _join
-from . import sidechannel, worker
 from .backends import Backend, resolve
 
 # Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
@@ -587,6 +587,11 @@ class _Function(autograd.Function):
     would silently get no gradient, and it never adds to a gradient whose request is
     ``add``. This is its ``__call__`` (MXNet 1.9.1) with that loop fixed."""
 
+    def _record_native(self, inputs, results) -> bool:
+        """Record the function with a backward callback of compiled code instead, if
+        the subclass has one here; True if it did."""
+        return False
+
     def __call__(self, *inputs):
         assert not self._used, "each Function instance can only be called once"
         self._used = True
@@ -596,6 +601,8 @@ class _Function(autograd.Function):
         if not previous:
             return outputs
         results = (outputs,) if isinstance(outputs, mx.nd.NDArray) else outputs
+        if self._record_native(inputs, results):
+            return outputs
         key = autograd.Function._registry.inc()
 
         def backward_entry(num_ograds, num_igrads, ptrs, reqs, is_train, _):
@@ -708,6 +715,87 @@ class _GlobalAffine(_Function):
                              axis=self._axis, eps=_UNIT_EPS, fix_gamma=False,
                              use_global_stats=True)
         return dx, dgb
+
+    def _record_native(self, inputs, results) -> bool:
+        """Where the layer's sums take the side channel (one CPU device), record the
+        function with the compiled backward callback of ``_sidesum.cc``: the same
+        operators on the same arrays as :meth:`backward`, queued without Python, so the
+        backward pass no longer waits for the GIL and Python wrappers in MXNet's
+        custom-operator thread at every layer (``DG_SYNCBN_NATIVE=0`` keeps
+        :meth:`backward`, and so does an input with a gradient of its own attached,
+        which is rare: x is a layer's output)."""
+        ch = self._channel
+        x, own_mean, mean, invstd, scale, share = self._saved
+        if (ch.side is None or scale.context != mx.cpu(0) or inputs[0].grad is not None
+                or not _native_backward(ch.side)):
+            return False
+        lib, own = ch.side._lib, _kernels.own_handle
+        grads = ch.grads[self._micro]
+        saved = [own(a) for a in (scale, invstd, grads, own_mean, mean, share)]
+        mine, back = self._graphs["mine"], self._graphs["back"]
+        mine_order = [_SLOTS[name] for name in mine._names]
+        back_order = [_SLOTS[name] for name in back._names]
+        state = lib.dg_syncbn_state(
+            ch.side._handle, sidechannel.key_id(ch._backward_key(self._micro)),
+            sidechannel._DTYPES[np.dtype(grads.dtype)], grads.size,
+            (ctypes.c_void_p * len(saved))(*saved), own(x), own(ch.backward_unit_var),
+            mine._op.handle, (ctypes.c_int * len(mine_order))(*mine_order), len(mine_order),
+            back._op.handle, (ctypes.c_int * len(back_order))(*back_order), len(back_order),
+            scale.context.device_typeid, scale.context.device_id, self._axis)
+        failed = lib.dg_syncbn_record(state, *[a.handle for a in (*inputs, *results)])
+        if failed:
+            raise mx.base.MXNetError(mx.base.py_str(mx.base._LIB.MXGetLastError()))
+        return True
+
+
+# The arrays the compiled backward hands the graphs "mine" and "back", by their names in
+# the graphs (the order of _sidesum.cc's Slot)
+_SLOTS = {name: slot for slot, name in enumerate(
+    ("dscale", "dshift", "scale", "invstd", "grads", "own_mean", "mean", "share"))}
+_native: bool | None = None
+
+
+def _compiled_backwards() -> int:
+    """How many layer backwards the compiled callback has run in this process (0 where
+    it is off)."""
+    if not _native:
+        return 0
+    lib = sidechannel._library()
+    lib.dg_syncbn_calls.restype = ctypes.c_int64
+    return lib.dg_syncbn_calls()
+
+
+def _native_backward(side: sidechannel.SideChannel) -> bool:
+    """Whether the compiled backward is on (handing the library MXNet's C API at the
+    first call)."""
+    global _native
+    if _native is None:
+        _native = False
+        lib = side._lib
+        if os.environ.get("DG_SYNCBN_NATIVE", "1") != "0" and hasattr(lib, "dg_syncbn_api"):
+            api = mx.base._LIB
+            functions = [api.MXImperativeInvokeEx, api.MXInvokeCachedOpEx,
+                         api.MXEnginePushAsyncND, api.MXShallowCopyNDArray, api.MXNDArrayFree,
+                         api.MXNDArrayGetData, api.MXGetLastError, api.MXCustomFunctionRecord]
+            creators = []
+            for name in ("BatchNorm", "_copyto", "elemwise_add"):
+                handle = ctypes.c_void_p()
+                mx.base.check_call(api.NNGetOpHandle(mx.base.c_str(name), ctypes.byref(handle)))
+                creators.append(handle.value)
+            lib.dg_syncbn_api(
+                (ctypes.c_void_p * len(functions))(
+                    *[ctypes.cast(f, ctypes.c_void_p).value for f in functions]),
+                (ctypes.c_void_p * len(creators))(*creators))
+            lib.dg_syncbn_state.restype = ctypes.c_void_p
+            lib.dg_syncbn_state.argtypes = [
+                ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64,
+                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p,
+                ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                ctypes.c_int]
+            lib.dg_syncbn_record.argtypes = [ctypes.c_void_p] * 5
+            _native = True
+    return _native
 
 
 # How long a device waits in a layer's collective for the worker's other devices before

@@ -300,6 +300,9 @@ def test_two_workers_with_syncbn_train_like_one_process_with_batchnorm_on_the_wh
         assert _max_error(_params(out, case, rank), expected) < TOLERANCE, (case, rank)
 
 
+CASES = ["even", "uneven", "converted", "resnet18_float32", "resnet18_float64"]
+
+
 @pytest.mark.slow
 def test_two_workers_sum_every_layers_statistics_over_the_side_channel(distributed):
     # one process per worker on horovod or dist_sync, nothing elastic: SyncBatchNorm's
@@ -307,9 +310,18 @@ def test_two_workers_sum_every_layers_statistics_over_the_side_channel(distribut
     _, out = distributed
     for rank in (0, 1):
         transports = json.loads((out / f"report_rank{rank}.json").read_text())["transports"]
-        assert transports == dict.fromkeys(
-            ["even", "uneven", "converted", "resnet18_float32", "resnet18_float64"],
-            ["side channel"]), transports
+        assert transports == dict.fromkeys(CASES, ["side channel"]), transports
+
+
+@pytest.mark.slow
+def test_every_layers_backward_runs_in_the_compiled_callback_over_the_side_channel(
+        distributed):
+    # the equality tests here read these very jobs: the compiled backward is what they
+    # prove equal to one process
+    _, out = distributed
+    for rank in (0, 1):
+        compiled = json.loads((out / f"report_rank{rank}.json").read_text())["compiled"]
+        assert compiled == dict.fromkeys(CASES, 1.0), compiled
 
 
 @pytest.mark.slow

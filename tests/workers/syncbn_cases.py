@@ -17,6 +17,7 @@ import numpy as np
 from mxnet import autograd, gluon
 
 import dist_gluon as dg
+from dist_gluon import syncbn
 
 out_dir = sys.argv[1]
 os.makedirs(out_dir, exist_ok=True)
@@ -77,8 +78,13 @@ def _layers(block):
         yield from _layers(child)
 
 
+# case -> layer backwards run by SyncBatchNorm's compiled callback, per layer and step
+compiled = {}
+
+
 def train(case, net, batches, steps=STEPS):
     trainer = dg.DistributedTrainer(net.collect_params(), "sgd", SGD)
+    calls = syncbn._compiled_backwards()
     for step in range(steps):
         x, y = (mx.nd.array(a, dtype=a.dtype) for a in batches(step))
         with autograd.record():
@@ -86,6 +92,9 @@ def train(case, net, batches, steps=STEPS):
         loss.backward()
         trainer.step(x.shape[0])
     save(case, net)
+    layers = len(list(_layers(net)))
+    if layers:
+        compiled[case] = (syncbn._compiled_backwards() - calls) / (layers * steps)
     transports[case] = sorted({"side channel" if c.side is not None else "backend"
                                for layer in _layers(net) for c in layer._comms.values()})
 
@@ -152,5 +161,5 @@ else:
         dg.convert_sync_batchnorm(hybrid)
     except RuntimeError as err:
         errors.append(str(err))
-    report(errors=errors, transports=transports)
+    report(errors=errors, transports=transports, compiled=compiled)
 print("cases done", flush=True)
