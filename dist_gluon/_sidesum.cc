@@ -516,6 +516,8 @@ void dg_side_close(void* channel) {
 // and returns: nothing waits in the callback, the engine orders the operators.
 //
 // dg_syncbn_api(functions, creators)        MXNet's C API functions and operators, once
+// dg_syncbn_plan(...) -> plan               a layer's arrays and graphs, once
+// dg_syncbn_forward(plan, ...)              a layer's forward pass, and its backward's state
 // dg_syncbn_state(...) -> state             a recorded forward's saved arrays and keys
 // dg_syncbn_record(state, x, gb, scale, shift)   MXCustomFunctionRecord with the
 //                                           callbacks below (state freed by MXNet)
@@ -589,6 +591,56 @@ void remember_error(const std::string& what) {
   g_error = text;
 }
 
+// A layer's forward pass, as _GlobalAffine.forward queues it (one call from Python
+// instead of seven operator calls, and the record): the arrays that stay the layer's
+// from step to step, borrowed from its _Channel (which outlives the plan), and its
+// graphs' inputs as slots of the forward.
+enum ForwardSlot { kFX, kFOnes, kFZeros, kFScratch0, kFScratch1, kFGB, kFOwnMean, kFOwnInvstd,
+                   kFPacked, kFCount, kFOwnRow, kFSums, kFRunningMean, kFRunningVar,
+                   kFSlots };
+
+struct Plan {
+  Channel* channel;
+  uint64_t forward_key;
+  int sums_dtype;
+  int64_t sums_size;
+  int grads_dtype;
+  int64_t grads_size;
+  void* fixed[kFSlots];        // kFOnes, kFZeros, kFScratch*, kFOwnRow, kFSums (borrowed)
+  void* unit_var;              // the forward's and the backward's (borrowed)
+  void* backward_unit_var;
+  void* local_op;
+  void* sums_op;
+  void* affine_op;
+  void* mine_op;
+  void* back_op;
+  std::vector<int> local_order, sums_order, affine_order, mine_order, back_order;
+  int context[2];
+  std::string axis;
+};
+
+bool push_side_sum(Channel* channel, uint64_t key, void* array, int dtype, int64_t size,
+                   const int* context) {
+  void* own = nullptr;
+  if (g_api.shallow_copy(array, &own) != 0) return false;
+  Task* task = new Task{channel, key, own, static_cast<uint32_t>(dtype), size,
+                        g_api.get_data, g_api.free_handle};
+  int prop = 3;   // FnProperty::kCPUPrioritized, as SideChannel.sum
+  return g_api.push_async(reinterpret_cast<void*>(&dg_side_run), task,
+                          reinterpret_cast<void*>(&dg_side_free_task),
+                          const_cast<int*>(context), nullptr, 0, &array, 1, &prop, 1,
+                          "dg_side_sum", false) == 0;
+}
+
+int invoke_graph(void* op, const std::vector<int>& order, void* const* slots, int* count,
+                 void*** outputs) {
+  std::vector<void*> inputs;
+  for (int slot : order) inputs.push_back(slots[slot]);
+  const int* stypes = nullptr;
+  return g_api.invoke_cached(op, static_cast<int>(inputs.size()), inputs.data(), count,
+                             outputs, &stypes);
+}
+
 int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* reqs,
                       const int is_train, void* state) {
   (void)is_train;
@@ -616,17 +668,8 @@ int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* re
   }
   // its sum over the workers, on the side channel
   if (ok) {
-    void* own = nullptr;
-    ok = g_api.shallow_copy(s->saved[kGrads], &own) == 0;
-    if (ok) {
-      Task* task = new Task{s->channel, s->key, own, static_cast<uint32_t>(s->dtype),
-                            s->grads_size, g_api.get_data, g_api.free_handle};
-      int prop = 3;   // FnProperty::kCPUPrioritized, as SideChannel.sum
-      void* grads = s->saved[kGrads];
-      ok = g_api.push_async(reinterpret_cast<void*>(&dg_side_run), task,
-                            reinterpret_cast<void*>(&dg_side_free_task), s->context,
-                            nullptr, 0, &grads, 1, &prop, 1, "dg_side_sum", false) == 0;
-    }
+    ok = push_side_sum(s->channel, s->key, s->saved[kGrads], s->dtype, s->grads_size,
+                       s->context);
     if (!ok) remember_error("side channel sum");
   }
   // back: the scale and shift of dx, and [dgamma, dbeta]
@@ -703,6 +746,7 @@ int delete_callback(void* state) {
   return 1;
 }
 
+
 }  // namespace
 
 extern "C" {
@@ -762,6 +806,155 @@ int dg_syncbn_record(void* state, void* x, void* gb, void* scale, void* shift) {
   int failed = g_api.record(2, inputs, 2, outputs, &s->list);
   if (failed != 0) delete_callback(s);
   return failed;
+}
+
+// A layer's forward plan: `fixed` holds the handles of kFOnes, kFZeros, kFScratch0,
+// kFScratch1, kFOwnRow (or null) and kFSums, borrowed; `orders` the five graphs' inputs
+// as slots (local, sums and affine: ForwardSlot; mine and back: Slot), `sizes` their
+// lengths.
+void* dg_syncbn_plan(void* channel, uint64_t forward_key, int sums_dtype, int64_t sums_size,
+                     int grads_dtype, int64_t grads_size, void* const* fixed, void* unit_var,
+                     void* backward_unit_var, void* const* ops, const int* orders,
+                     const int* sizes, int dev_type, int dev_id, int axis) {
+  Plan* p = new Plan;
+  p->channel = static_cast<Channel*>(channel);
+  p->forward_key = forward_key;
+  p->sums_dtype = sums_dtype;
+  p->sums_size = sums_size;
+  p->grads_dtype = grads_dtype;
+  p->grads_size = grads_size;
+  for (int i = 0; i < kFSlots; ++i) p->fixed[i] = nullptr;
+  const int fixed_slots[6] = {kFOnes, kFZeros, kFScratch0, kFScratch1, kFOwnRow, kFSums};
+  for (int i = 0; i < 6; ++i) p->fixed[fixed_slots[i]] = fixed[i];
+  p->unit_var = unit_var;
+  p->backward_unit_var = backward_unit_var;
+  p->local_op = ops[0];
+  p->sums_op = ops[1];
+  p->affine_op = ops[2];
+  p->mine_op = ops[3];
+  p->back_op = ops[4];
+  std::vector<int>* lists[5] = {&p->local_order, &p->sums_order, &p->affine_order,
+                                &p->mine_order, &p->back_order};
+  for (int g = 0, at = 0; g < 5; at += sizes[g], ++g) {
+    lists[g]->assign(orders + at, orders + at + sizes[g]);
+  }
+  p->context[0] = dev_type;
+  p->context[1] = dev_id;
+  p->axis = std::to_string(axis);
+  return p;
+}
+
+void dg_syncbn_plan_free(void* plan) { delete static_cast<Plan*>(plan); }
+
+// The forward pass of a layer with plan `plan` on x and gb (recording off): queues the
+// local moments, the sums and their side-channel sum, the affine graph and (update) the
+// running statistics' copies; out[0..2] get new handles of scale, shift and the global
+// mean, and out[3], where `grads` is given (a recorded forward, its micro-batch's
+// gradient array and backward key), the state that dg_syncbn_record records. 0 on
+// success, else -1 (dg_syncbn_error says why).
+int dg_syncbn_forward(void* plan, void* x, void* gb, void* count, void* running_mean,
+                      void* running_var, int update, void* grads, uint64_t backward_key,
+                      void** out) {
+  Plan* p = static_cast<Plan*>(plan);
+  void* slots[kFSlots];
+  for (int i = 0; i < kFSlots; ++i) slots[i] = p->fixed[i];
+  slots[kFX] = x;
+  slots[kFGB] = gb;
+  slots[kFCount] = count;
+  slots[kFRunningMean] = running_mean;
+  slots[kFRunningVar] = running_var;
+  std::vector<void*> made;
+  out[0] = out[1] = out[2] = out[3] = nullptr;
+  bool ok = true;
+  {
+    void* inputs[5] = {x, p->fixed[kFOnes], p->fixed[kFZeros], p->fixed[kFScratch0],
+                       p->fixed[kFScratch1]};
+    const char* keys[4] = {"axis", "eps", "fix_gamma", "output_mean_var"};
+    const char* values[4] = {p->axis.c_str(), "1e-10", "False", "True"};
+    void** outputs = nullptr;
+    int n = 0;
+    const int* stypes = nullptr;
+    ok = g_api.invoke(g_api.batchnorm, 5, inputs, &n, &outputs, 4, keys, values,
+                      &stypes) == 0 && n == 3;
+    if (ok) {
+      made.insert(made.end(), outputs, outputs + n);
+      slots[kFOwnMean] = outputs[1];
+      slots[kFOwnInvstd] = outputs[2];
+    } else {
+      remember_error("BatchNorm (moments)");
+    }
+  }
+  if (ok) {
+    void** outputs = nullptr;
+    int n = 0;
+    ok = invoke_graph(p->local_op, p->local_order, slots, &n, &outputs) == 0 && n == 1;
+    if (ok) {
+      made.push_back(outputs[0]);
+      slots[kFPacked] = outputs[0];
+    } else {
+      remember_error("graph local");
+    }
+  }
+  if (ok) {
+    void* sums = p->fixed[kFSums];
+    void** outputs = &sums;
+    int n = 1;
+    ok = invoke_graph(p->sums_op, p->sums_order, slots, &n, &outputs) == 0 &&
+         push_side_sum(p->channel, p->forward_key, sums, p->sums_dtype, p->sums_size,
+                       p->context);
+    if (!ok) remember_error("graph sums, or its side-channel sum");
+  }
+  void* affine[7] = {nullptr};
+  if (ok) {
+    void** outputs = nullptr;
+    int n = 0;
+    ok = invoke_graph(p->affine_op, p->affine_order, slots, &n, &outputs) == 0 && n == 7;
+    if (ok) {
+      for (int i = 0; i < 7; ++i) affine[i] = outputs[i];
+    } else {
+      remember_error("graph affine");
+    }
+  }
+  // affine: scale, shift, mean, invstd, share, new running mean, new running variance
+  for (int i = 0; i < 2 && ok && update; ++i) {
+    void* target = i == 0 ? running_mean : running_var;
+    void** outputs = &target;
+    int n = 1;
+    const int* stypes = nullptr;
+    ok = g_api.invoke(g_api.copyto, 1, &affine[5 + i], &n, &outputs, 0, nullptr, nullptr,
+                      &stypes) == 0;
+    if (!ok) remember_error("the running statistics' copy");
+  }
+  if (ok && grads != nullptr) {
+    // the backward's state: own handles of what it reads
+    void* saved[6] = {affine[0], affine[3], grads, slots[kFOwnMean], affine[2], affine[4]};
+    void* own[8] = {nullptr};
+    void* sources[8] = {saved[0], saved[1], saved[2], saved[3], saved[4], saved[5], x,
+                        p->backward_unit_var};
+    for (int i = 0; i < 8 && ok; ++i) ok = g_api.shallow_copy(sources[i], &own[i]) == 0;
+    if (ok) {
+      out[3] = dg_syncbn_state(p->channel, backward_key, p->grads_dtype, p->grads_size, own,
+                               own[6], own[7], p->mine_op, p->mine_order.data(),
+                               static_cast<int>(p->mine_order.size()), p->back_op,
+                               p->back_order.data(), static_cast<int>(p->back_order.size()),
+                               p->context[0], p->context[1], std::stoi(p->axis));
+    } else {
+      for (void* handle : own) {
+        if (handle != nullptr) g_api.free_handle(handle);
+      }
+      remember_error("the backward's state");
+    }
+  }
+  for (void* handle : made) g_api.free_handle(handle);
+  for (int i = 0; i < 7; ++i) {
+    if (affine[i] == nullptr) continue;
+    if (ok && i < 3) {
+      out[i] = affine[i];      // scale, shift, mean: the caller's
+    } else {
+      g_api.free_handle(affine[i]);
+    }
+  }
+  return ok ? 0 : -1;
 }
 
 int64_t dg_syncbn_calls() { return g_calls.load(); }

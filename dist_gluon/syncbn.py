@@ -244,10 +244,18 @@ class SyncBatchNorm(nn.BatchNorm):
         # x's device; autograd chains it.
         graphs = _layer_graphs(channel.channels, x.dtype, running_mean.dtype, kwargs["eps"],
                                kwargs["momentum"], kwargs["fix_gamma"], channel.gather)
-        affine = _GlobalAffine(axis, channel, graphs, x.size // channel.channels,
-                               (running_mean, running_var), autograd.is_recording())
-        scale, shift = affine(x, mx.nd.concat(gamma, beta, dim=0))
-        out = mx.nd.BatchNorm(x, scale, shift, affine.mean, channel.unit_var, axis=axis,
+        gb = mx.nd.concat(gamma, beta, dim=0)
+        recording, count = autograd.is_recording(), x.size // channel.channels
+        compiled = _compiled_forward(channel, graphs, axis, x, gb, count,
+                                     (running_mean, running_var), recording)
+        if compiled is None:
+            affine = _GlobalAffine(axis, channel, graphs, count, (running_mean, running_var),
+                                   recording)
+            scale, shift = affine(x, gb)
+            mean = affine.mean
+        else:
+            scale, shift, mean = compiled
+        out = mx.nd.BatchNorm(x, scale, shift, mean, channel.unit_var, axis=axis,
                               eps=_UNIT_EPS, fix_gamma=False, use_global_stats=True)
         return out if out.dtype == dtype else out.astype(dtype)
 
@@ -405,6 +413,45 @@ class _Channel:
         self.grads: dict[int, mx.nd.NDArray] = {}
         self.backward_unit_var = mx.nd.ones((channels,), ctx=ctx, dtype=dtype)
         self._step, self._forwards = None, 0
+        # the compiled forward's plan of these arrays and the layer's graphs
+        self._plan, self._plan_graphs = None, None
+
+    def plan(self, graphs: dict[str, _Graph], axis: int) -> int:
+        """The compiled forward's plan (``_sidesum.cc``'s Plan) of this channel's arrays
+        and ``graphs``, made at the first call."""
+        if self._plan_graphs is not graphs:
+            lib = self.side._lib
+            self.close_plan()
+            fixed = [a.handle for a in (self.ones, self.zeros, *self.scratch, self.own_row,
+                                        self.sums)]
+            names = ("local", "sums", "affine", "mine", "back")
+            orders = [[_FORWARD_SLOTS[n] for n in graphs[g]._names] for g in names[:3]]
+            orders += [[_SLOTS[n] for n in graphs[g]._names] for g in names[3:]]
+            flat = [slot for order in orders for slot in order]
+            ctx = self.ones.context
+            self._plan = lib.dg_syncbn_plan(
+                self.side._handle, sidechannel.key_id(self.forward_key),
+                sidechannel._DTYPES[np.dtype(self.sums.dtype)], self.sums.size,
+                sidechannel._DTYPES[np.dtype(self.ones.dtype)], 2 * self.channels,
+                (ctypes.c_void_p * len(fixed))(*fixed), self.unit_var.handle,
+                self.backward_unit_var.handle,
+                (ctypes.c_void_p * len(names))(*[graphs[g]._op.handle for g in names]),
+                (ctypes.c_int * len(flat))(*flat),
+                (ctypes.c_int * len(orders))(*[len(o) for o in orders]),
+                ctx.device_typeid, ctx.device_id, axis)
+            self._plan_graphs = graphs
+        return self._plan
+
+    def close_plan(self) -> None:
+        if self._plan is not None:
+            self.side._lib.dg_syncbn_plan_free(ctypes.c_void_p(self._plan))
+            self._plan, self._plan_graphs = None, None
+
+    def __del__(self):
+        try:
+            self.close_plan()
+        except Exception:   # noqa: BLE001 - at exit the library may be gone
+            pass
 
     def recorded_forward(self) -> int:
         """On the script's thread, at a recorded training forward: its micro-batch, the
@@ -752,6 +799,43 @@ class _GlobalAffine(_Function):
 # the graphs (the order of _sidesum.cc's Slot)
 _SLOTS = {name: slot for slot, name in enumerate(
     ("dscale", "dshift", "scale", "invstd", "grads", "own_mean", "mean", "share"))}
+# ... and the compiled forward the graphs "local", "sums" and "affine" (ForwardSlot)
+_FORWARD_SLOTS = {name: slot for slot, name in enumerate(
+    ("x", "ones", "zeros", "scratch0", "scratch1", "gb", "mean", "invstd", "packed", "count",
+     "own_row", "sums", "running_mean", "running_var"))}
+
+
+def _compiled_forward(ch: _Channel, graphs: dict[str, _Graph], axis: int, x, gb,
+                      count: int, running, recording: bool):
+    """The layer's forward pass as :class:`_GlobalAffine` computes it, queued by
+    ``_sidesum.cc`` in one call (with the compiled backward, where ``recording``): the
+    same operators on the same arrays, without a dozen calls from Python at every layer.
+    Returns (scale, shift, global mean), or None where the layer takes the Python path
+    (as for :meth:`_GlobalAffine._record_native`)."""
+    if (ch.side is None or x.context != mx.cpu(0) or not _native_backward(ch.side)
+            or (recording and x.grad is not None)):
+        return None
+    lib = ch.side._lib
+    plan = ch.plan(graphs, axis)
+    grads, key = None, 0
+    if recording:
+        micro = ch.recorded_forward()
+        grads, key = ch.grads[micro].handle, sidechannel.key_id(ch._backward_key(micro))
+    out = (ctypes.c_void_p * 4)()
+    previous = autograd.set_recording(False)
+    try:
+        failed = lib.dg_syncbn_forward(plan, x.handle, gb.handle, ch.count(count).handle,
+                                       running[0].handle, running[1].handle, int(recording),
+                                       grads, key, out)
+    finally:
+        autograd.set_recording(previous)
+    if failed:
+        raise mx.base.MXNetError(lib.dg_syncbn_error().decode(errors="replace"))
+    scale, shift, mean = (mx.nd.NDArray(mx.base.NDArrayHandle(h)) for h in out[:3])
+    if recording and lib.dg_syncbn_record(out[3], x.handle, gb.handle, scale.handle,
+                                          shift.handle):
+        raise mx.base.MXNetError(mx.base.py_str(mx.base._LIB.MXGetLastError()))
+    return scale, shift, mean
 _native: bool | None = None
 
 
@@ -794,6 +878,16 @@ def _native_backward(side: sidechannel.SideChannel) -> bool:
                 ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                 ctypes.c_int]
             lib.dg_syncbn_record.argtypes = [ctypes.c_void_p] * 5
+            lib.dg_syncbn_plan.restype = ctypes.c_void_p
+            lib.dg_syncbn_plan.argtypes = [
+                ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int]
+            lib.dg_syncbn_plan_free.argtypes = [ctypes.c_void_p]
+            lib.dg_syncbn_forward.argtypes = [ctypes.c_void_p] * 6 + [
+                ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
+            lib.dg_syncbn_error.restype = ctypes.c_char_p
             _native = True
     return _native
 
