@@ -129,7 +129,11 @@ def launch(backend: str, workers: int, argv: list[str], timeout: float) -> dict:
     payloads = [json.loads(line[len(RESULT_TAG):]) for line in rank0
                 if line.startswith(RESULT_TAG)]
     if proc.returncode == 0 and payloads:
-        return dict(payloads[-1], job_seconds=seconds, stdout=rank0)
+        # rank 0's line on horovod's tuned cycle (on stderr), where it printed one
+        tuner = re.findall(r"dist_gluon: horovod(?: tuned on steps|'s cycle time not "
+                           r"tuned).*", proc.stderr)
+        return dict(payloads[-1], job_seconds=seconds, stdout=rank0,
+                    **({"tuner": tuner[-1]} if tuner else {}))
     tail = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-8:]
     return {"error": f"exit code {proc.returncode}: " + " | ".join(tail),
             "job_seconds": seconds, "stdout": rank0}
@@ -378,6 +382,10 @@ def run_syncbn(cfg, timeout: float) -> dict:
                          timeout)
         log(f"SyncBatchNorm step, resnet18_v1b, {backend}: {describe(payload)}")
         payload.pop("stdout", None)
+        # horovod's cycle, tuned on the SyncBatchNorm model's steps (bench_syncbn.py)
+        tuned = re.search(r"HOROVOD_CYCLE_TIME=([0-9.]+) \(ms\)", payload.get("tuner", ""))
+        if tuned:
+            payload["cycle_ms"] = float(tuned.group(1))
         out[backend] = payload
     return out
 
@@ -724,7 +732,8 @@ def syncbn_table(syncbn: dict) -> list[str]:
             continue
         t = {impl: entry["median"] for impl, entry in payload["times"].items()}
         sync, plain, hybrid = t["syncbn"], t["batchnorm"], t["batchnorm_hybrid"]
-        lines.append(f"| {backend} | {ms(hybrid)} | {ms(plain)} | **{ms(sync)}** | "
+        cycle = (f" (cycle {payload['cycle_ms']:g} ms)" if "cycle_ms" in payload else "")
+        lines.append(f"| {backend}{cycle} | {ms(hybrid)} | {ms(plain)} | **{ms(sync)}** | "
                      f"{ratio(sync, plain)} | {ratio(sync, hybrid)} | "
                      f"{ms((sync - plain) / payload['layers'])} |")
     return lines
@@ -874,7 +883,9 @@ def write_report(results: dict, path: Path, quick: bool) -> None:
             "(a usual training script), with `nn.BatchNorm` not hybridized, and with "
             "`norm_layer=dg.SyncBatchNorm` (never hybridized on several workers; two "
             "collectives per BatchNorm layer and step). The last column is the extra "
-            "time per BatchNorm layer and step against `nn.BatchNorm` not hybridized.",
+            "time per BatchNorm layer and step against `nn.BatchNorm` not hybridized. "
+            "horovod's cycle (beside its name) is tuned on the SyncBatchNorm model's first "
+            "steps, as in a job that trains it, before the three take turns.",
             "",
             *syncbn_table(results["syncbn"]),
             "",
