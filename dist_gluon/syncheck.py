@@ -138,7 +138,7 @@ class SyncCheck:
         if not arrays:
             return
         rows = self._gather(_digest(arrays))
-        differ = np.nonzero((rows != rows[0]).any(axis=0))[0]
+        differ = np.nonzero((~_same_as_rank_0(rows)).any(axis=0))[0]
         if differ.size:
             raise DivergenceError(self._message(rows, differ, labels, describe))
 
@@ -155,7 +155,7 @@ class SyncCheck:
                  describe: Callable[[int], str]) -> str:
         column = int(differ[0])
         position, what = labels[column]
-        others = [r for r in range(rows.shape[0]) if rows[r, column] != rows[0, column]]
+        others = [r for r in range(rows.shape[0]) if not _same_as_rank_0(rows)[r, column]]
         same = [r for r in range(rows.shape[0]) if r not in others]
         values = ", ".join(f"rank {r}: {rows[r, column]:.9g}" for r in range(rows.shape[0]))
         more = len({labels[c] for c in differ}) - 1
@@ -166,6 +166,13 @@ class SyncCheck:
                 "longer train one model; look for rank-dependent code that changes "
                 "weights or optimizer states (checked every "
                 f"{self.every} steps, {ENV})")
+
+
+def _same_as_rank_0(rows: np.ndarray) -> np.ndarray:
+    """Which ranks' digests (rows) equal rank 0's, column by column. A NaN equals a NaN:
+    weights that became NaN on every rank (training that blew up, as it would in one
+    process) are the same model on every rank, not replicas that diverged."""
+    return (rows == rows[0]) | (np.isnan(rows) & np.isnan(rows[0]))
 
 
 def _digest(arrays: list[mx.nd.NDArray]) -> mx.nd.NDArray:

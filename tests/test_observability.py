@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from conftest import assert_ok, launch, process_env
@@ -207,6 +208,17 @@ def test_local_sgd_steps_without_a_sum_wait_for_no_one_and_name_no_straggler():
     assert got.straggler is None, report.table(got)
     assert got.ranks[0].busy == pytest.approx(got.ranks[1].busy, rel=0.2)
     assert 0 < got.ranks[0].shares["wait"] < 0.1
+
+
+def test_check_sync_takes_nan_on_every_rank_for_the_same_model_and_nan_on_one_for_a_divergence():
+    from dist_gluon.syncheck import _same_as_rank_0
+    nan = float("nan")
+    rows = np.array([[1.0, nan, nan, 2.0],
+                     [1.0, nan, 3.0, 2.5],
+                     [1.0, nan, nan, 2.0]])
+    assert _same_as_rank_0(rows).tolist() == [[True] * 4,
+                                              [True, True, False, False],
+                                              [True] * 4]
 
 
 # A small model trained a few steps with momentum (so that optimizer states are
