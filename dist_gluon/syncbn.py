@@ -23,7 +23,10 @@ with the other ranks' n-th, whichever runs first.
 The sums go over direct connections between the workers (dist_gluon/sidechannel.py:
 neither horovod's cycle nor a queue behind the trainer's gradients) where the job allows
 (not elastic, horovod/dist_sync/p3, one CPU device per worker, ``DG_SYNCBN_SIDE`` not 0),
-else through the backend's ``pushpull``; the same arrays and keys either way.
+else through the backend's ``pushpull``; the same arrays and keys either way. With the
+side channel, compiled code (``_sidesum.cc``) queues the layer's forward operators and
+runs its backward callback (``DG_SYNCBN_NATIVE=0``: the Python ones below), the same
+operators on the same arrays.
 """
 from __future__ import annotations
 
