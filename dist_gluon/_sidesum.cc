@@ -519,6 +519,7 @@ void dg_side_close(void* channel) {
 // dg_syncbn_plan(...) -> plan               a layer's arrays and graphs, once
 // dg_syncbn_forward(plan, ...)              a layer's forward pass, and its backward's state
 // dg_syncbn_state(...) -> state             a recorded forward's saved arrays and keys
+//                                           (dg_syncbn_forward makes it)
 // dg_syncbn_record(state, x, gb, scale, shift)   MXCustomFunctionRecord with the
 //                                           callbacks below (state freed by MXNet)
 // dg_syncbn_error() -> text                 the last failure of a callback, "" if none

@@ -41,8 +41,8 @@ import numpy as np
 from mxnet import autograd
 from mxnet.gluon import nn
 
-from . import _kernels, sidechannel, worker
 from . import join as _join
+from . import sidechannel, worker
 from .backends import Backend, resolve
 
 # Statistics gate the rest of the pass: send them before gradients (priority <= 0) and
@@ -637,11 +637,6 @@ class _Function(autograd.Function):
     would silently get no gradient, and it never adds to a gradient whose request is
     ``add``. This is its ``__call__`` (MXNet 1.9.1) with that loop fixed."""
 
-    def _record_native(self, inputs, results) -> bool:
-        """Record the function with a backward callback of compiled code instead, if
-        the subclass has one here; True if it did."""
-        return False
-
     def __call__(self, *inputs):
         assert not self._used, "each Function instance can only be called once"
         self._used = True
@@ -651,8 +646,6 @@ class _Function(autograd.Function):
         if not previous:
             return outputs
         results = (outputs,) if isinstance(outputs, mx.nd.NDArray) else outputs
-        if self._record_native(inputs, results):
-            return outputs
         key = autograd.Function._registry.inc()
 
         def backward_entry(num_ograds, num_igrads, ptrs, reqs, is_train, _):
@@ -766,37 +759,6 @@ class _GlobalAffine(_Function):
                              use_global_stats=True)
         return dx, dgb
 
-    def _record_native(self, inputs, results) -> bool:
-        """Where the layer's sums take the side channel (one CPU device), record the
-        function with the compiled backward callback of ``_sidesum.cc``: the same
-        operators on the same arrays as :meth:`backward`, queued without Python, so the
-        backward pass no longer waits for the GIL and Python wrappers in MXNet's
-        custom-operator thread at every layer (``DG_SYNCBN_NATIVE=0`` keeps
-        :meth:`backward`, and so does an input with a gradient of its own attached,
-        which is rare: x is a layer's output)."""
-        ch = self._channel
-        x, own_mean, mean, invstd, scale, share = self._saved
-        if (ch.side is None or scale.context != mx.cpu(0) or inputs[0].grad is not None
-                or not _native_backward(ch.side)):
-            return False
-        lib, own = ch.side._lib, _kernels.own_handle
-        grads = ch.grads[self._micro]
-        saved = [own(a) for a in (scale, invstd, grads, own_mean, mean, share)]
-        mine, back = self._graphs["mine"], self._graphs["back"]
-        mine_order = [_SLOTS[name] for name in mine._names]
-        back_order = [_SLOTS[name] for name in back._names]
-        state = lib.dg_syncbn_state(
-            ch.side._handle, sidechannel.key_id(ch._backward_key(self._micro)),
-            sidechannel._DTYPES[np.dtype(grads.dtype)], grads.size,
-            (ctypes.c_void_p * len(saved))(*saved), own(x), own(ch.backward_unit_var),
-            mine._op.handle, (ctypes.c_int * len(mine_order))(*mine_order), len(mine_order),
-            back._op.handle, (ctypes.c_int * len(back_order))(*back_order), len(back_order),
-            scale.context.device_typeid, scale.context.device_id, self._axis)
-        failed = lib.dg_syncbn_record(state, *[a.handle for a in (*inputs, *results)])
-        if failed:
-            raise mx.base.MXNetError(mx.base.py_str(mx.base._LIB.MXGetLastError()))
-        return True
-
 
 # The arrays the compiled backward hands the graphs "mine" and "back", by their names in
 # the graphs (the order of _sidesum.cc's Slot)
@@ -813,8 +775,11 @@ def _compiled_forward(ch: _Channel, graphs: dict[str, _Graph], axis: int, x, gb,
     """The layer's forward pass as :class:`_GlobalAffine` computes it, queued by
     ``_sidesum.cc`` in one call (with the compiled backward, where ``recording``): the
     same operators on the same arrays, without a dozen calls from Python at every layer.
-    Returns (scale, shift, global mean), or None where the layer takes the Python path
-    (as for :meth:`_GlobalAffine._record_native`)."""
+    Returns (scale, shift, global mean), or None where the layer takes the Python path:
+    no side channel, a device other than cpu(0), ``DG_SYNCBN_NATIVE=0``, or an input
+    with a gradient of its own attached (rare: x is a layer's output; the tests prove
+    the compiled callback on layers' outputs, whose gradients autograd asks it to
+    write)."""
     if (ch.side is None or x.context != mx.cpu(0) or not _native_backward(ch.side)
             or (recording and x.grad is not None)):
         return None
