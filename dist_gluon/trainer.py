@@ -93,7 +93,7 @@ class TrainerBase(gluon.Trainer):
         # horovod tunes its cycle on the first steps (backends/horovod_tuning.py); not
         # while ranks shadow each other's steps (dg.Join), whose counts differ
         if self._averager.distributed and _join.current() is None:
-            self._kv.step_ended()
+            self._kv.step_ended(self)
 
     @property
     def kv(self):

@@ -132,6 +132,44 @@ def test_syncbatchnorm_from_step_10_brings_the_default_cycle_back(tmp_path):
         assert len(set(result["weights"])) == 1     # the ranks trained alike
 
 
+# A GAN's pattern: two trainers taking turns, each step made 0.11 s longer.
+TWO_TRAINERS = r"""
+import time
+import mxnet as mx
+from mxnet import autograd, gluon
+import dist_gluon as dg
+
+kv = dg.create()
+nets = [gluon.nn.Dense(4, in_units=8) for _ in range(2)]
+trainers = []
+for net in nets:
+    net.initialize(mx.init.Constant(0.1))
+    trainers.append(dg.DistributedTrainer(net.collect_params(), "sgd",
+                                          {"learning_rate": 0.01}, kv=kv))
+x = mx.nd.ones((2, 8))
+for _ in range(24):
+    for net, trainer in zip(nets, trainers):
+        time.sleep(0.11)
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        trainer.step(2)
+mx.nd.waitall()
+print("DONE", flush=True)
+"""
+
+
+@pytest.mark.spawns
+def test_two_trainers_taking_turns_are_timed_in_whole_rounds(tmp_path):
+    proc = launch(TWO_TRAINERS, tmp_path, launcher_args=["--report", "off"])
+    assert_ok(proc)
+    lines = _tuning_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith("[0] "), proc.stderr[-3000:]
+    # the warm-up ends at step 3, when the first trainer steps again
+    assert "tuned on steps 4-" in lines[0], lines[0]
+    assert "whole rounds of the 2 trainers that take turns" in lines[0], lines[0]
+
+
 @pytest.mark.spawns
 def test_the_users_cycle_time_wins_and_is_named(tmp_path):
     proc = launch(SCRIPT, tmp_path, args=["0", "30"], launcher_args=["--report", "off"],
@@ -165,26 +203,32 @@ class _Clock:
         return self.now
 
 
-def _tune(monkeypatch, steps: dict[float, float],
-          chained_at: int | None = None) -> tuple[Tuner, list]:
+def _tune(monkeypatch, steps: dict[float, float], chained_at: int | None = None,
+          owners=(None,), cold: float = 0.0, tell: bool = True) -> tuple[Tuner, list]:
     """Run a Tuner on rank 0 of a job whose steps take ``steps[cycle]`` seconds under
-    each cycle (SyncBatchNorm's chained sums from step ``chained_at`` on); returns it
-    and the settings it restarted horovod with."""
+    each cycle (SyncBatchNorm's chained sums from step ``chained_at`` on), the trainers
+    ``owners`` taking turns, each one's first step after horovod starts ``cold``
+    seconds longer (``tell``: the tuner is told whose step ended); returns it and the
+    settings it restarted horovod with."""
     clock = _Clock()
     monkeypatch.setattr(horovod_tuning.time, "monotonic", clock)
     restarts = []
     cycle = {"ms": 1.0}
+    warm = set()
 
     def restart(settings):
         restarts.append(dict(settings))
         cycle["ms"] = float(settings[CYCLE_ENV])
+        warm.clear()
 
     tuner = Tuner(restart, lambda: None, lambda obj: obj, rank=0, environ={})
     for step in range(1, 61):
-        clock.now += steps[cycle["ms"]]
+        owner = owners[(step - 1) % len(owners)]
+        clock.now += steps[cycle["ms"]] + (0.0 if owner in warm else cold)
+        warm.add(owner)
         if step == chained_at:
             tuner.chained("SyncBatchNorm's sums")
-        tuner.step_ended()
+        tuner.step_ended(owner if tell else None)
     return tuner, restarts
 
 
@@ -227,6 +271,41 @@ def test_a_short_step_keeps_the_default_cycle_without_a_restart(monkeypatch):
     assert tuner.done and tuner.settings == {} and restarts == []
     assert "shorter than 5 cycles of 20 ms" in tuner.summary()
     assert tuner.steps == (3, 2 + 1 + 12)
+
+
+@pytest.mark.parametrize("owners", [("G", "D"), ("a", "b", "c")])
+def test_trainers_taking_turns_are_timed_in_whole_rounds_after_their_first_steps(
+        monkeypatch, owners):
+    # a GAN's two trainers, make bench's three models: after horovod starts again, each
+    # one's first step negotiates its tensors afresh (0.1 s here); no window holds one,
+    # and every window holds each trainer as often, so equal cycles choose the longest
+    tuner, restarts = _tune(monkeypatch, {1.0: 0.3, 5.0: 0.3, 20.0: 0.3}, owners=owners,
+                            cold=0.1)
+    assert tuner.done and tuner.settings == {CYCLE_ENV: "20"}
+    assert restarts == _cycles(5, 20)
+    assert tuner.step_times == dict.fromkeys((1.0, 5.0, 20.0), pytest.approx(0.3))
+    k = len(owners)
+    # the warm-up ends when the first trainer steps again; a round left out, a round
+    # (at least two steps) timed, per cycle
+    per = -(-2 // k) * k
+    assert tuner.steps == (k + 2, k + 1 + 3 * (k + per))
+    assert f"whole rounds of the {k} trainers that take turns" in tuner.summary()
+
+
+def test_told_nothing_of_the_trainers_the_tuner_would_keep_the_default(monkeypatch):
+    # the same job with the trainers unnamed (as before they were): the window after
+    # each restart holds a trainer's cold first step, and 5 ms looks slower
+    tuner, restarts = _tune(monkeypatch, {1.0: 0.3, 5.0: 0.3, 20.0: 0.3},
+                            owners=("G", "D"), cold=0.1, tell=False)
+    assert tuner.settings == {CYCLE_ENV: "1"} and restarts == _cycles(5, 1)
+
+
+def test_a_new_trainer_every_step_is_timed_one_step_at_a_time(monkeypatch):
+    owners = [object() for _ in range(60)]
+    tuner, restarts = _tune(monkeypatch, {1.0: 0.3, 5.0: 0.3, 20.0: 0.3},
+                            owners=tuple(owners))
+    assert tuner.done and tuner._round == 1
+    assert tuner.steps[0] == horovod_tuning.MAX_ROUND + 2
 
 
 # 0.3 s steps: warm-up steps 1-2, the default cycle timed on steps 4-5, 5 ms (horovod

@@ -595,9 +595,9 @@ class Backend(KVStoreBase):
         raise NotImplementedError(
             f"the {self.type} backend holds no optimizer state; use trainer.load_states")
 
-    def step_ended(self) -> None:
-        """The trainer ended a step (every rank, in step). horovod tunes its cycle time
-        on the first ones (horovod_tuning.py); the other backends ignore it."""
+    def step_ended(self, owner: object = None) -> None:
+        """The trainer ``owner`` ended a step (every rank, in step). horovod tunes its
+        cycle time on the first ones (horovod_tuning.py); the other backends ignore it."""
 
     def _chained(self, why: str) -> None:
         """Collectives that each wait for the one before run in every step from this one

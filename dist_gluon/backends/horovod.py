@@ -257,8 +257,8 @@ class Horovod(Backend):
         atexit.unregister(self._atexit)
         atexit.register(self._atexit)
 
-    def step_ended(self) -> None:
-        self._tuner.step_ended()
+    def step_ended(self, owner: object = None) -> None:
+        self._tuner.step_ended(owner)
 
     def _chained(self, why: str) -> None:
         self._tuner.chained(why)

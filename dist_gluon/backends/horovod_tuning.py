@@ -18,15 +18,20 @@ default), and keeps one for the rest of the run:
 1. The first :data:`WARMUP_STEPS` steps are left alone (graph building, allocation);
    rank 0 times the last of them and sets how many steps each cycle is timed over, so
    that each takes about :data:`SECONDS_PER_CANDIDATE` (at least :data:`MIN_STEPS`, at
-   most :data:`MAX_STEPS`); every rank follows rank 0's plan.
+   most :data:`MAX_STEPS`); every rank follows rank 0's plan. Where several trainers
+   take turns (a GAN's two), the warm-up lasts until one steps again, and the steps
+   timed, and those left out before each timing, are whole rounds of them: every
+   window holds each trainer as often, and none of their first steps after horovod
+   starts again, which negotiate their tensors afresh (horovod's response cache is
+   empty; benchmarks/FINDINGS.md 11e).
 2. The default cycle (horovod as it started) is timed first. If its step is shorter
    than :data:`SHORT_STEP_CYCLES` longest cycles, it is kept (a longer cycle cannot pay
    there). Else horovod starts again with the next cycle and that is timed, and so on
    while the cycle just timed is the choice so far (below): a longer cycle that was
-   slower ends the climb. A timing leaves one step out, waits for the engine, runs the
-   steps and waits for the engine again: ``trainer.step`` returns while the sums run,
-   so only a window closed by waits holds its steps' whole work. Rank 0's time per step
-   decides.
+   slower ends the climb. A timing leaves one step (one round) out, waits for the
+   engine, runs the steps and waits for the engine again: ``trainer.step`` returns
+   while the sums run, so only a window closed by waits holds its steps' whole work.
+   Rank 0's time per step decides.
 3. The choice is the longest cycle timed whose step is within :data:`TOLERANCE` of the
    fastest: as fast, and a waiting rank burns less CPU with it. If horovod runs with
    another one at the end of the climb, it starts once more with the choice.
@@ -78,6 +83,9 @@ LONG_CYCLE_MS = CYCLES_MS[-1]
 WARMUP_STEPS = 2
 SECONDS_PER_CANDIDATE = 0.5
 MIN_STEPS, MAX_STEPS = 2, 12
+# trainers taking turns beyond this many are timed as one (a script that makes a new
+# trainer every step)
+MAX_ROUND = 4
 TOLERANCE = 0.02
 # A step this many longest cycles long or shorter cannot gain from a longer cycle: it
 # waits about half a cycle more per negotiation (up to 10 ms), at least 10% of it, while
@@ -137,6 +145,8 @@ class Tuner:
         # internal state
         self._steps = 0                 # steps ended so far
         self._per_candidate = 0         # steps timed per cycle (rank 0's plan)
+        self._owners: list = []         # the trainers seen in the warm-up, in turn
+        self._round = 1                 # how many take turns (rank 0's plan)
         self._current: float | None = None   # the cycle being timed
         self._skip = 0                  # steps left out before its timing starts
         self._timed = 0                 # its steps timed so far
@@ -157,8 +167,9 @@ class Tuner:
         if self._chained is None:
             self._chained = why
 
-    def step_ended(self) -> None:
-        """Called by the trainer at the end of every step, on every rank."""
+    def step_ended(self, owner: object = None) -> None:
+        """Called by the trainer at the end of every step, on every rank; ``owner`` is
+        the trainer (the job's trainers take turns in rounds: see :meth:`_warm_up`)."""
         self._steps += 1
         if self._chained is not None and not self._chained_seen:
             self._keep_default()
@@ -170,7 +181,7 @@ class Tuner:
             return
         if self._current is None:
             now = time.monotonic()
-            if self._steps == WARMUP_STEPS:
+            if self._warm_up(owner):
                 self._plan(now)
             self._last_end = now
             return
@@ -187,11 +198,30 @@ class Tuner:
                 (time.monotonic() - self._started) / self._timed
             self._next()
 
+    def _warm_up(self, owner: object) -> bool:
+        """Count a warm-up step of ``owner``; True when the warm-up ends here: at
+        :data:`WARMUP_STEPS` steps, and not before a trainer steps again, so that it has
+        seen the round of trainers that take turns (a GAN's two, make bench's three;
+        one in most jobs). The same step on every rank (the same script)."""
+        repeated = owner in self._owners
+        if not repeated:
+            self._owners.append(owner)
+        if len(self._owners) > MAX_ROUND:
+            self._owners = [None]       # no round: one step at a time
+            repeated = True
+        return self._steps >= WARMUP_STEPS and repeated
+
     def _plan(self, now: float) -> None:
-        """Rank 0's last warm-up step sets the number of steps per cycle for all."""
+        """Rank 0's last warm-up step sets the number of steps per cycle for all: whole
+        rounds of the trainers that take turns, so that every window holds each as often,
+        and each window starts after a round (after horovod starts again, a trainer's
+        first step negotiates its tensors afresh: horovod's response cache is empty)."""
         period = now - self._last_end if self._last_end is not None else 0.0
         steps = MAX_STEPS if period <= 0 else int(SECONDS_PER_CANDIDATE / period) + 1
-        self._per_candidate = self._broadcast(max(MIN_STEPS, min(MAX_STEPS, steps)))
+        steps = max(MIN_STEPS, min(MAX_STEPS, steps))
+        round_ = len(self._owners)
+        self._per_candidate, self._round = self._broadcast(
+            (-(-steps // round_) * round_, round_))
         self.steps = (self._steps + 1, 0)
         # horovod runs with its default cycle now: timed first, without a restart
         self._time(DEFAULT_CYCLE_MS)
@@ -200,7 +230,7 @@ class Tuner:
         """Time ``cycle`` from the end of the next step on: the engine is waited for at
         both ends, so that a window holds its steps' whole work, whatever the engine
         had queued before it (trainer.step returns while the sums run)."""
-        self._current, self._skip, self._timed = cycle, 1, 0
+        self._current, self._skip, self._timed = cycle, self._round, 0
 
     def _next(self) -> None:
         # rank 0's times decide for every rank
@@ -277,6 +307,8 @@ class Tuner:
                 why += "; a longer one was slower"
         else:
             why = f"a longer cycle's step is more than {TOLERANCE:.0%} slower"
+        if self._round > 1:
+            measured += f" (windows of whole rounds of the {self._round} trainers that take turns)"
         first, last = self.steps
         return (f"dist_gluon: horovod tuned on steps {first}-{last}: {CYCLE_ENV}={cycle:g} "
                 f"(ms), kept for the rest of the run; {measured}: {why}; {FUSION_ENV} not "
