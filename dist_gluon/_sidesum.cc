@@ -518,10 +518,9 @@ void dg_side_close(void* channel) {
 // dg_syncbn_api(functions, creators)        MXNet's C API functions and operators, once
 // dg_syncbn_plan(...) -> plan               a layer's arrays and graphs, once
 // dg_syncbn_forward(plan, ...)              a layer's forward pass, and its backward's state
-// dg_syncbn_state(...) -> state             a recorded forward's saved arrays and keys
-//                                           (dg_syncbn_forward makes it)
-// dg_syncbn_record(state, x, gb, scale, shift)   MXCustomFunctionRecord with the
-//                                           callbacks below (state freed by MXNet)
+// dg_syncbn_record(state, x, gb, scale, shift)   MXCustomFunctionRecord of the state
+//                                           dg_syncbn_forward made, with the callbacks
+//                                           below (state freed by MXNet)
 // dg_syncbn_error() -> text                 the last failure of a callback, "" if none
 // dg_syncbn_calls() -> n                    callbacks run so far in this process
 
@@ -585,7 +584,7 @@ struct Saved {
 };
 
 void remember_error(const std::string& what) {
-  std::string text = "SyncBatchNorm backward: " + what + ": " +
+  std::string text = "SyncBatchNorm (compiled): " + what + ": " +
                      (g_api.last_error != nullptr ? g_api.last_error() : "");
   fprintf(stderr, "%s\n", text.c_str());
   std::lock_guard<std::mutex> lock(g_error_mu);
@@ -608,8 +607,7 @@ struct Plan {
   int grads_dtype;
   int64_t grads_size;
   void* fixed[kFSlots];        // kFOnes, kFZeros, kFScratch*, kFOwnRow, kFSums (borrowed)
-  void* unit_var;              // the forward's and the backward's (borrowed)
-  void* backward_unit_var;
+  void* backward_unit_var;     // (borrowed)
   void* local_op;
   void* sums_op;
   void* affine_op;
@@ -642,6 +640,28 @@ int invoke_graph(void* op, const std::vector<int>& order, void* const* slots, in
                              outputs, &stypes);
 }
 
+// MXNet's BatchNorm operator on `inputs` (data, gamma, beta, moving mean, moving var),
+// its parameter `flag` set (use_global_stats or output_mean_var); new outputs
+bool invoke_batchnorm(void* const* inputs, const std::string& axis, const char* eps,
+                      const char* flag, int* count, void*** outputs) {
+  const char* keys[4] = {"axis", "eps", "fix_gamma", flag};
+  const char* values[4] = {axis.c_str(), eps, "False", "True"};
+  const int* stypes = nullptr;
+  *count = 0;
+  *outputs = nullptr;
+  return g_api.invoke(g_api.batchnorm, 5, const_cast<void**>(inputs), count, outputs, 4,
+                      keys, values, &stypes) == 0;
+}
+
+// Operator `op` (_copyto, elemwise_add) on `inputs`, written into `target`
+bool invoke_into(void* op, void** inputs, int num_inputs, void* target) {
+  void** outputs = &target;
+  int count = 1;
+  const int* stypes = nullptr;
+  return g_api.invoke(op, num_inputs, inputs, &count, &outputs, 0, nullptr, nullptr,
+                      &stypes) == 0;
+}
+
 int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* reqs,
                       const int is_train, void* state) {
   (void)is_train;
@@ -655,16 +675,12 @@ int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* re
     slots[kDScale] = ptrs[0];
     slots[kDShift] = ptrs[1];
   }
-  std::vector<void*> inputs;
   // mine, into the grads array
   if (ok) {
-    for (int slot : s->mine_order) inputs.push_back(slots[slot]);
     void* grads = s->saved[kGrads];
     void** outputs = &grads;
     int count = 1;
-    const int* stypes = nullptr;
-    ok = g_api.invoke_cached(s->mine_op, static_cast<int>(inputs.size()), inputs.data(),
-                             &count, &outputs, &stypes) == 0;
+    ok = invoke_graph(s->mine_op, s->mine_order, slots, &count, &outputs) == 0;
     if (!ok) remember_error("graph mine");
   }
   // its sum over the workers, on the side channel
@@ -678,13 +694,9 @@ int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* re
   void* dx_shift = nullptr;
   void* dgb = nullptr;
   if (ok) {
-    inputs.clear();
-    for (int slot : s->back_order) inputs.push_back(slots[slot]);
     void** outputs = nullptr;
     int count = 0;
-    const int* stypes = nullptr;
-    ok = g_api.invoke_cached(s->back_op, static_cast<int>(inputs.size()), inputs.data(),
-                             &count, &outputs, &stypes) == 0 && count == 3;
+    ok = invoke_graph(s->back_op, s->back_order, slots, &count, &outputs) == 0 && count == 3;
     if (ok) {
       dx_scale = outputs[0];
       dx_shift = outputs[1];
@@ -699,14 +711,11 @@ int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* re
   // where autograd's own array (the same memory) is read as plain (measured: wrong)
   void* dx = nullptr;
   if (ok) {
-    void* bn_inputs[5] = {s->x, dx_scale, dx_shift, s->saved[kOwnMean], s->unit_var};
-    const char* keys[4] = {"axis", "eps", "fix_gamma", "use_global_stats"};
-    const char* values[4] = {s->axis.c_str(), "1e-12", "False", "True"};
+    void* inputs[5] = {s->x, dx_scale, dx_shift, s->saved[kOwnMean], s->unit_var};
     void** outputs = nullptr;
     int count = 0;
-    const int* stypes = nullptr;
-    ok = g_api.invoke(g_api.batchnorm, 5, bn_inputs, &count, &outputs, 4, keys, values,
-                      &stypes) == 0 && count >= 1;
+    ok = invoke_batchnorm(inputs, s->axis, "1e-12", "use_global_stats", &count, &outputs) &&
+         count >= 1;
     if (ok) {
       dx = outputs[0];
       for (int i = 0; i < count; ++i) made.push_back(outputs[i]);
@@ -718,22 +727,48 @@ int backward_callback(int num_ograds, int num_igrads, void** ptrs, const int* re
   void* values[2] = {dx, dgb};
   for (int i = 0; i < 2 && ok; ++i) {
     void* grad = ptrs[num_ograds + i];
-    void** outputs = &grad;
-    int count = 1;
-    const int* stypes = nullptr;
     if (reqs[i] == 1 || reqs[i] == 2) {        // write, inplace
-      ok = g_api.invoke(g_api.copyto, 1, &values[i], &count, &outputs, 0, nullptr, nullptr,
-                        &stypes) == 0;
+      ok = invoke_into(g_api.copyto, &values[i], 1, grad);
     } else if (reqs[i] == 3) {                 // add
       void* both[2] = {grad, values[i]};
-      ok = g_api.invoke(g_api.add, 2, both, &count, &outputs, 0, nullptr, nullptr,
-                        &stypes) == 0;
+      ok = invoke_into(g_api.add, both, 2, grad);
     }
     if (!ok) remember_error("writing the input gradients");
   }
   for (void* handle : made) g_api.free_handle(handle);
   for (int i = 0; i < num_ograds + num_igrads; ++i) g_api.free_handle(ptrs[i]);
   return ok ? 1 : 0;
+}
+
+int delete_callback(void* state);
+
+// The backward's state of a recorded forward of plan `p`: `own` holds own handles of the
+// slots kScale..kShare, then of x and of the backward's unit variance (all freed with the
+// state); the rest is copied from the plan, which the state may outlive.
+Saved* make_state(const Plan& p, uint64_t key, void* const* own) {
+  Saved* s = new Saved;
+  s->channel = p.channel;
+  s->key = key;
+  s->dtype = p.grads_dtype;
+  s->grads_size = p.grads_size;
+  s->saved[kDScale] = s->saved[kDShift] = nullptr;
+  for (int i = kScale; i < kSlots; ++i) s->saved[i] = own[i - kScale];
+  s->x = own[kSlots - kScale];
+  s->unit_var = own[kSlots - kScale + 1];
+  s->mine_op = p.mine_op;
+  s->back_op = p.back_op;
+  s->mine_order = p.mine_order;
+  s->back_order = p.back_order;
+  s->context[0] = p.context[0];
+  s->context[1] = p.context[1];
+  s->axis = p.axis;
+  s->callbacks[0] = reinterpret_cast<int (*)(void)>(&backward_callback);
+  s->callbacks[1] = reinterpret_cast<int (*)(void)>(&delete_callback);
+  s->contexts[0] = s->contexts[1] = s;
+  s->list.num_callbacks = 2;
+  s->list.callbacks = s->callbacks;
+  s->list.contexts = s->contexts;
+  return s;
 }
 
 int delete_callback(void* state) {
@@ -766,38 +801,6 @@ void dg_syncbn_api(void* const* functions, void* const* creators) {
   g_api.add = creators[2];
 }
 
-// `saved`: own handles of the slots kScale..kShare (freed with the state), `x` and
-// `unit_var` likewise; the orders list each graph's inputs as slots.
-void* dg_syncbn_state(void* channel, uint64_t key, int dtype, int64_t grads_size,
-                      void* const* saved, void* x, void* unit_var, void* mine_op,
-                      const int* mine_order, int mine_inputs, void* back_op,
-                      const int* back_order, int back_inputs, int dev_type, int dev_id,
-                      int axis) {
-  Saved* s = new Saved;
-  s->channel = static_cast<Channel*>(channel);
-  s->key = key;
-  s->dtype = dtype;
-  s->grads_size = grads_size;
-  s->saved[kDScale] = s->saved[kDShift] = nullptr;
-  for (int i = kScale; i < kSlots; ++i) s->saved[i] = saved[i - kScale];
-  s->x = x;
-  s->unit_var = unit_var;
-  s->mine_op = mine_op;
-  s->back_op = back_op;
-  s->mine_order.assign(mine_order, mine_order + mine_inputs);
-  s->back_order.assign(back_order, back_order + back_inputs);
-  s->context[0] = dev_type;
-  s->context[1] = dev_id;
-  s->axis = std::to_string(axis);
-  s->callbacks[0] = reinterpret_cast<int (*)(void)>(&backward_callback);
-  s->callbacks[1] = reinterpret_cast<int (*)(void)>(&delete_callback);
-  s->contexts[0] = s->contexts[1] = s;
-  s->list.num_callbacks = 2;
-  s->list.callbacks = s->callbacks;
-  s->list.contexts = s->contexts;
-  return s;
-}
-
 // Record the function (x, gb) -> (scale, shift) for autograd, with `state`'s callbacks;
 // 0 on success. MXNet frees the state (the delete callback) with the recorded graph.
 int dg_syncbn_record(void* state, void* x, void* gb, void* scale, void* shift) {
@@ -814,7 +817,7 @@ int dg_syncbn_record(void* state, void* x, void* gb, void* scale, void* shift) {
 // as slots (local, sums and affine: ForwardSlot; mine and back: Slot), `sizes` their
 // lengths.
 void* dg_syncbn_plan(void* channel, uint64_t forward_key, int sums_dtype, int64_t sums_size,
-                     int grads_dtype, int64_t grads_size, void* const* fixed, void* unit_var,
+                     int grads_dtype, int64_t grads_size, void* const* fixed,
                      void* backward_unit_var, void* const* ops, const int* orders,
                      const int* sizes, int dev_type, int dev_id, int axis) {
   Plan* p = new Plan;
@@ -827,7 +830,6 @@ void* dg_syncbn_plan(void* channel, uint64_t forward_key, int sums_dtype, int64_
   for (int i = 0; i < kFSlots; ++i) p->fixed[i] = nullptr;
   const int fixed_slots[6] = {kFOnes, kFZeros, kFScratch0, kFScratch1, kFOwnRow, kFSums};
   for (int i = 0; i < 6; ++i) p->fixed[fixed_slots[i]] = fixed[i];
-  p->unit_var = unit_var;
   p->backward_unit_var = backward_unit_var;
   p->local_op = ops[0];
   p->sums_op = ops[1];
@@ -870,13 +872,10 @@ int dg_syncbn_forward(void* plan, void* x, void* gb, void* count, void* running_
   {
     void* inputs[5] = {x, p->fixed[kFOnes], p->fixed[kFZeros], p->fixed[kFScratch0],
                        p->fixed[kFScratch1]};
-    const char* keys[4] = {"axis", "eps", "fix_gamma", "output_mean_var"};
-    const char* values[4] = {p->axis.c_str(), "1e-10", "False", "True"};
     void** outputs = nullptr;
     int n = 0;
-    const int* stypes = nullptr;
-    ok = g_api.invoke(g_api.batchnorm, 5, inputs, &n, &outputs, 4, keys, values,
-                      &stypes) == 0 && n == 3;
+    ok = invoke_batchnorm(inputs, p->axis, "1e-10", "output_mean_var", &n, &outputs) &&
+         n == 3;
     if (ok) {
       made.insert(made.end(), outputs, outputs + n);
       slots[kFOwnMean] = outputs[1];
@@ -918,12 +917,7 @@ int dg_syncbn_forward(void* plan, void* x, void* gb, void* count, void* running_
   }
   // affine: scale, shift, mean, invstd, share, new running mean, new running variance
   for (int i = 0; i < 2 && ok && update; ++i) {
-    void* target = i == 0 ? running_mean : running_var;
-    void** outputs = &target;
-    int n = 1;
-    const int* stypes = nullptr;
-    ok = g_api.invoke(g_api.copyto, 1, &affine[5 + i], &n, &outputs, 0, nullptr, nullptr,
-                      &stypes) == 0;
+    ok = invoke_into(g_api.copyto, &affine[5 + i], 1, i == 0 ? running_mean : running_var);
     if (!ok) remember_error("the running statistics' copy");
   }
   if (ok && grads != nullptr) {
@@ -934,11 +928,7 @@ int dg_syncbn_forward(void* plan, void* x, void* gb, void* count, void* running_
                         p->backward_unit_var};
     for (int i = 0; i < 8 && ok; ++i) ok = g_api.shallow_copy(sources[i], &own[i]) == 0;
     if (ok) {
-      out[3] = dg_syncbn_state(p->channel, backward_key, p->grads_dtype, p->grads_size, own,
-                               own[6], own[7], p->mine_op, p->mine_order.data(),
-                               static_cast<int>(p->mine_order.size()), p->back_op,
-                               p->back_order.data(), static_cast<int>(p->back_order.size()),
-                               p->context[0], p->context[1], std::stoi(p->axis));
+      out[3] = make_state(*p, backward_key, own);
     } else {
       for (void* handle : own) {
         if (handle != nullptr) g_api.free_handle(handle);

@@ -436,8 +436,7 @@ class _Channel:
                 self.side._handle, sidechannel.key_id(self.forward_key),
                 sidechannel._DTYPES[np.dtype(self.sums.dtype)], self.sums.size,
                 sidechannel._DTYPES[np.dtype(self.ones.dtype)], 2 * self.channels,
-                (ctypes.c_void_p * len(fixed))(*fixed), self.unit_var.handle,
-                self.backward_unit_var.handle,
+                (ctypes.c_void_p * len(fixed))(*fixed), self.backward_unit_var.handle,
                 (ctypes.c_void_p * len(names))(*[graphs[g]._op.handle for g in names]),
                 (ctypes.c_int * len(flat))(*flat),
                 (ctypes.c_int * len(orders))(*[len(o) for o in orders]),
@@ -780,7 +779,7 @@ def _compiled_forward(ch: _Channel, graphs: dict[str, _Graph], axis: int, x, gb,
     with a gradient of its own attached (rare: x is a layer's output; the tests prove
     the compiled callback on layers' outputs, whose gradients autograd asks it to
     write)."""
-    if (ch.side is None or x.context != mx.cpu(0) or not _native_backward(ch.side)
+    if (ch.side is None or x.context != mx.cpu(0) or not _compiled_ready(ch.side)
             or (recording and x.grad is not None)):
         return None
     lib = ch.side._lib
@@ -804,25 +803,25 @@ def _compiled_forward(ch: _Channel, graphs: dict[str, _Graph], axis: int, x, gb,
                                           shift.handle):
         raise mx.base.MXNetError(mx.base.py_str(mx.base._LIB.MXGetLastError()))
     return scale, shift, mean
-_native: bool | None = None
+_compiled: bool | None = None
 
 
 def _compiled_backwards() -> int:
     """How many layer backwards the compiled callback has run in this process (0 where
     it is off)."""
-    if not _native:
+    if not _compiled:
         return 0
     lib = sidechannel._library()
     lib.dg_syncbn_calls.restype = ctypes.c_int64
     return lib.dg_syncbn_calls()
 
 
-def _native_backward(side: sidechannel.SideChannel) -> bool:
-    """Whether the compiled backward is on (handing the library MXNet's C API at the
-    first call)."""
-    global _native
-    if _native is None:
-        _native = False
+def _compiled_ready(side: sidechannel.SideChannel) -> bool:
+    """Whether the compiled layer (forward and backward, ``_sidesum.cc``) is on, handing
+    the library MXNet's C API at the first call."""
+    global _compiled
+    if _compiled is None:
+        _compiled = False
         lib = side._lib
         if os.environ.get("DG_SYNCBN_NATIVE", "1") != "0" and hasattr(lib, "dg_syncbn_api"):
             api = mx.base._LIB
@@ -838,26 +837,19 @@ def _native_backward(side: sidechannel.SideChannel) -> bool:
                 (ctypes.c_void_p * len(functions))(
                     *[ctypes.cast(f, ctypes.c_void_p).value for f in functions]),
                 (ctypes.c_void_p * len(creators))(*creators))
-            lib.dg_syncbn_state.restype = ctypes.c_void_p
-            lib.dg_syncbn_state.argtypes = [
-                ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64,
-                ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_void_p,
-                ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                ctypes.c_int]
             lib.dg_syncbn_record.argtypes = [ctypes.c_void_p] * 5
             lib.dg_syncbn_plan.restype = ctypes.c_void_p
             lib.dg_syncbn_plan.argtypes = [
                 ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
                 ctypes.c_int64, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
-                ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
+                ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int),
                 ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int, ctypes.c_int]
             lib.dg_syncbn_plan_free.argtypes = [ctypes.c_void_p]
             lib.dg_syncbn_forward.argtypes = [ctypes.c_void_p] * 6 + [
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
             lib.dg_syncbn_error.restype = ctypes.c_char_p
-            _native = True
-    return _native
+            _compiled = True
+    return _compiled
 
 
 # How long a device waits in a layer's collective for the worker's other devices before
