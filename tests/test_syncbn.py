@@ -282,6 +282,10 @@ def _params(directory, case, rank=0):
     return [data[str(i)] for i in range(len(data.files))]
 
 
+def _report(directory, rank):
+    return json.loads((directory / f"report_rank{rank}.json").read_text())
+
+
 def _max_error(a, b):
     assert [x.shape for x in a] == [y.shape for y in b]
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
@@ -309,7 +313,7 @@ def test_two_workers_sum_every_layers_statistics_over_the_side_channel(distribut
     # sums leave the backend for the direct connections of dist_gluon/sidechannel.py
     _, out = distributed
     for rank in (0, 1):
-        transports = json.loads((out / f"report_rank{rank}.json").read_text())["transports"]
+        transports = _report(out, rank)["transports"]
         assert transports == dict.fromkeys(CASES, ["side channel"]), transports
 
 
@@ -320,7 +324,7 @@ def test_every_layers_backward_runs_in_the_compiled_callback_over_the_side_chann
     # prove equal to one process
     _, out = distributed
     for rank in (0, 1):
-        compiled = json.loads((out / f"report_rank{rank}.json").read_text())["compiled"]
+        compiled = _report(out, rank)["compiled"]
         assert compiled == dict.fromkeys(CASES, 1.0), compiled
 
 
@@ -361,7 +365,7 @@ def test_hybridizing_a_syncbn_network_on_two_workers_raises_a_clear_error_on_eve
         distributed):
     _, out = distributed
     for rank in (0, 1):
-        errors = json.loads((out / f"report_rank{rank}.json").read_text())["errors"]
+        errors = _report(out, rank)["errors"]
         assert len(errors) == 2
         assert all("cannot run in a hybridized graph when training on 2 workers" in e
                    for e in errors)
