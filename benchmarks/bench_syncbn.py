@@ -26,7 +26,6 @@ import dist_gluon as dg
 from dist_gluon.backends import horovod_tuning
 
 IMPLS = ("batchnorm_hybrid", "batchnorm", "syncbn")
-WARMUP_ORDER = ("syncbn", "batchnorm", "batchnorm_hybrid")
 # at most this many steps for horovod's tuner (its warm-up, then up to 1 + 12 a cycle)
 TUNING_STEPS = (horovod_tuning.WARMUP_STEPS
                 + len(horovod_tuning.CYCLES_MS) * (1 + horovod_tuning.MAX_STEPS))
@@ -100,7 +99,7 @@ def main():
         kv.barrier()
         one_step("syncbn")
     for _ in range(args.warmup):
-        for impl in WARMUP_ORDER:
+        for impl in IMPLS:
             kv.barrier()
             one_step(impl)
     times = {impl: [] for impl in IMPLS}
