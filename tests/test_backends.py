@@ -9,6 +9,7 @@ import hashlib
 import json
 import sys
 import threading
+import warnings
 
 import mxnet as mx
 import numpy as np
@@ -862,34 +863,83 @@ def test_a_rank_that_exits_with_collectives_in_flight_does_not_break_the_slow_ra
     assert rank1["values"] == [3.0]
 
 
-# A float32 sum, which says nothing; then float16 sums that horovod 0.28.1 gets wrong
-# over Gloo (0.000428 + 3844: one operand comes back) and right (1 + 1), twice
+# Every finite float16 on rank 0, summed with each of a few values on rank 1: those for
+# which horovod 0.28.1's released Gloo keeps one operand (0.000428 + 3844 gives 0.000428,
+# 26480 + 3844 gives 26480, 1 + 6e-8 gives 6e-8, 65500 - 33760 gives 65500), and a
+# length that is not a multiple of 8 (the F16C loop's leftovers take the scalar path).
+# Each rank prints how many sums differ from float32's sum rounded once to float16.
 HALF_SUMS = r"""
 import numpy as np, mxnet as mx
 import dist_gluon as dg
 kv = dg.create()
 kv.pushpull("f32", mx.nd.ones((4,), dtype="float32"))
-pairs = np.array([[0x0f03, 0x6b82], [0x3c00, 0x3c00]], np.uint16)[:, kv.rank].view(np.float16)
-for step in range(2):
-    half = mx.nd.array(pairs, dtype="float16")
-    kv.pushpull("f16", half)
-    half.wait_to_read()
-    print("SUMS", step, flush=True)
+bits = np.arange(1 << 16, dtype=np.uint16)
+finite = bits.view(np.float16)[np.isfinite(bits.view(np.float16))][:-3]
+for other in (0x6b82, 0x3c00, 0x7bff, 0xf81f, 0x0f03, 0x0001, 0x7677):
+    mine = finite if kv.rank == 0 else np.full(finite.size, other, np.uint16).view(np.float16)
+    theirs = np.full(finite.size, other, np.uint16).view(np.float16) if kv.rank == 0 else finite
+    half = mx.nd.array(mine, dtype="float16")
+    kv.pushpull(f"f16.{other:04x}", half)
+    want = (mine.astype(np.float32) + theirs.astype(np.float32)).astype(np.float16)
+    got = half.asnumpy()
+    wrong = np.flatnonzero(got.view(np.uint16) != want.view(np.uint16))
+    print("SUMS", f"{other:04x}", finite.size, wrong.size,
+          [(float(mine[i]), float(theirs[i]), float(got[i])) for i in wrong[:3]], flush=True)
 """
 
 
 @pytest.mark.spawns
-def test_rank_0_warns_once_that_float16_sums_over_gloo_can_be_wrong(tmp_path):
-    """horovod 0.28.1's float16 sum over Gloo returns one operand for some pairs: 0.000428
-    + 3844 comes back as 0.000428 (over MPI it is 3844). The job goes on, and rank 0
-    says so once, at the first float16 sum, naming what sums exactly instead."""
+def test_float16_sums_over_gloo_are_exact_in_the_horovod_build_make_setup_installs(tmp_path):
+    """horovod 0.28.1 as released sums some float16 pairs wrong over Gloo (0.000428 + 3844
+    comes back as 0.000428: its float16's assignment compares bits with a value;
+    benchmarks/FINDINGS.md 9l, 9m). The build `make setup` installs
+    (tools/build_horovod.py) sums every finite float16 with each of those values like
+    float32 rounded once, on both ranks, and no warning is given."""
+    from dist_gluon.backends.horovod import EXACT_HALF_BUILDS, horovod_build
+    if horovod_build() not in EXACT_HALF_BUILDS:
+        pytest.skip(f"horovod {horovod_build() or 'as released'} is not the build make setup "
+                    "installs (tools/build_horovod.py)")
     proc = launch(HALF_SUMS, tmp_path, "horovod", launcher_args=["--transport", "gloo",
                                                                  "--report", "off"])
     assert_ok(proc)
-    said = [line for line in proc.stderr.splitlines()
-            if "float16 sums over horovod's Gloo transport" in line]
-    assert len(said) == 1 and said[0].startswith("[0] "), proc.stderr[-3000:]
-    assert "(the first: 'f16')" in said[0] and "--transport mpi" in said[0]
-    for rank in (0, 1):     # the job went on (which sums are wrong is horovod's doing)
-        sums = [line for line in worker_lines(proc.stdout, rank) if line.startswith("SUMS")]
-        assert [s.split()[1] for s in sums] == ["0", "1"], proc.stdout
+    assert "float16 sums over horovod's Gloo transport" not in proc.stderr
+    for rank in (0, 1):
+        sums = [line.split(maxsplit=4) for line in worker_lines(proc.stdout, rank)
+                if line.startswith("SUMS")]
+        assert [s[1] for s in sums] == ["6b82", "3c00", "7bff", "f81f", "0f03", "0001",
+                                        "7677"], proc.stdout[-3000:]
+        assert all(int(s[2]) == 63485 and s[3] == "0" for s in sums), sums
+
+
+def test_rank_0_warns_once_that_float16_sums_over_a_released_horovods_gloo_can_be_wrong(
+        monkeypatch):
+    """With horovod as released (no dist_gluon label), rank 0 says so once, at the first
+    float16 sum over Gloo, naming what sums exactly instead; other ranks, float32 sums
+    and MPI say nothing."""
+    from dist_gluon.backends import horovod as module
+
+    class Hvd:
+        gloo = True
+
+        def gloo_enabled(self):
+            return self.gloo
+
+    def told(rank, build="", gloo=True, dtypes=("float32", "float16", "float16")):
+        monkeypatch.setattr(module, "horovod_build", lambda: build)
+        kv = object.__new__(module.Horovod)
+        kv._hvd, kv._told_half = Hvd(), False
+        kv._hvd.gloo = gloo
+        monkeypatch.setattr(module.Horovod, "rank", property(lambda self: rank))
+        arrays = [mx.nd.zeros((2,), dtype=d) for d in dtypes]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(len(arrays)):        # as _allreduce_ calls it
+                if not kv._told_half:
+                    kv._tell_half_sums([f"g{j}" for j in range(i, len(arrays))], arrays[i:])
+        return [str(w.message) for w in caught]
+
+    said = told(0)
+    assert len(said) == 1 and "(the first: 'g1')" in said[0], said
+    assert "--transport mpi" in said[0] and "tools/build_horovod.py" in said[0]
+    assert told(1) == [] and told(0, gloo=False) == [] and told(0, dtypes=("float32",)) == []
+    assert told(0, build="dg1") == []

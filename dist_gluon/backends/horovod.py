@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import importlib.metadata
 import os
 import socket
 import time
@@ -46,6 +47,19 @@ _OPENMPI_ALLREDUCE = {
 # MXNet compute threads and from other ranks on the same cores (a ResNet-18 step without
 # any collective took 3-4x as long as under Gloo here). Yielding gives it back.
 _OPENMPI_YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+# horovod builds whose Gloo sums float16 exactly (and with F16C): the local version label
+# tools/build_horovod.py gives the wheel `make setup` installs (0.28.1+dg1). horovod
+# 0.28.1 as released keeps one operand for some pairs (benchmarks/FINDINGS.md 9l, 9m).
+EXACT_HALF_BUILDS = frozenset({"dg1"})
+
+
+def horovod_build() -> str:
+    """The local version label of the installed horovod ("dg1" for 0.28.1+dg1), or ""."""
+    try:
+        version = importlib.metadata.version("horovod")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    return version.partition("+")[2]
 
 
 def _tune_openmpi(environ=os.environ) -> None:
@@ -294,8 +308,9 @@ class Horovod(Backend):
         their sum for some pairs of values (0.000428 + 3844 gives 0.000428, 26480 + 3844
         gives 26480, 1 + 6e-8 gives 6e-8; 4 of 5,007 gradient values of wide range per
         step in one test), where the same sums over MPI, in float32 and on ps-lite are
-        right (benchmarks/FINDINGS.md 9l). Once per process; nothing over MPI."""
-        if not self._hvd.gloo_enabled():
+        right (benchmarks/FINDINGS.md 9l). Once per process; nothing over MPI, nor with
+        the build `make setup` installs (:data:`EXACT_HALF_BUILDS`, FINDINGS 9m)."""
+        if not self._hvd.gloo_enabled() or horovod_build() in EXACT_HALF_BUILDS:
             self._told_half = True
             return
         half = next((name for name, arr in zip(names, arrays) if arr.dtype == np.float16),
@@ -311,7 +326,9 @@ class Horovod(Backend):
                 "gives 0.000428), so those gradient elements lose a worker's part. For "
                 "exact float16 sums use --transport mpi, or dist_sync/p3; on Gloo, "
                 "compression='2bit' or 'powersgd' (integer or float32 sums), or "
-                "float32 gradients (benchmarks/FINDINGS.md 9l)", stacklevel=4)
+                "float32 gradients; or install horovod built by dist_gluon's "
+                "tools/build_horovod.py (`make setup` does), whose Gloo sums float16 "
+                "exactly (benchmarks/FINDINGS.md 9l, 9m)", stacklevel=4)
 
     def _allgather_(self, names, arrays, counts, outs, priority):
         if outs is not None:

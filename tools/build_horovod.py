@@ -1,0 +1,104 @@
+"""Build horovod 0.28.1's wheel from its source on PyPI, with Gloo's float16 sum fixed.
+
+horovod 0.28.1 bundles a Gloo whose float16 sum is wrong for some pairs of values and
+slow for all (benchmarks/FINDINGS.md 9l, 9m):
+
+* **wrong**: ``gloo::float16::operator=`` skips the assignment when ``rhs != *this``
+  is false, and ``operator!=`` compares the left value with the right one's *bits read
+  as an integer* (``*this == rhs.x`` picks the ``int`` overload). So ``a + b`` keeps
+  ``a`` whenever ``float16(bits of a + b) == a``: 0.000428 (0x0f03, 3843 as an integer)
+  + 3844 gives 0.000428, since float16(3843) rounds to 3844, which is the sum.
+* **slow**: horovod's build never sets Gloo's ``USE_AVX``, so ``gloo::sum<float16>``
+  takes the scalar loop, two software conversions per element, instead of its F16C
+  loop.
+
+This script downloads the sdist, fixes ``operator=`` and ``operator!=`` (assign always;
+compare bits with bits), turns on ``USE_AVX`` where horovod's own architecture flags
+hold ``-mavx`` and ``-mf16c`` (the same check horovod makes for its own code), and builds
+the wheel with the local version ``0.28.1+dg1``: ``pip``'s ``horovod==0.28.1`` still
+matches it, and dist_gluon reads the label to know the sums are exact
+(:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`). The build's environment
+(HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
+
+    python tools/build_horovod.py WHEEL_DIR
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+VERSION = "0.28.1"
+LABEL = "dg1"
+
+# (file, text before, text after): each must occur exactly once in the sdist
+PATCHES = [
+    ("third_party/gloo/gloo/types.h",
+     "  float16& operator=(const float16& rhs) {\n"
+     "    if (rhs != *this) {\n"
+     "      x = rhs.x;\n"
+     "    }\n"
+     "    return *this;\n"
+     "  }\n",
+     "  float16& operator=(const float16& rhs) {\n"
+     "    x = rhs.x;\n"
+     "    return *this;\n"
+     "  }\n"),
+    ("third_party/gloo/gloo/types.h",
+     "  bool operator!=(const float16& rhs) const {\n"
+     "    return !(*this == rhs.x);\n"
+     "  }\n",
+     "  bool operator!=(const float16& rhs) const {\n"
+     "    return x != rhs.x;\n"
+     "  }\n"),
+    ("CMakeLists.txt",
+     "    add_subdirectory(third_party/gloo)\n",
+     "    # dist_gluon: Gloo's F16C float16 sum where the compiler targets F16C and AVX\n"
+     "    if(\"${HOROVOD_BUILD_ARCH_FLAGS}\" MATCHES \"-mf16c\" AND\n"
+     "       \"${HOROVOD_BUILD_ARCH_FLAGS}\" MATCHES \"-mavx\")\n"
+     "        set(USE_AVX ON)\n"
+     "    endif()\n"
+     "    message(STATUS \"Gloo USE_AVX: ${USE_AVX}\")\n"
+     "    add_subdirectory(third_party/gloo)\n"),
+]
+
+
+def patch(source: str) -> None:
+    """Apply :data:`PATCHES` to the unpacked sdist at ``source``."""
+    for name, before, after in PATCHES:
+        path = os.path.join(source, name)
+        with open(path) as f:
+            text = f.read()
+        if text.count(before) != 1:
+            raise SystemExit(f"build_horovod: {name} of horovod {VERSION} does not hold the "
+                             f"text to patch exactly once; is this horovod {VERSION}?")
+        with open(path, "w") as f:
+            f.write(text.replace(before, after))
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    wheels = os.path.abspath(argv[0])
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    with tempfile.TemporaryDirectory(prefix="dg-horovod-") as work:
+        subprocess.run(pip + ["download", "-q", "--no-deps", "--no-binary", ":all:",
+                              "-d", work, f"horovod=={VERSION}"], check=True)
+        (sdist,) = glob.glob(os.path.join(work, f"horovod-{VERSION}.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(work, filter="data")
+        source = os.path.join(work, f"horovod-{VERSION}")
+        patch(source)
+        env = dict(os.environ, HOROVOD_LOCAL_VERSION=LABEL)
+        subprocess.run(pip + ["wheel", "-q", "--no-cache-dir", "--no-deps",
+                              "--no-build-isolation", "-w", wheels, source],
+                       check=True, env=env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
