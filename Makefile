@@ -72,7 +72,7 @@ kernels: $(STAMP)
 		echo "==> the fused kernels could not be built: the codecs and ps-lite's float64 sum use MXNet's operators"
 
 # horovod 0.28.1 with MXNet, Gloo and, when `mpicc` is found, MPI, built from its PyPI
-# source by tools/build_horovod.py, which fixes Gloo's float16 sum (wrong for some pairs
+# source by dist_gluon/build_horovod.py, which fixes Gloo's float16 sum (wrong for some pairs
 # and scalar in the release: benchmarks/FINDINGS.md 9m) and labels the wheel
 # 0.28.1+$(HOROVOD_LABEL). Quick when the installed build already is that build with what
 # it can have (hvd.mpi_built()); an environment built with Gloo only is rebuilt once after
@@ -80,7 +80,7 @@ kernels: $(STAMP)
 # $(HOROVOD_WHEELS)-<flavour>-$(HOROVOD_LABEL) for the next fresh environment.
 # Without root, add MPI with `sudo apt-get install openmpi-bin libopenmpi-dev` (or put
 # your cluster's mpicc on PATH) and run `make setup` again.
-HOROVOD_LABEL := dg1
+HOROVOD_LABEL := $(shell sed -n 's/^LABEL = "\(.*\)"$$/\1/p' dist_gluon/build_horovod.py)
 horovod: $(STAMP)
 	@if command -v mpicc >/dev/null; then want=1; flavour=mpi-gloo; mpi=HOROVOD_WITH_MPI=1; \
 	else want=0; flavour=gloo; mpi=HOROVOD_WITHOUT_MPI=1; fi; \
@@ -94,7 +94,7 @@ horovod: $(STAMP)
 	wheels=$(HOROVOD_WHEELS)-$$flavour-$(HOROVOD_LABEL); \
 	if ! ls $$wheels/horovod-0.28.1+$(HOROVOD_LABEL)-*.whl >/dev/null 2>&1; then \
 		echo "==> building horovod 0.28.1 with MXNet, $$flavour and Gloo's float16 sum fixed (about 2 minutes)"; \
-		env $(HOROVOD_BUILD_ENV) $$mpi $(PY) tools/build_horovod.py $$wheels || exit 1; \
+		env $(HOROVOD_BUILD_ENV) $$mpi $(PY) -m dist_gluon.build_horovod $$wheels || exit 1; \
 	fi; \
 	echo "==> installing horovod ($$flavour) from $$wheels"; \
 	$(PIP) uninstall -q -y horovod 2>/dev/null; \

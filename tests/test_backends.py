@@ -893,12 +893,12 @@ def test_float16_sums_over_gloo_are_exact_in_the_horovod_build_make_setup_instal
     """horovod 0.28.1 as released sums some float16 pairs wrong over Gloo (0.000428 + 3844
     comes back as 0.000428: its float16's assignment compares bits with a value;
     benchmarks/FINDINGS.md 9l, 9m). The build `make setup` installs
-    (tools/build_horovod.py) sums every finite float16 with each of those values like
+    (dist_gluon/build_horovod.py) sums every finite float16 with each of those values like
     float32 rounded once, on both ranks, and no warning is given."""
     from dist_gluon.backends.horovod import EXACT_HALF_BUILDS, horovod_build
     if horovod_build() not in EXACT_HALF_BUILDS:
         pytest.skip(f"horovod {horovod_build() or 'as released'} is not the build make setup "
-                    "installs (tools/build_horovod.py)")
+                    "installs (dist_gluon/build_horovod.py)")
     proc = launch(HALF_SUMS, tmp_path, "horovod", launcher_args=["--transport", "gloo",
                                                                  "--report", "off"])
     assert_ok(proc)
@@ -940,6 +940,6 @@ def test_rank_0_warns_once_that_float16_sums_over_a_released_horovods_gloo_can_b
 
     said = told(0)
     assert len(said) == 1 and "(the first: 'g1')" in said[0], said
-    assert "--transport mpi" in said[0] and "tools/build_horovod.py" in said[0]
+    assert "--transport mpi" in said[0] and "dist_gluon.build_horovod" in said[0]
     assert told(1) == [] and told(0, gloo=False) == [] and told(0, dtypes=("float32",)) == []
     assert told(0, build="dg1") == []

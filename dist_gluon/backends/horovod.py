@@ -23,7 +23,7 @@ import warnings
 import mxnet as mx
 import numpy as np
 
-from .. import jobcontrol, worker
+from .. import build_horovod, jobcontrol, worker
 from .._requirements import import_horovod as _import_horovod
 from .base import Backend, interface_address, report_connect
 from .horovod_tuning import CYCLE_ENV, FUSION_ENV, Tuner
@@ -48,9 +48,9 @@ _OPENMPI_ALLREDUCE = {
 # any collective took 3-4x as long as under Gloo here). Yielding gives it back.
 _OPENMPI_YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
 # horovod builds whose Gloo sums float16 exactly (and with F16C): the local version label
-# tools/build_horovod.py gives the wheel `make setup` installs (0.28.1+dg1). horovod
+# dist_gluon/build_horovod.py gives the wheel `make setup` installs (0.28.1+dg1). horovod
 # 0.28.1 as released keeps one operand for some pairs (benchmarks/FINDINGS.md 9l, 9m).
-EXACT_HALF_BUILDS = frozenset({"dg1"})
+EXACT_HALF_BUILDS = frozenset({build_horovod.LABEL})
 
 
 def horovod_build() -> str:
@@ -326,9 +326,9 @@ class Horovod(Backend):
                 "gives 0.000428), so those gradient elements lose a worker's part. For "
                 "exact float16 sums use --transport mpi, or dist_sync/p3; on Gloo, "
                 "compression='2bit' or 'powersgd' (integer or float32 sums), or "
-                "float32 gradients; or install horovod built by dist_gluon's "
-                "tools/build_horovod.py (`make setup` does), whose Gloo sums float16 "
-                "exactly (benchmarks/FINDINGS.md 9l, 9m)", stacklevel=4)
+                "float32 gradients; or install the horovod that `python -m "
+                "dist_gluon.build_horovod` builds (`make setup` does), whose Gloo sums "
+                "float16 exactly (benchmarks/FINDINGS.md 9l, 9m)", stacklevel=4)
 
     def _allgather_(self, names, arrays, counts, outs, priority):
         if outs is not None:

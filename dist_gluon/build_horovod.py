@@ -12,7 +12,7 @@ slow for all (benchmarks/FINDINGS.md 9l, 9m):
   takes the scalar loop, two software conversions per element, instead of its F16C
   loop.
 
-This script downloads the sdist, fixes ``operator=`` and ``operator!=`` (assign always;
+This module downloads the sdist, fixes ``operator=`` and ``operator!=`` (assign always;
 compare bits with bits), turns on ``USE_AVX`` where horovod's own architecture flags
 hold ``-mavx`` and ``-mf16c`` (the same check horovod makes for its own code), and builds
 the wheel with the local version ``0.28.1+dg1``: ``pip``'s ``horovod==0.28.1`` still
@@ -20,7 +20,11 @@ matches it, and dist_gluon reads the label to know the sums are exact
 (:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`). The build's environment
 (HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
 
-    python tools/build_horovod.py WHEEL_DIR
+    HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 python -m dist_gluon.build_horovod WHEEL_DIR
+    pip install WHEEL_DIR/horovod-0.28.1+dg1-*.whl
+
+(after MXNet; add HOROVOD_WITH_MPI=1 for jobs that mpirun starts). It needs cmake and a
+C++ compiler, and PyPI for the source; ``make setup`` runs it.
 """
 from __future__ import annotations
 
