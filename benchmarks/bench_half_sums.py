@@ -5,11 +5,13 @@ Run through the launcher, e.g. on loopback:
     OMP_NUM_THREADS=1 .venv/bin/python -m dist_gluon.launch -n 2 --backend horovod \\
         -- .venv/bin/python benchmarks/bench_half_sums.py
 
-Over Gloo, horovod sums float16 with Gloo's scalar conversions (``gloo::sum<float16>``),
-so a float16 sum of half the bytes can take more time and CPU than the float32 one; over
-MPI, horovod's own sum converts with F16C. Rank 0 prints, per dtype, the median wall time
-and CPU time of this process (all threads) of ``--reps`` in-place sums of ``--elements``
-elements (default: ResNet-50's 25.6M parameters), float32 and float16 taking turns.
+Over Gloo, horovod 0.28.1 as released sums float16 with Gloo's scalar conversions
+(``gloo::sum<float16>``), so a float16 sum of half the bytes can take more time and CPU
+than the float32 one; the build ``make setup`` installs (dist_gluon/build_horovod.py,
+0.28.1+dg1) sums them with F16C, as horovod's own sum over MPI does. Rank 0 prints, per
+dtype, the median wall time and CPU time of this process (all threads) of ``--reps``
+in-place sums of ``--elements`` elements (default: ResNet-50's 25.6M parameters), float32
+and float16 taking turns.
 """
 from __future__ import annotations
 
