@@ -8,7 +8,7 @@ Run through the launcher, e.g. on loopback:
 Over Gloo, horovod 0.28.1 as released sums float16 with Gloo's scalar conversions
 (``gloo::sum<float16>``), so a float16 sum of half the bytes can take more time and CPU
 than the float32 one; the build ``make setup`` installs (dist_gluon/build_horovod.py,
-0.28.1+dg1) sums them with F16C, as horovod's own sum over MPI does. Rank 0 prints, per
+0.28.1+dg2) sums them with F16C, as horovod's own sum over MPI does. Rank 0 prints, per
 dtype, the median wall time and CPU time of this process (all threads) of ``--reps``
 in-place sums of ``--elements`` elements (default: ResNet-50's 25.6M parameters), float32
 and float16 taking turns.

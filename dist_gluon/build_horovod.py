@@ -8,20 +8,23 @@ slow for all (benchmarks/FINDINGS.md 9l, 9m):
   as an integer* (``*this == rhs.x`` picks the ``int`` overload). So ``a + b`` keeps
   ``a`` whenever ``float16(bits of a + b) == a``: 0.000428 (0x0f03, 3843 as an integer)
   + 3844 gives 0.000428, since float16(3843) rounds to 3844, which is the sum.
-* **slow**: horovod's build never sets Gloo's ``USE_AVX``, so ``gloo::sum<float16>``
-  takes the scalar loop, two software conversions per element, instead of its F16C
-  loop.
+* **slow**: ``gloo::sum<float16>`` takes the scalar loop, software conversions per
+  element (and one more in each assignment's comparison), never its F16C loop: Gloo
+  keys that loop on ``GLOO_USE_AVX`` of its generated config.h, which neither
+  gloo/math.h nor math.cc includes, and math.cc is not even compiled into the library,
+  so horovod's code instantiates the scalar template.
 
 This module downloads the sdist, fixes ``operator=`` and ``operator!=`` (assign always;
-compare bits with bits), turns on ``USE_AVX`` where horovod's own architecture flags
-hold ``-mavx`` and ``-mf16c`` (the same check horovod makes for its own code), and builds
-the wheel with the local version ``0.28.1+dg1``: ``pip``'s ``horovod==0.28.1`` still
-matches it, and dist_gluon reads the label to know the sums are exact
-(:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`). The build's environment
-(HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
+compare bits with bits), compiles math.cc and keys its F16C loop on the compiler's own
+``__AVX__`` and ``__F16C__`` (horovod compiles with ``-mavx -mf16c`` where the build
+machine has them),
+and builds the wheel with the local version ``0.28.1+dg2`` (``+dg1`` had the fix without
+the F16C loop): ``pip``'s ``horovod==0.28.1`` still matches it, and dist_gluon reads the
+label to know the sums are exact (:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`).
+The build's environment (HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
 
     HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 python -m dist_gluon.build_horovod WHEEL_DIR
-    pip install WHEEL_DIR/horovod-0.28.1+dg1-*.whl
+    pip install WHEEL_DIR/horovod-0.28.1+dg2-*.whl
 
 (after MXNet; add HOROVOD_WITH_MPI=1 for jobs that mpirun starts). It needs cmake and a
 C++ compiler, and PyPI for the source; ``make setup`` runs it.
@@ -36,8 +39,9 @@ import tarfile
 import tempfile
 
 VERSION = "0.28.1"
-LABEL = "dg1"
+LABEL = "dg2"
 
+_F16C = "#if defined(__AVX__) && defined(__F16C__)\n"
 # (file, text before, text after): each must occur exactly once in the sdist
 PATCHES = [
     ("third_party/gloo/gloo/types.h",
@@ -58,15 +62,22 @@ PATCHES = [
      "  bool operator!=(const float16& rhs) const {\n"
      "    return x != rhs.x;\n"
      "  }\n"),
-    ("CMakeLists.txt",
-     "    add_subdirectory(third_party/gloo)\n",
-     "    # dist_gluon: Gloo's F16C float16 sum where the compiler targets F16C and AVX\n"
-     "    if(\"${HOROVOD_BUILD_ARCH_FLAGS}\" MATCHES \"-mf16c\" AND\n"
-     "       \"${HOROVOD_BUILD_ARCH_FLAGS}\" MATCHES \"-mavx\")\n"
-     "        set(USE_AVX ON)\n"
-     "    endif()\n"
-     "    message(STATUS \"Gloo USE_AVX: ${USE_AVX}\")\n"
-     "    add_subdirectory(third_party/gloo)\n"),
+    # F16C's loop where the compiler targets it: horovod compiles Gloo with -mf16c -mavx
+    # where the machine has them, but Gloo keys the loop on GLOO_USE_AVX from its
+    # generated config.h, which neither math.h nor math.cc includes; and math.cc, which
+    # defines the loop, is not among the library's sources
+    ("third_party/gloo/gloo/CMakeLists.txt",
+     '  "${CMAKE_CURRENT_SOURCE_DIR}/reduce.cc"\n',
+     '  "${CMAKE_CURRENT_SOURCE_DIR}/math.cc"\n  "${CMAKE_CURRENT_SOURCE_DIR}/reduce.cc"\n'),
+    ("third_party/gloo/gloo/math.h",
+     "#if GLOO_USE_AVX\n",
+     _F16C),
+    ("third_party/gloo/gloo/math.cc",
+     "#if GLOO_USE_AVX\n#include <immintrin.h>\n#endif\n",
+     _F16C + "#include <immintrin.h>\n#endif\n"),
+    ("third_party/gloo/gloo/math.cc",
+     "namespace gloo {\n\n#if GLOO_USE_AVX\n",
+     "namespace gloo {\n\n" + _F16C),
 ]
 
 

@@ -47,14 +47,15 @@ _OPENMPI_ALLREDUCE = {
 # MXNet compute threads and from other ranks on the same cores (a ResNet-18 step without
 # any collective took 3-4x as long as under Gloo here). Yielding gives it back.
 _OPENMPI_YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-# horovod builds whose Gloo sums float16 exactly (and with F16C): the local version label
-# dist_gluon/build_horovod.py gives the wheel `make setup` installs (0.28.1+dg1). horovod
-# 0.28.1 as released keeps one operand for some pairs (benchmarks/FINDINGS.md 9l, 9m).
-EXACT_HALF_BUILDS = frozenset({build_horovod.LABEL})
+# horovod builds whose Gloo sums float16 exactly: the local version labels
+# dist_gluon/build_horovod.py gives the wheel `make setup` installs (0.28.1+dg2; dg1 had
+# the fix without F16C). horovod 0.28.1 as released keeps one operand for some pairs
+# (benchmarks/FINDINGS.md 9l, 9m).
+EXACT_HALF_BUILDS = frozenset({"dg1", build_horovod.LABEL})
 
 
 def horovod_build() -> str:
-    """The local version label of the installed horovod ("dg1" for 0.28.1+dg1), or ""."""
+    """The local version label of the installed horovod ("dg2" for 0.28.1+dg2), or ""."""
     try:
         version = importlib.metadata.version("horovod")
     except importlib.metadata.PackageNotFoundError:
