@@ -17,11 +17,11 @@ slow for all (benchmarks/FINDINGS.md 9l, 9m):
 This module downloads the sdist, fixes ``operator=`` and ``operator!=`` (assign always;
 compare bits with bits), compiles math.cc and keys its F16C loop on the compiler's own
 ``__AVX__`` and ``__F16C__`` (horovod compiles with ``-mavx -mf16c`` where the build
-machine has them),
-and builds the wheel with the local version ``0.28.1+dg2`` (``+dg1`` had the fix without
-the F16C loop): ``pip``'s ``horovod==0.28.1`` still matches it, and dist_gluon reads the
-label to know the sums are exact (:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`).
-The build's environment (HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
+machine has them), and builds the wheel with the local version ``0.28.1+dg2`` (``+dg1``
+had the fix without the F16C loop): ``pip``'s ``horovod==0.28.1`` still matches it, and
+dist_gluon reads the label to know the sums are exact
+(:data:`dist_gluon.backends.horovod.EXACT_HALF_BUILDS`). The build's environment
+(HOROVOD_WITH_MXNET, HOROVOD_WITH_MPI, ...) is the caller's.
 
     HOROVOD_WITH_MXNET=1 HOROVOD_WITH_GLOO=1 python -m dist_gluon.build_horovod WHEEL_DIR
     pip install WHEEL_DIR/horovod-0.28.1+dg2-*.whl
@@ -40,6 +40,7 @@ import tempfile
 
 VERSION = "0.28.1"
 LABEL = "dg2"
+USAGE = "usage: python -m dist_gluon.build_horovod WHEEL_DIR"
 
 _F16C = "#if defined(__AVX__) && defined(__F16C__)\n"
 # (file, text before, text after): each must occur exactly once in the sdist
@@ -96,13 +97,16 @@ def patch(source: str) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     wheels = os.path.abspath(argv[0])
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     with tempfile.TemporaryDirectory(prefix="dg-horovod-") as work:
-        subprocess.run(pip + ["download", "-q", "--no-deps", "--no-binary", ":all:",
-                              "-d", work, f"horovod=={VERSION}"], check=True)
+        if subprocess.run(pip + ["download", "-q", "--no-deps", "--no-binary", ":all:",
+                                 "-d", work, f"horovod=={VERSION}"]).returncode:
+            raise SystemExit(f"build_horovod: pip could not download horovod {VERSION}'s "
+                             "source (above); it needs PyPI or a mirror of it (pip's "
+                             "index-url)")
         (sdist,) = glob.glob(os.path.join(work, f"horovod-{VERSION}.tar.gz"))
         with tarfile.open(sdist) as tar:
             tar.extractall(work, filter="data")

@@ -5,6 +5,10 @@ what it changes (every finite float16 summed exactly over Gloo).
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from dist_gluon import build_horovod
@@ -49,3 +53,14 @@ def test_a_source_without_the_text_to_patch_is_refused_by_name(tmp_path):
     with pytest.raises(SystemExit, match=r"third_party/gloo/gloo/types.h of horovod 0.28.1 "
                                          r"does not hold the text to patch exactly once"):
         build_horovod.patch(str(source))
+
+
+def test_without_an_index_the_build_says_it_needs_pypi(tmp_path):
+    """No source to download (here: pip told to use no index) ends with what is needed,
+    not a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "dist_gluon.build_horovod", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PIP_NO_INDEX="1", PIP_FIND_LINKS=""))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "could not download horovod 0.28.1's source" in proc.stderr
+    assert "Traceback" not in proc.stderr and not list(tmp_path.iterdir())
