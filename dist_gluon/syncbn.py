@@ -803,17 +803,15 @@ def _compiled_forward(ch: _Channel, graphs: dict[str, _Graph], axis: int, x, gb,
                                           shift.handle):
         raise mx.base.MXNetError(mx.base.py_str(mx.base._LIB.MXGetLastError()))
     return scale, shift, mean
+
+
 _compiled: bool | None = None
 
 
 def _compiled_backwards() -> int:
     """How many layer backwards the compiled callback has run in this process (0 where
     it is off)."""
-    if not _compiled:
-        return 0
-    lib = sidechannel._library()
-    lib.dg_syncbn_calls.restype = ctypes.c_int64
-    return lib.dg_syncbn_calls()
+    return sidechannel._library().dg_syncbn_calls() if _compiled else 0
 
 
 def _compiled_ready(side: sidechannel.SideChannel) -> bool:
@@ -848,6 +846,7 @@ def _compiled_ready(side: sidechannel.SideChannel) -> bool:
             lib.dg_syncbn_forward.argtypes = [ctypes.c_void_p] * 6 + [
                 ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]
             lib.dg_syncbn_error.restype = ctypes.c_char_p
+            lib.dg_syncbn_calls.restype = ctypes.c_int64
             _compiled = True
     return _compiled
 

@@ -155,7 +155,8 @@ class SyncCheck:
                  describe: Callable[[int], str]) -> str:
         column = int(differ[0])
         position, what = labels[column]
-        others = [r for r in range(rows.shape[0]) if not _same_as_rank_0(rows)[r, column]]
+        same_as_0 = _same_as_rank_0(rows[:, column])
+        others = [r for r in range(rows.shape[0]) if not same_as_0[r]]
         same = [r for r in range(rows.shape[0]) if r not in others]
         values = ", ".join(f"rank {r}: {rows[r, column]:.9g}" for r in range(rows.shape[0]))
         more = len({labels[c] for c in differ}) - 1
